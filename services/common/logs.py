@@ -1,0 +1,15 @@
+"""Logging set-up shared by the service entry points."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def setup(service: str) -> None:
+    """Configure the root logger once: level from KVMEM_LOG_LEVEL (default INFO)."""
+    level = os.environ.get("KVMEM_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+    )

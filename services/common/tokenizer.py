@@ -1,0 +1,107 @@
+"""Tokenizer and chat template of a model file (GGUF or HF directory), shared by engine and cacheguard."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer as _FastTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the rest of the stack needs to know about a model's tokenizer."""
+
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    add_bos: bool
+
+
+class Tokenizer:
+    """A fast (Rust) tokenizer plus the model's special tokens and chat template."""
+
+    def __init__(self, backend: _FastTokenizer, info: TokenizerInfo) -> None:
+        self._backend = backend
+        self.info = info
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token text (e.g. `<|im_start|>`) maps to its id."""
+        ids = list(self._backend.encode(text, add_special_tokens=False).ids)
+        if add_special_tokens and self.info.add_bos and self.info.bos_token_id is not None:
+            if not ids or ids[0] != self.info.bos_token_id:
+                ids.insert(0, self.info.bos_token_id)
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return str(self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+
+def load_tokenizer(model_path: Path) -> Tokenizer:
+    """Build the tokenizer from a GGUF file's metadata or an HF directory's tokenizer files."""
+    if model_path.is_dir():
+        return _load_hf_dir(model_path)
+    return _load_gguf(model_path)
+
+
+def _load_gguf(path: Path) -> Tokenizer:
+    from transformers import AutoTokenizer  # the GGUF -> fast tokenizer converter lives there
+
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return _from_hf(hf, add_bos=_gguf_add_bos(path))
+
+
+def _gguf_add_bos(path: Path) -> bool:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("tokenizer.ggml.add_bos_token")
+    return bool(field.contents()) if field is not None else False
+
+
+def _load_hf_dir(path: Path) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(path))
+    add_bos = False
+    cfg = path / "tokenizer_config.json"
+    if cfg.exists():
+        add_bos = bool(json.loads(cfg.read_text()).get("add_bos_token", False))
+    return _from_hf(hf, add_bos=add_bos)
+
+
+def _from_hf(hf: object, add_bos: bool) -> Tokenizer:
+    backend: _FastTokenizer = hf.backend_tokenizer  # type: ignore[attr-defined]
+    eos_ids: list[int] = []
+    eos_id = getattr(hf, "eos_token_id", None)
+    if eos_id is not None:
+        eos_ids.append(int(eos_id))
+    for extra in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
+        tid = backend.token_to_id(extra)
+        if tid is not None and tid not in eos_ids and extra in str(getattr(hf, "chat_template", "") or ""):
+            eos_ids.append(int(tid))
+    template = getattr(hf, "chat_template", None)
+    info = TokenizerInfo(
+        chat_template=template if isinstance(template, str) else None,
+        bos_token=getattr(hf, "bos_token", None),
+        eos_token=getattr(hf, "eos_token", None),
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        eos_token_ids=tuple(eos_ids),
+        add_bos=add_bos,
+    )
+    logger.info("tokenizer: vocab %d, eos %s, chat template %s", backend.get_vocab_size(), eos_ids,
+                "yes" if info.chat_template else "no")
+    return Tokenizer(backend, info)
