@@ -1,0 +1,151 @@
+"""GatewayConfig: the gateway's one frozen config, built from CLI flags whose defaults come from env."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """An impossible gateway setting; the message carries the offending value."""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One accepted bearer key and the tenant name it maps to."""
+
+    name: str
+    key: str
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"ApiKey(name={self.name!r}, key='***')"
+
+
+def key_tenant(key: str) -> str:
+    """Tenant name of a key given without a name: a short sha256 of the key."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def parse_api_keys(text: str) -> tuple[ApiKey, ...]:
+    """Parse KVMEM_API_KEYS: a comma list of `key` or `name:key` (split at the first colon)."""
+    keys: list[ApiKey] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, sep, key = item.partition(":")
+        if not sep:
+            name, key = key_tenant(item), item
+        name, key = name.strip(), key.strip()
+        if not name or not key:
+            raise ConfigError(f"api key entry {item.split(':')[0]!r}...: name and key must be non-empty")
+        keys.append(ApiKey(name=name, key=key))
+    seen: set[str] = set()
+    for k in keys:
+        if k.key in seen:
+            raise ConfigError(f"api key of {k.name!r} is listed twice")
+        seen.add(k.key)
+    return tuple(keys)
+
+
+def parse_addr(addr: str, what: str) -> tuple[str, int]:
+    """Split and check a "host:port" address."""
+    host, sep, port_text = addr.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(f"{what} must be host:port with a port in 1..65535, got {addr!r}")
+    return host, int(port_text)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway reads from its environment, validated once at start-up."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    cacheguard_addr: str = "127.0.0.1:50051"
+    api_keys: tuple[ApiKey, ...] = ()
+    request_timeout_s: float = 600.0  # gRPC deadline of one Generate call
+    model_info_ttl_s: float = 5.0  # how long a GetModelInfo answer is reused
+    health_timeout_s: float = 2.0  # deadline of the GetModelInfo call behind /health
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        parse_addr(self.cacheguard_addr, "cacheguard_addr")
+        for name in ("request_timeout_s", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.model_info_ttl_s < 0:
+            raise ConfigError(f"model_info_ttl_s must be >= 0, got {self.model_info_ttl_s}")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> GatewayConfig:
+        """Build from CLI flags (defaults from KVMEM_* env vars); raises ConfigError on bad values."""
+        env = os.environ
+        p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+        p.add_argument("--host", default=env.get("KVMEM_GATEWAY_HOST", cls.host))
+        p.add_argument("--port", type=int, default=_env_int("KVMEM_GATEWAY_PORT", cls.port))
+        p.add_argument("--cacheguard-addr", default=env.get("KVMEM_CACHEGUARD_ADDR", cls.cacheguard_addr))
+        p.add_argument(
+            "--api-keys",
+            default=env.get("KVMEM_API_KEYS", ""),
+            help="comma list of `key` or `name:key`; empty: no auth",
+        )
+        p.add_argument(
+            "--request-timeout-s",
+            type=float,
+            default=_env_float("KVMEM_GATEWAY_REQUEST_TIMEOUT_S", cls.request_timeout_s),
+        )
+        p.add_argument(
+            "--model-info-ttl-s",
+            type=float,
+            default=_env_float("KVMEM_GATEWAY_MODEL_INFO_TTL_S", cls.model_info_ttl_s),
+        )
+        p.add_argument(
+            "--health-timeout-s",
+            type=float,
+            default=_env_float("KVMEM_GATEWAY_HEALTH_TIMEOUT_S", cls.health_timeout_s),
+        )
+        a = p.parse_args(argv)
+        return cls(
+            host=a.host,
+            port=a.port,
+            cacheguard_addr=a.cacheguard_addr,
+            api_keys=parse_api_keys(a.api_keys),
+            request_timeout_s=a.request_timeout_s,
+            model_info_ttl_s=a.model_info_ttl_s,
+            health_timeout_s=a.health_timeout_s,
+        )
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {text!r}") from None

@@ -1,0 +1,375 @@
+"""Pydantic models of the OpenAI request and response shapes the gateway supports.
+
+Requests ignore unknown fields (as OpenAI does) and are strict about types ("0.5" is not a number).
+Fields we accept but cannot honour are refused with a 400 naming them, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+logger = logging.getLogger(__name__)
+
+INT32_MAX = 2**31 - 1
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str = ""  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _arguments_text(cls, value: Any) -> Any:
+        return json.dumps(value) if isinstance(value, dict) else value
+
+
+class ToolCallIn(_Request):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None  # list-of-parts content is joined into one string here
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, value: Any) -> Any:
+        """Content may be a string or a list of text parts ({"type": "text", "text": ...})."""
+        if not isinstance(value, list):
+            return value
+        texts: list[str] = []
+        for part in value:
+            if not isinstance(part, dict):
+                raise ValueError("a content part must be an object {'type': 'text', 'text': <string>}")
+            kind = part.get("type", "text")
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported; only 'text'")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string 'text'")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class FunctionDef(_Request):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Request):
+    type: str
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by chat and completions requests."""
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # extension; -1 and 0: off
+    n: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | int | None = None
+    ignore_eos: bool = False  # extension
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError(f"n={value} is not supported; only n=1")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _zero_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError(f"a non-zero penalty ({value}) is not supported; only 0")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value:
+            raise ValueError("logprobs are not supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        items = [value] if isinstance(value, str) else value or []
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value and any(not 0 <= t <= INT32_MAX for t in value):
+            raise ValueError("stop_token_ids must be token ids >= 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias[{key!r}] = {bias} is outside [-100, 100]")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    tools: list[ToolDef] | None = None
+    response_format: ResponseFormat | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: ResponseFormat | None) -> ResponseFormat | None:
+        if value is not None and value.type != "text":
+            raise ValueError(f"response_format type {value.type!r} is not supported; only 'text'")
+        return value
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens wins over the deprecated max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int]  # a list of one string / one token list is unwrapped here
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
+            if len(value) != 1:
+                raise ValueError(f"a batch of {len(value)} prompts is not supported; send one prompt")
+            return value[0]
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _token_ids(cls, value: str | list[int]) -> str | list[int]:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and any(not 0 <= t <= INT32_MAX for t in value):
+            raise ValueError("prompt token ids must be >= 0")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo=true is not supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"best_of={value} is not supported; only 1")
+        return value
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+# ---------------------------------------------------------------- responses
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _OptionalExtras(_Response):
+    """Leaves `usage` and `kvmem` out of a chunk that does not carry them (most stream chunks)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_extras(self, handler: Any) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for key in ("usage", "kvmem"):
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class PrefixInfo(_Response):
+    session_id: str
+    previous_tokens: int
+    common_prefix_tokens: int
+    diverged: bool
+    divergence_message_index: int
+    divergence_reason: str
+
+
+class KvmemInfo(_Response):
+    """Extension object: what the cache guard reported about how the answer was produced."""
+
+    engine_replica: str
+    prefix: PrefixInfo
+    matched_stop: str = ""
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    kvmem: KvmemInfo
+
+
+class Delta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChunkChoice(_Response):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(_OptionalExtras):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    kvmem: KvmemInfo | None = None
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(_OptionalExtras):
+    """A text_completion object: the whole answer, or one streamed chunk of it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    kvmem: KvmemInfo | None = None
+
+
+class ModelKvmem(_Response):
+    architecture: str
+    max_context: int
+    kv_capacity: int
+    page_size: int
+    kv_format: str
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "kvmem"
+    kvmem: ModelKvmem
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(_Response):
+    error: ErrorDetail
