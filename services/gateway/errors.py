@@ -88,6 +88,7 @@ _ENGINE_TO_GRPC: dict[int, grpc.StatusCode] = {
     engine_pb2.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: grpc.StatusCode.OUT_OF_RANGE,
     engine_pb2.ERROR_CODE_OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     engine_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
+    engine_pb2.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 
 

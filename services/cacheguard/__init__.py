@@ -1,0 +1,1 @@
+"""The cache guard: renders and tokenizes chat input, tracks session prefixes, forwards to an engine."""

@@ -1,0 +1,163 @@
+"""The cache guard's core (no grpc): input -> prompt token ids, with a prefix report per session.
+
+1. A chat is rendered with the model's template (renderer.ChatRenderer), which also says where
+   each message starts in the text; a text prompt is taken as is; token ids pass through.
+2. The whole text is tokenized once: these are the ids the engine gets (equal to transformers'
+   `apply_chat_template(..., tokenize=True)`). To know which message each token belongs to, every
+   message's text is tokenized on its own too and matched against the whole: exact whenever the
+   pieces tokenize the same as the whole (chat templates put special tokens at message borders);
+   from the first piece that does not match on, message ranges are estimates (logged).
+3. The session table compares the ids with what the session sent last (sessions.SessionTable).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from services.cacheguard.renderer import ChatRenderer
+from services.cacheguard.sessions import (
+    MessageSpan,
+    PrefixReport,
+    SessionTable,
+    derive_chat_session_id,
+    derive_prompt_session_id,
+)
+from services.common.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be turned into a prompt (no input, empty prompt, bad token id)."""
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """One request's input: exactly one of `messages`, `prompt_text`, `prompt_token_ids`.
+
+    messages and tools are plain dicts (renderer.chat_message / renderer.tool_definition).
+    """
+
+    session_id: str = ""
+    tenant: str = ""
+    messages: Sequence[Mapping[str, Any]] | None = None
+    tools: Sequence[Mapping[str, Any]] = field(default_factory=tuple)
+    prompt_text: str | None = None
+    prompt_token_ids: Sequence[int] | None = None
+
+
+class PromptTokens(NamedTuple):
+    """A tokenized prompt and the token range of each chat message (empty for non-chat input)."""
+
+    token_ids: list[int]
+    message_spans: tuple[MessageSpan, ...]
+
+
+class Prepared(NamedTuple):
+    """What the engine gets and what the client is told about the session's prefix."""
+
+    token_ids: list[int]
+    session_id: str
+    report: PrefixReport
+
+
+class GuardCore:
+    """Renders, tokenizes and tracks sessions; thread-safe (called from worker threads)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_sessions: int) -> None:
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer.info)
+        self.sessions = SessionTable(max_sessions)
+
+    def prepare(self, request: PromptRequest) -> Prepared:
+        """Prompt token ids for the engine, the session id, and the prefix report of this request."""
+        prompt = self.tokenize(request)
+        session_id = request.session_id or self._derive_session_id(request, prompt.token_ids)
+        report = self.sessions.observe(session_id, prompt.token_ids, prompt.message_spans, tenant=request.tenant)
+        return Prepared(prompt.token_ids, session_id, report)
+
+    def count_tokens(self, request: PromptRequest) -> int:
+        """Number of prompt tokens `prepare` would send (no session is touched)."""
+        return len(self.tokenize(request).token_ids)
+
+    def tokenize(self, request: PromptRequest) -> PromptTokens:
+        """Render (chat) and tokenize; raises InvalidRequestError / renderer.RenderError."""
+        kinds = [x is not None for x in (request.messages, request.prompt_text, request.prompt_token_ids)]
+        if sum(kinds) != 1:
+            raise InvalidRequestError(f"exactly one of chat, prompt_text, prompt_tokens must be set, got {sum(kinds)}")
+        if request.messages is not None:
+            prompt = self._tokenize_chat(request.messages, request.tools)
+        elif request.prompt_text is not None:
+            if not request.prompt_text:
+                raise InvalidRequestError("prompt_text is empty")
+            prompt = PromptTokens(self.tokenizer.encode(request.prompt_text, add_special_tokens=True), ())
+        else:
+            assert request.prompt_token_ids is not None
+            prompt = PromptTokens(self._checked_token_ids(request.prompt_token_ids), ())
+        if not prompt.token_ids:
+            raise InvalidRequestError("the prompt has 0 tokens")
+        return prompt
+
+    def _tokenize_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> PromptTokens:
+        if not messages:
+            raise InvalidRequestError("chat has no messages")
+        for k, message in enumerate(messages):
+            if not message.get("role"):
+                raise InvalidRequestError(f"message {k} has no role")
+        rendered = self.renderer.render_with_boundaries(messages, tools or None)
+        # A template writes its own BOS; the plain fallback format gets the tokenizer's.
+        add_special = not self.renderer.has_template
+        token_ids = self.tokenizer.encode(rendered.text, add_special_tokens=add_special)
+        char_starts = (*rendered.message_starts, rendered.messages_end, len(rendered.text))
+        pieces = [self.tokenizer.encode(rendered.text[a:b]) for a, b in zip(char_starts, char_starts[1:], strict=False)]
+        token_starts = _token_starts(token_ids, pieces, self.tokenizer.info.bos_token_id)
+        spans = tuple(
+            MessageSpan(
+                str(m["role"]),
+                str(m.get("content", "")),
+                0 if k == 0 else token_starts[k],
+                token_starts[k + 1],
+            )
+            for k, m in enumerate(messages)
+        )
+        return PromptTokens(token_ids, spans)
+
+    def _checked_token_ids(self, token_ids: Sequence[int]) -> list[int]:
+        vocab_size = self.tokenizer.vocab_size
+        for k, token_id in enumerate(token_ids):
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(f"prompt token {k} is {token_id}, outside the vocabulary [0, {vocab_size})")
+        return list(token_ids)
+
+    @staticmethod
+    def _derive_session_id(request: PromptRequest, token_ids: Sequence[int]) -> str:
+        if request.messages is not None:
+            opening = [(str(m["role"]), str(m.get("content", ""))) for m in request.messages[:2]]
+            return derive_chat_session_id(request.tenant, opening)
+        return derive_prompt_session_id(request.tenant, token_ids)
+
+
+def _token_starts(token_ids: Sequence[int], pieces: Sequence[Sequence[int]], bos_token_id: int | None) -> list[int]:
+    """Where each piece starts in `token_ids` (plus the end), matching pieces in order.
+
+    A leading BOS that no piece holds is skipped. Exact while every piece equals its slice of the
+    whole; after the first mismatch, starts are estimated from piece lengths.
+    """
+    first = list(pieces[0]) if pieces else []
+    pos = 1 if token_ids and token_ids[0] == bos_token_id and list(token_ids[: len(first)]) != first else 0
+    starts: list[int] = []
+    exact = True
+    for piece in pieces:
+        starts.append(pos)
+        if exact and list(token_ids[pos : pos + len(piece)]) == list(piece):
+            pos += len(piece)
+            continue
+        if exact:
+            logger.debug("message tokens differ from the whole prompt's at token %d: ranges estimated", pos)
+        exact = False
+        pos = min(pos + len(piece), len(token_ids))
+    starts.append(len(token_ids) if exact else pos)
+    return starts

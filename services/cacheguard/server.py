@@ -1,0 +1,194 @@
+"""The CacheGuard gRPC servicer (grpc.aio): decode, call the core, forward to an engine, encode.
+
+Generate: prepare (render + tokenize + prefix report) in a worker thread, pick an engine replica,
+relay its chunk/error events in order, and turn its `done` into a GuardDone carrying the prefix
+report and the replica's address. A client that cancels cancels the engine call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+import grpc
+
+from services.cacheguard.config import CHANNEL_OPTIONS, CacheGuardConfig
+from services.cacheguard.core import GuardCore, InvalidRequestError, PromptRequest
+from services.cacheguard.engine_client import (
+    EngineCallError,
+    EnginePool,
+    EngineProtocolError,
+    EngineUnavailableError,
+)
+from services.cacheguard.renderer import RenderError, chat_message, tool_call, tool_definition
+from services.cacheguard.sessions import PrefixReport
+from services.common.protos import cacheguard_pb2, cacheguard_pb2_grpc, engine_pb2
+from services.common.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def grpc_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The one mapping of the guard's typed errors to a gRPC status code and details."""
+    if isinstance(exc, (RenderError, InvalidRequestError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, EngineCallError):
+        return exc.code, exc.details
+    if isinstance(exc, EngineUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, EngineProtocolError):
+        return grpc.StatusCode.INTERNAL, str(exc)
+    logger.error("unexpected error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, "internal error in the cache guard"
+
+
+def decode_chat(chat: cacheguard_pb2.ChatInput) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Proto chat input -> (messages, tools) as the plain dicts templates read."""
+    messages = [
+        chat_message(
+            m.role,
+            m.content,
+            name=m.name,
+            tool_call_id=m.tool_call_id,
+            reasoning_content=m.reasoning_content,
+            tool_calls=[tool_call(c.id, c.name, c.arguments_json) for c in m.tool_calls],
+        )
+        for m in chat.messages
+    ]
+    tools = [tool_definition(t.name, t.description, t.parameters_json) for t in chat.tools]
+    return messages, tools
+
+
+def decode_request(
+    request: cacheguard_pb2.GuardGenerateRequest | cacheguard_pb2.CountTokensRequest,
+) -> PromptRequest:
+    """A Generate or CountTokens request -> the core's PromptRequest."""
+    kind = request.WhichOneof("input")
+    session = {}
+    if isinstance(request, cacheguard_pb2.GuardGenerateRequest):
+        session = {"session_id": request.session_id, "tenant": request.tenant}
+    if kind == "chat":
+        messages, tools = decode_chat(request.chat)
+        return PromptRequest(messages=messages, tools=tools, **session)
+    if kind == "prompt_text":
+        return PromptRequest(prompt_text=request.prompt_text, **session)
+    if kind == "prompt_tokens":
+        assert isinstance(request, cacheguard_pb2.GuardGenerateRequest)
+        return PromptRequest(prompt_token_ids=list(request.prompt_tokens.token_ids), **session)
+    raise InvalidRequestError("request has no input (chat, prompt_text or prompt_tokens)")
+
+
+def encode_report(report: PrefixReport) -> cacheguard_pb2.PrefixReport:
+    return cacheguard_pb2.PrefixReport(**report._asdict())
+
+
+class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
+    """Thin edge over GuardCore and EnginePool."""
+
+    def __init__(self, core: GuardCore, pool: EnginePool) -> None:
+        self._core = core
+        self._pool = pool
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: cacheguard_pb2.GuardGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        request_id = request.request_id or f"cg-{uuid.uuid4().hex}"
+        try:
+            prepared = await asyncio.to_thread(self._core.prepare, decode_request(request))
+            replica = await self._pool.pick()
+            r = prepared.report
+            logger.info(
+                "request %s session %s: %d prompt tokens, common prefix %d of %d%s -> %s",
+                request_id, prepared.session_id, len(prepared.token_ids), r.common_prefix_tokens,
+                r.previous_tokens, f", diverged: {r.divergence_reason}" if r.diverged else "", replica.addr,
+            )  # fmt: skip
+            engine_request = engine_pb2.GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=prepared.token_ids,
+                sampling=request.sampling,
+                namespace=request.tenant,
+            )
+            finished = False
+            async for event in self._pool.generate(replica, engine_request):
+                kind = event.WhichOneof("event")
+                if finished:
+                    logger.warning("request %s: engine %s sent %s after the end", request_id, replica.addr, kind)
+                elif kind == "chunk":
+                    yield cacheguard_pb2.GuardGenerateEvent(chunk=event.chunk)
+                elif kind == "error":
+                    finished = True
+                    yield cacheguard_pb2.GuardGenerateEvent(error=event.error)
+                elif kind == "done":
+                    finished = True
+                    done = cacheguard_pb2.GuardDone(
+                        engine_done=event.done,
+                        prefix=encode_report(prepared.report),
+                        engine_replica=replica.addr,
+                    )
+                    yield cacheguard_pb2.GuardGenerateEvent(done=done)
+            if not finished:
+                raise EngineProtocolError(f"engine {replica.addr} ended request {request_id} without done or error")
+        except Exception as exc:
+            code, details = grpc_status(exc)
+            logger.info("request %s: %s %s", request_id, code.name, details)
+            await context.abort(code, details)
+
+    async def CountTokens(  # noqa: N802 - gRPC method name
+        self, request: cacheguard_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
+    ) -> cacheguard_pb2.CountTokensResponse:
+        try:
+            num_tokens = await asyncio.to_thread(self._core.count_tokens, decode_request(request))
+            return cacheguard_pb2.CountTokensResponse(num_tokens=num_tokens)
+        except Exception as exc:
+            await context.abort(*grpc_status(exc))
+            raise  # not reached: abort raises
+
+    async def GetModelInfo(  # noqa: N802 - gRPC method name
+        self, request: engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.GetModelInfoResponse:
+        try:
+            _, info = await self._pool.model_info()
+            return info
+        except Exception as exc:
+            await context.abort(*grpc_status(exc))
+            raise  # not reached: abort raises
+
+
+class GuardServer:
+    """The cache guard's gRPC server and engine pool; start and stop inside one event loop."""
+
+    def __init__(self, config: CacheGuardConfig, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.core = GuardCore(tokenizer, config.max_sessions)
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._pool: EnginePool | None = None
+
+    @property
+    def addr(self) -> str:
+        """The address actually listened on (a port 0 in the config is resolved)."""
+        host = self.config.listen_addr.rpartition(":")[0]
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind and start serving; raises OSError when the address cannot be bound."""
+        self._pool = EnginePool(self.config.engine_addrs, self.config.engine_connect_timeout_s)
+        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        cacheguard_pb2_grpc.add_CacheGuardServicer_to_server(CacheGuardServicer(self.core, self._pool), self._server)
+        try:
+            self.port = self._server.add_insecure_port(self.config.listen_addr)
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            await self._pool.close()
+            raise OSError(f"cannot listen on {self.config.listen_addr}")
+        await self._server.start()
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop accepting, let running calls finish for grace_s, then cancel them; close engine channels."""
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self._pool is not None:
+            await self._pool.close()

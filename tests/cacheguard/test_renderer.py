@@ -1,0 +1,242 @@
+"""ChatRenderer equals transformers' apply_chat_template; tojson key order; typed errors; fallback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.cacheguard.renderer import (
+    ChatRenderer,
+    RenderError,
+    chat_message,
+    tool_call,
+    tool_definition,
+)
+from services.common.model_files import resolve_model_path
+from services.common.tokenizer import TokenizerInfo
+
+SMOL_DEFAULT_SYSTEM = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer() -> Any:
+    """The reference: transformers' tokenizer of the embedded SmolLM2 GGUF (loaded once, ~7 s)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path("embedded:smollm2")
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def smol_info(hf_tokenizer: Any) -> TokenizerInfo:
+    assert "<|im_start|>" in hf_tokenizer.chat_template
+    return TokenizerInfo(
+        chat_template=hf_tokenizer.chat_template,
+        bos_token=hf_tokenizer.bos_token,
+        eos_token=hf_tokenizer.eos_token,
+        bos_token_id=hf_tokenizer.bos_token_id,
+        eos_token_ids=(hf_tokenizer.eos_token_id,),
+        add_bos=False,
+    )
+
+
+def info_with(template: str | None) -> TokenizerInfo:
+    return TokenizerInfo(
+        chat_template=template, bos_token="<s>", eos_token="</s>", bos_token_id=1, eos_token_ids=(2,), add_bos=True
+    )
+
+
+CONVERSATIONS = {
+    "user only": [chat_message("user", "What is 2+2?")],
+    "system and user": [chat_message("system", "You are terse."), chat_message("user", "What is 2+2?")],
+    "multi-turn": [
+        chat_message("system", "You are terse."),
+        chat_message("user", "What is 2+2?"),
+        chat_message("assistant", "4"),
+        chat_message("user", "And 3+3?"),
+    ],
+    "multi-turn without system": [
+        chat_message("user", "Hi"),
+        chat_message("assistant", "Hello! How can I help?"),
+        chat_message("user", "Tell me a joke."),
+    ],
+    "unicode, braces, newlines, empty": [
+        chat_message("system", ""),
+        chat_message("user", "café → 東京 {{ not_a_variable }} {% raw %}\n\n  indented\n"),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_smollm2_render_equals_transformers(
+    hf_tokenizer: Any, smol_info: TokenizerInfo, name: str, add_generation_prompt: bool
+) -> None:
+    messages = CONVERSATIONS[name]
+    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    ours = ChatRenderer(smol_info).render(messages, add_generation_prompt=add_generation_prompt)
+    assert ours == expected
+
+
+def test_smollm2_literal_text(smol_info: TokenizerInfo) -> None:
+    text = ChatRenderer(smol_info).render([chat_message("user", "Hi")])
+    assert text == SMOL_DEFAULT_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_message_boundaries_smollm2(smol_info: TokenizerInfo) -> None:
+    messages = CONVERSATIONS["multi-turn without system"]
+    rendered = ChatRenderer(smol_info).render_with_boundaries(messages)
+    assert rendered.text == ChatRenderer(smol_info).render(messages)
+    a = len(SMOL_DEFAULT_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n")
+    b = a + len("<|im_start|>assistant\nHello! How can I help?<|im_end|>\n")
+    c = b + len("<|im_start|>user\nTell me a joke.<|im_end|>\n")
+    assert rendered.message_starts == (0, a, b)
+    assert rendered.messages_end == c
+    assert rendered.text[c:] == "<|im_start|>assistant\n"
+
+
+def test_message_boundaries_unknown_when_prefixes_render_differently() -> None:
+    # The message count at the top changes every prefix: no message boundary can be found.
+    template = "{{ messages | length }}\n{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    messages = [chat_message("user", "a"), chat_message("assistant", "b")]
+    rendered = ChatRenderer(info_with(template)).render_with_boundaries(messages)
+    assert rendered.text == "2\nuser: a\nassistant: b\n"
+    assert rendered.message_starts == (0, 0)
+    assert rendered.messages_end == len(rendered.text)
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% if m.tool_calls %} calls={{ m.tool_calls | tojson }}{% endif %}"
+    "{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token }}assistant:{% endif %}"
+)
+WEATHER_PARAMS = (
+    '{"type":"object","properties":{"zeta":{"type":"string"},"alpha":{"type":"integer"}},"required":["zeta"]}'
+)
+
+
+def tool_conversation() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    tools = [tool_definition("get_weather", "Weather <now> & café", WEATHER_PARAMS)]
+    messages = [
+        chat_message("user", "Weather in Paris?"),
+        chat_message("assistant", "", tool_calls=[tool_call("call_1", "get_weather", '{"zeta": "Paris", "alpha": 3}')]),
+        chat_message("tool", '{"temp": 21}', tool_call_id="call_1"),
+    ]
+    return messages, tools
+
+
+def test_tools_render_with_stable_key_order(hf_tokenizer: Any) -> None:
+    messages, tools = tool_conversation()
+    renderer = ChatRenderer(info_with(TOOLS_TEMPLATE))
+    text = renderer.render(messages, tools)
+    expected_tool = (
+        '{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & café", '
+        '"parameters": {"type": "object", "properties": {"zeta": {"type": "string"}, '
+        '"alpha": {"type": "integer"}}, "required": ["zeta"]}}}'
+    )
+    expected_call = (
+        '[{"id": "call_1", "type": "function", "function": {"name": "get_weather", '
+        '"arguments": {"zeta": "Paris", "alpha": 3}}}]'
+    )
+    assert text == (
+        f"{expected_tool}\n"
+        "user: Weather in Paris?\n"
+        f"assistant:  calls={expected_call}\n"
+        'tool: {"temp": 21} id=call_1\n'
+        "<s>assistant:"
+    )
+    # Built again from the same JSON text: byte-identical.
+    again_messages, again_tools = tool_conversation()
+    assert renderer.render(again_messages, again_tools) == text
+    reference = hf_tokenizer.apply_chat_template(
+        messages,
+        tools=tools,
+        chat_template=TOOLS_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=True,
+        bos_token="<s>",
+    )
+    assert text == reference
+
+
+def test_reasoning_alias_and_generation_tag_match_transformers(hf_tokenizer: Any) -> None:
+    template = (
+        "{% for m in messages %}{{ m.role }}|{{ m.thinking }}|{{ m.reasoning_content }}"
+        "{% generation %}[{{ m.content }}]{% endgeneration %}{{ '\\n' }}{% endfor %}"
+    )
+    messages = [chat_message("user", "q"), chat_message("assistant", "a", reasoning_content="think")]
+    ours = ChatRenderer(info_with(template)).render(messages, add_generation_prompt=False)
+    assert ours == "user||[q]\nassistant|think|think[a]\n"
+    assert ours == hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+
+
+def test_tool_call_arguments() -> None:
+    assert tool_call("", "f", "") == {"type": "function", "function": {"name": "f", "arguments": {}}}
+    # Arguments that are not JSON reach the template as the raw text.
+    assert tool_call("c", "f", "{oops") == {
+        "id": "c",
+        "type": "function",
+        "function": {"name": "f", "arguments": "{oops"},
+    }
+
+
+def test_tool_definition_defaults_and_errors() -> None:
+    assert tool_definition("f", "", "") == {
+        "type": "function",
+        "function": {"name": "f", "description": "", "parameters": {"type": "object", "properties": {}}},
+    }
+    with pytest.raises(RenderError, match="'f': parameters are not valid JSON"):
+        tool_definition("f", "", '{"type": "object",')
+    with pytest.raises(RenderError, match="must be a JSON object, got list"):
+        tool_definition("f", "", "[1, 2]")
+    with pytest.raises(RenderError, match="empty name"):
+        tool_definition("", "", "{}")
+
+
+def test_bad_template_does_not_compile() -> None:
+    with pytest.raises(RenderError, match="does not compile"):
+        ChatRenderer(info_with("{% for m in %}{{ m }}"))
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+        ("{{ messages[0].content + 1 }}", "TypeError"),
+        ("{% set ns = namespace(_secret=1) %}", "underscore"),
+        ("{{ messages.clear() }}", "chat template error"),  # the sandbox refuses mutation
+    ],
+)
+def test_template_errors_are_render_errors(template: str, message: str) -> None:
+    renderer = ChatRenderer(info_with(template))
+    with pytest.raises(RenderError, match=message):
+        renderer.render([chat_message("user", "x")])
+
+
+def test_fallback_format_without_template() -> None:
+    renderer = ChatRenderer(info_with(None))
+    assert not renderer.has_template
+    messages = [
+        chat_message("system", "Be brief."),
+        chat_message("user", "Hi"),
+        chat_message("assistant", "", tool_calls=[tool_call("c1", "f", '{"x": 1}')]),
+    ]
+    tools = [tool_definition("f", "does f", '{"type": "object"}')]
+    assert renderer.render(messages) == (
+        "system: Be brief.\n\nuser: Hi\n\n"
+        'assistant: \ntool_calls: [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]'
+        "\n\nassistant:"
+    )
+    assert renderer.render(messages[:2], tools, add_generation_prompt=False) == (
+        'tools: [{"type": "function", "function": {"name": "f", "description": "does f", '
+        '"parameters": {"type": "object"}}}]\n\nsystem: Be brief.\n\nuser: Hi\n\n'
+    )
+    rendered = renderer.render_with_boundaries(messages[:2])
+    assert rendered.message_starts == (0, len("system: Be brief.\n\n"))
+    assert rendered.text[rendered.messages_end :] == "assistant:"
