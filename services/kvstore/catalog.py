@@ -1,0 +1,267 @@
+"""Catalog: the redis view of which replica holds which page, and which replicas are alive.
+
+Keys (prefix "kvmem:" by default):
+  {prefix}page:{hash hex}          hash  {replica, offset, nbytes, kv_format, num_tokens}
+  {prefix}replicas                 hash  {replica_id: address}
+  {prefix}replicas:heartbeat       hash  {replica_id: unix time of the last heartbeat}
+  {prefix}replica:{id}:pages       set   hash hex of every page this replica registered
+A page entry is deleted only by the replica it names (another replica may have re-registered it).
+Page updates are queued by the store and written in order by one writer thread (batched, off the
+put path), so an entry appears a few milliseconds after its commit. They are best-effort: a failure
+is logged and counted, never raised into a put (a missing entry is a cache miss; a stale one is
+answered NOT_FOUND by the replica).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import redis
+
+from services.kvstore.store import PageLocation
+
+logger = logging.getLogger(__name__)
+
+_REMOVE_SCRIPT = """
+-- KEYS[1]: the replica's page set; KEYS[2..]: page keys. ARGV[1]: replica id; ARGV[2..]: hash hex.
+local num_deleted = 0
+for i = 2, #KEYS do
+  if redis.call('HGET', KEYS[i], 'replica') == ARGV[1] then
+    redis.call('DEL', KEYS[i])
+    num_deleted = num_deleted + 1
+  end
+  redis.call('SREM', KEYS[1], ARGV[i])
+end
+return num_deleted
+"""
+_BATCH = 512
+
+
+class CatalogEntry(NamedTuple):
+    replica_id: str
+    offset: int
+    nbytes: int
+    kv_format: str
+    num_tokens: int
+
+
+class Catalog:
+    """One replica's handle on the redis catalog (a CatalogSink for PageStore)."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        replica_id: str,
+        address: str,
+        prefix: str = "kvmem:",
+        heartbeat_s: float = 2.0,
+        stale_after_s: float | None = None,
+    ) -> None:
+        self.replica_id = replica_id
+        self.address = address
+        self.prefix = prefix
+        self.heartbeat_s = heartbeat_s
+        self.stale_after_s = stale_after_s if stale_after_s is not None else 3 * heartbeat_s
+        self.num_errors = 0
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._remove = self._redis.register_script(_REMOVE_SCRIPT)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+        self._queue: queue.Queue[tuple[list[PageLocation], list[bytes]] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._writer_loop, name="kvstore-catalog", daemon=True)
+        self._writer.start()
+
+    # ---- keys -----------------------------------------------------------------------------------
+
+    def page_key(self, page_hash: bytes) -> str:
+        return f"{self.prefix}page:{page_hash.hex()}"
+
+    @property
+    def replicas_key(self) -> str:
+        return f"{self.prefix}replicas"
+
+    @property
+    def heartbeat_key(self) -> str:
+        return f"{self.prefix}replicas:heartbeat"
+
+    def pages_key(self, replica_id: str) -> str:
+        return f"{self.prefix}replica:{replica_id}:pages"
+
+    # ---- membership -----------------------------------------------------------------------------
+
+    def register(self) -> None:
+        """Drop entries left by an earlier run of this replica, announce it, start the heartbeat.
+
+        Raises redis.RedisError when redis cannot be reached (the store must not start blind)."""
+        num_stale = self._remove_all_pages()
+        if num_stale:
+            logger.warning("catalog: removed %d entries left by an earlier run of %s", num_stale, self.replica_id)
+        self._beat()
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="kvstore-heartbeat", daemon=True)
+        self._thread.start()
+        logger.info("catalog: registered replica %s at %s", self.replica_id, self.address)
+
+    def unregister(self) -> None:
+        """Write pending updates, stop the heartbeat, remove this replica and all its page entries."""
+        if not self.flush():
+            logger.warning("catalog: %d updates still queued at unregister", self._queue.unfinished_tasks)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            num_removed = self._remove_all_pages()
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hdel(self.replicas_key, self.replica_id)
+            pipe.hdel(self.heartbeat_key, self.replica_id)
+            pipe.execute()
+            logger.info("catalog: unregistered %s (%d page entries removed)", self.replica_id, num_removed)
+        except redis.RedisError as e:
+            logger.error("catalog: unregister of %s failed: %s", self.replica_id, e)
+
+    def replicas(self) -> dict[str, str]:
+        """Live replicas (heartbeat within stale_after_s): replica_id -> address."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hgetall(self.replicas_key)
+        pipe.hgetall(self.heartbeat_key)
+        addresses, beats = pipe.execute()
+        now = time.time()
+        return {
+            _text(rid): _text(addr)
+            for rid, addr in addresses.items()
+            if rid in beats and now - float(beats[rid]) <= self.stale_after_s
+        }
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self._beat()
+                self._note_ok()
+            except redis.RedisError as e:
+                self._note_error("heartbeat", e)
+
+    def _beat(self) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hset(self.replicas_key, self.replica_id, self.address)
+        pipe.hset(self.heartbeat_key, self.replica_id, repr(time.time()))
+        pipe.execute()
+
+    # ---- pages ----------------------------------------------------------------------------------
+
+    def update(self, added: Sequence[PageLocation], removed: Sequence[bytes]) -> None:
+        """Queue page removals then additions for the writer thread (keeps redis off the put path)."""
+        self._queue.put((list(added), list(removed)))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued update has been written (or failed); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+    def _writer_loop(self) -> None:
+        """Drain the queue in order, one pipeline per batch of updates."""
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < _BATCH and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            updates = [u for u in batch if u is not None]
+            if updates:
+                self._write(updates)
+            for _ in batch:
+                self._queue.task_done()
+            if len(updates) < len(batch):
+                return
+
+    def _write(self, updates: list[tuple[list[PageLocation], list[bytes]]]) -> None:
+        num_added = sum(len(a) for a, _ in updates)
+        num_removed = sum(len(r) for _, r in updates)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for added, removed in updates:
+                if removed:
+                    self._queue_remove(pipe, [h.hex() for h in removed])
+                for loc in added:
+                    pipe.hset(
+                        self.page_key(loc.meta.page_hash),
+                        mapping={
+                            "replica": loc.replica_id,
+                            "offset": loc.offset,
+                            "nbytes": loc.meta.nbytes,
+                            "kv_format": loc.meta.kv_format,
+                            "num_tokens": loc.meta.num_tokens,
+                        },
+                    )
+                    pipe.sadd(self.pages_key(self.replica_id), loc.meta.page_hash.hex())
+            pipe.execute()
+            self._note_ok()
+        except redis.RedisError as e:
+            self._note_error(f"update (+{num_added} -{num_removed})", e)
+
+    def entry(self, page_hash: bytes) -> CatalogEntry | None:
+        """The catalog entry of a page, or None."""
+        fields = self._redis.hgetall(self.page_key(page_hash))
+        if not fields:
+            return None
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        return CatalogEntry(f["replica"], int(f["offset"]), int(f["nbytes"]), f["kv_format"], int(f["num_tokens"]))
+
+    def where(self, page_hash: bytes) -> str | None:
+        """Address of the live replica holding the page, or None (absent, or its replica is stale)."""
+        replica = self._redis.hget(self.page_key(page_hash), "replica")
+        if replica is None:
+            return None
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hget(self.replicas_key, replica)
+        pipe.hget(self.heartbeat_key, replica)
+        address, beat = pipe.execute()
+        if address is None or beat is None or time.time() - float(beat) > self.stale_after_s:
+            return None
+        return _text(address)
+
+    def close(self) -> None:
+        """Stop the threads (queued updates are written first) and close the connection."""
+        self._stop.set()
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(timeout=10)
+        self._redis.close()
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _queue_remove(self, pipe: redis.client.Pipeline, hexes: list[str]) -> None:
+        for i in range(0, len(hexes), _BATCH):
+            batch = hexes[i : i + _BATCH]
+            keys = [self.pages_key(self.replica_id)] + [f"{self.prefix}page:{h}" for h in batch]
+            self._remove(keys=keys, args=[self.replica_id, *batch], client=pipe)
+
+    def _remove_all_pages(self) -> int:
+        members = [_text(m) for m in self._redis.smembers(self.pages_key(self.replica_id))]
+        if not members:
+            return 0
+        pipe = self._redis.pipeline(transaction=False)
+        self._queue_remove(pipe, members)
+        pipe.delete(self.pages_key(self.replica_id))
+        return int(sum(pipe.execute()[:-1]))
+
+    def _note_ok(self) -> None:
+        if self._failing:
+            self._failing = False
+            logger.info("catalog: redis reachable again")
+
+    def _note_error(self, what: str, e: Exception) -> None:
+        self.num_errors += 1
+        if not self._failing:
+            self._failing = True
+            logger.warning("catalog: %s failed (%s: %s); continuing without the catalog", what, type(e).__name__, e)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
