@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -48,3 +53,63 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(timeout=10)
+
+
+class Store(NamedTuple):
+    proc: subprocess.Popen[str]
+    address: str
+    replica_id: str
+    arena_path: str
+    prefix: str
+    lines: list[str]
+
+
+StartStore = Callable[..., Store]
+
+
+def _wait_ready(proc: subprocess.Popen[str], lines: list[str], timeout_s: float = 30) -> None:
+    assert proc.stderr is not None
+    stream = proc.stderr
+
+    def drain() -> None:
+        for line in stream:
+            lines.append(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not any(" ready on " in line for line in lines):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"kvstore did not become ready (rc {proc.poll()}):\n{''.join(lines)}")
+        time.sleep(0.05)
+
+
+def stop_store(store: Store) -> int:
+    if store.proc.poll() is None:
+        store.proc.send_signal(signal.SIGTERM)
+    return store.proc.wait(timeout=20)
+
+
+@pytest.fixture
+def start_store(redis_url: str, tmp_path: Path) -> Iterator[StartStore]:
+    """Start kvstore processes (stopped with SIGTERM at the end); each gets its own catalog prefix."""
+    started: list[Store] = []
+
+    def start(host_kv_mib: int = 64, port: int | None = None, replica_id: str = "", prefix: str = "") -> Store:
+        port = port or free_port()
+        replica_id = replica_id or f"test-{uuid.uuid4().hex[:8]}"
+        prefix = prefix or f"kvmem-test-{uuid.uuid4().hex[:8]}:"
+        address = f"127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "services.kvstore", "--listen-addr", address, "--host-kv-mib",
+                str(host_kv_mib), "--arena-dir", str(tmp_path), "--replica-id", replica_id,
+                "--redis-url", redis_url, "--catalog-prefix", prefix, "--heartbeat-s", "0.5"]  # fmt: skip
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        _wait_ready(proc, lines)
+        store = Store(proc, address, replica_id, str(tmp_path / f"kvmem-arena-{replica_id}"), prefix, lines)
+        started.append(store)
+        return store
+
+    yield start
+    for store in started:
+        stop_store(store)

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import grpc
 import pytest
@@ -29,69 +26,9 @@ from services.kvstore.client import (
 )
 from services.kvstore.server import TOKEN_METADATA_KEY
 from services.kvstore.store import PageLocation
-from tests.conftest import REPO_ROOT, free_port
+from tests.conftest import REPO_ROOT, StartStore, Store, free_port, stop_store
 
 KIB = 1024
-
-
-class Store(NamedTuple):
-    proc: subprocess.Popen[str]
-    address: str
-    replica_id: str
-    arena_path: str
-    prefix: str
-    lines: list[str]
-
-
-StartStore = Callable[..., Store]
-
-
-def _wait_ready(proc: subprocess.Popen[str], lines: list[str], timeout_s: float = 30) -> None:
-    assert proc.stderr is not None
-    stream = proc.stderr
-
-    def drain() -> None:
-        for line in stream:
-            lines.append(line)
-
-    threading.Thread(target=drain, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while not any(" ready on " in line for line in lines):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"kvstore did not become ready (rc {proc.poll()}):\n{''.join(lines)}")
-        time.sleep(0.05)
-
-
-def _stop(store: Store) -> int:
-    if store.proc.poll() is None:
-        store.proc.send_signal(signal.SIGTERM)
-    return store.proc.wait(timeout=20)
-
-
-@pytest.fixture
-def start_store(redis_url: str, tmp_path: Path) -> Iterator[StartStore]:
-    """Start kvstore processes (stopped with SIGTERM at the end); each gets its own catalog prefix."""
-    started: list[Store] = []
-
-    def start(host_kv_mib: int = 64, port: int | None = None, replica_id: str = "", prefix: str = "") -> Store:
-        port = port or free_port()
-        replica_id = replica_id or f"test-{uuid.uuid4().hex[:8]}"
-        prefix = prefix or f"kvmem-test-{uuid.uuid4().hex[:8]}:"
-        address = f"127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "services.kvstore", "--listen-addr", address, "--host-kv-mib",
-                str(host_kv_mib), "--arena-dir", str(tmp_path), "--replica-id", replica_id,
-                "--redis-url", redis_url, "--catalog-prefix", prefix, "--heartbeat-s", "0.5"]  # fmt: skip
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
-        lines: list[str] = []
-        _wait_ready(proc, lines)
-        store = Store(proc, address, replica_id, str(tmp_path / f"kvmem-arena-{replica_id}"), prefix, lines)
-        started.append(store)
-        return store
-
-    yield start
-    for store in started:
-        _stop(store)
 
 
 @pytest.fixture
@@ -290,7 +227,7 @@ def test_sigterm_unregisters_and_unlinks(store: Store, redis_url: str) -> None:
         client.put_page(meta, data)
     wait_for(lambda: catalog.where(meta.page_hash) == store.address)
     assert catalog.replicas() == {store.replica_id: store.address}
-    assert _stop(store) == 0
+    assert stop_store(store) == 0
     assert not os.path.exists(store.arena_path)
     assert catalog.replicas() == {}
     assert catalog.entry(meta.page_hash) is None
@@ -304,7 +241,7 @@ def test_client_remaps_after_store_restart(start_store: StartStore, caplog: pyte
     with KVStoreClient(first.address, shared_memory=True) as client:
         (m1, d1), (m2, d2) = page(1, 300_000), page(2, 300_000)
         client.put_page(m1, d1)
-        assert _stop(first) == 0
+        assert stop_store(first) == 0
         second = start_store(port=int(first.address.rsplit(":", 1)[1]), replica_id=first.replica_id)
         client.put_page(m2, d2)  # the old mapping is refused (ABORTED), the client maps the new arena
         assert client.shared_memory
