@@ -35,8 +35,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -23,9 +23,7 @@ def resolve_model_path(model: str) -> Path:
         package, filename = _EMBEDDED[model]
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
-            raise ModelNotFoundError(
-                f"{model}: package {package!r} is not installed (scripts/setup.sh installs it)"
-            )
+            raise ModelNotFoundError(f"{model}: package {package!r} is not installed (scripts/setup.sh installs it)")
         path = Path(list(spec.submodule_search_locations)[0]) / filename
     else:
         path = Path(model).expanduser()

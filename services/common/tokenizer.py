@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,10 +54,32 @@ class Tokenizer:
 
 
 def load_tokenizer(model_path: Path) -> Tokenizer:
-    """Build the tokenizer from a GGUF file's metadata or an HF directory's tokenizer files."""
-    if model_path.is_dir():
-        return _load_hf_dir(model_path)
-    return _load_gguf(model_path)
+    """Build the tokenizer from a GGUF file's metadata or an HF directory's tokenizer files.
+
+    The conversion (transformers' GGUF converter, several seconds) runs once per model file; its
+    result is kept under $KVMEM_CACHE_DIR (default ~/.cache/kvmem) keyed by path, size and mtime.
+    """
+    cache = _cache_dir(model_path)
+    if (cache / "tokenizer.json").exists() and (cache / "info.json").exists():
+        fields = json.loads((cache / "info.json").read_text())
+        info = TokenizerInfo(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+        return Tokenizer(_FastTokenizer.from_file(str(cache / "tokenizer.json")), info)
+    tok = _load_hf_dir(model_path) if model_path.is_dir() else _load_gguf(model_path)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tok._backend.save(str(cache / "tokenizer.json.tmp"))
+        (cache / "info.json").write_text(json.dumps(dataclasses.asdict(tok.info)))
+        os.replace(cache / "tokenizer.json.tmp", cache / "tokenizer.json")
+    except OSError as exc:
+        logger.warning("cannot cache the tokenizer in %s: %s", cache, exc)
+    return tok
+
+
+def _cache_dir(model_path: Path) -> Path:
+    root = Path(os.environ.get("KVMEM_CACHE_DIR", Path.home() / ".cache" / "kvmem"))
+    st = model_path.stat()
+    key = hashlib.sha256(f"{model_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    return root / "tokenizers" / key
 
 
 def _load_gguf(path: Path) -> Tokenizer:
@@ -102,6 +127,10 @@ def _from_hf(hf: object, add_bos: bool) -> Tokenizer:
         eos_token_ids=tuple(eos_ids),
         add_bos=add_bos,
     )
-    logger.info("tokenizer: vocab %d, eos %s, chat template %s", backend.get_vocab_size(), eos_ids,
-                "yes" if info.chat_template else "no")
+    logger.info(
+        "tokenizer: vocab %d, eos %s, chat template %s",
+        backend.get_vocab_size(),
+        eos_ids,
+        "yes" if info.chat_template else "no",
+    )
     return Tokenizer(backend, info)

@@ -1,0 +1,107 @@
+"""build_engine: model, tokenizer, pool, write-through and engine from an EngineConfig."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.common.model_files import default_model_id, resolve_model_path
+from services.common.tokenizer import load_tokenizer
+from services.engine.config import ConfigError, EngineConfig
+from services.engine.engine import Engine, EngineLimits
+from services.engine.kv_pool import KVPool
+from services.engine.model_runner import ModelRunner
+from services.engine.models.config import ModelConfig
+from services.engine.models.loader import load_model
+from services.engine.write_through import WriteThrough
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    architecture: str
+    max_context: int
+    kv_capacity: int
+    page_size: int
+    kv_format: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    device: str
+    dtype: str
+    replica_id: str
+
+
+def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
+    """Load everything and start the loop thread; raises ConfigError on impossible combinations."""
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    device = config.torch_device
+    path = resolve_model_path(config.model)
+    t0 = time.monotonic()
+    logger.info("loading tokenizer from %s", path)
+    tokenizer = load_tokenizer(path)
+    logger.info("loading model weights (%s, %s on %s)", path.name, config.torch_dtype, device)
+    model_config, model = load_model(path, device, config.torch_dtype)
+    logger.info("model loaded in %.1f s", time.monotonic() - t0)
+    max_context = _check_context(config, model_config)
+    model_id = config.model_id or default_model_id(path)
+    pool = KVPool(
+        model_config.num_layers,
+        config.num_slots,
+        config.page_size,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        config.kv_dtype,
+        device,
+    )
+    limits = EngineLimits(
+        max_context=max_context,
+        page_size=config.page_size,
+        prefill_chunk=config.prefill_chunk,
+        max_running=config.max_running,
+        max_waiting=config.max_waiting,
+        vocab_size=model_config.vocab_size,
+        model_id=model_id,
+        kv_format=config.kv_format_name,
+    )
+    engine = Engine(limits, ModelRunner(model, pool, device), tokenizer, _write_through(config))
+    engine.start()
+    info = ModelInfo(
+        model_id=model_id,
+        architecture=model_config.architecture,
+        max_context=max_context,
+        kv_capacity=config.pool_tokens,
+        page_size=config.page_size,
+        kv_format=config.kv_format_name,
+        vocab_size=model_config.vocab_size,
+        eos_token_ids=tuple(tokenizer.info.eos_token_ids),
+        device=str(device),
+        dtype=str(config.torch_dtype).removeprefix("torch."),
+        replica_id=config.replica_name,
+    )
+    return engine, info
+
+
+def _check_context(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The served context: the configured one, refused when over the model's positions."""
+    if config.max_context > model_config.max_position_embeddings:
+        raise ConfigError(
+            f"max_context {config.max_context} > the model's {model_config.max_position_embeddings} positions"
+        )
+    return config.max_context
+
+
+def _write_through(config: EngineConfig) -> WriteThrough | None:
+    if not config.kvstore_addrs:
+        logger.warning("no kvstore configured: finished pages have no host copy")
+        return None
+    from services.kvstore.client import KVStoreClient
+
+    client = KVStoreClient(config.kvstore_addrs[0])
+    logger.info("writing finished pages through to kvstore %s", config.kvstore_addrs[0])
+    return WriteThrough(client, config.kv_format_name, config.write_through_queue)

@@ -1,0 +1,140 @@
+"""EngineConfig: the one frozen configuration of the engine, read from flags and environment once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from services.common.model_files import DEFAULT_MODEL
+
+
+class ConfigError(ValueError):
+    """An impossible configuration; the message carries the numbers."""
+
+
+_KV_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine process needs; derived values are properties."""
+
+    listen_addr: str = "127.0.0.1:50052"
+    model: str = DEFAULT_MODEL
+    model_id: str = ""  # served name; empty: derived from the model file
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    dtype: str = "auto"  # compute dtype: auto (fp32 on cpu, bf16 on cuda), fp32, bf16, fp16
+    kv_format: str = "auto"  # KV page format: auto (= compute dtype), fp32, bf16, fp16
+    page_size: int = 64
+    max_context: int = 8192  # logical context of one sequence (tokens)
+    kv_capacity: int = 8192  # device pool (tokens); rounded up to whole pages
+    prefill_chunk: int = 512  # prompt tokens per forward step
+    max_running: int = 16  # sequences decoded together
+    max_waiting: int = 256  # queued requests before RESOURCE_EXHAUSTED
+    kvstore_addrs: tuple[str, ...] = ()  # write-through targets; empty: no host copy
+    write_through_queue: int = 256  # pages waiting to be written before new ones are dropped
+    replica_id: str = ""
+    num_threads: int = 0  # torch CPU threads; 0: torch's default
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
+        if self.kv_capacity < self.page_size:
+            raise ConfigError(f"kv_capacity {self.kv_capacity} is smaller than one page ({self.page_size})")
+        if self.max_context <= 0:
+            raise ConfigError(f"max_context must be positive, got {self.max_context}")
+        if self.max_context > self.pool_tokens:
+            raise ConfigError(
+                f"max_context {self.max_context} > kv_capacity {self.pool_tokens} "
+                f"({self.num_slots} pages of {self.page_size}): this engine keeps a sequence's "
+                "whole KV on the device, so the pool must hold max_context"
+            )
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_running < 1 or self.max_waiting < 1:
+            raise ConfigError(f"max_running {self.max_running} and max_waiting {self.max_waiting} must be >= 1")
+        if self.dtype not in ("auto", *_KV_FORMATS):
+            raise ConfigError(f"dtype {self.dtype!r} not in auto, {', '.join(_KV_FORMATS)}")
+        if self.kv_format not in ("auto", *_KV_FORMATS):
+            raise ConfigError(f"kv_format {self.kv_format!r} not in auto, {', '.join(_KV_FORMATS)}")
+
+    @property
+    def num_slots(self) -> int:
+        """Device pool size in pages."""
+        return -(-self.kv_capacity // self.page_size)
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_slots * self.page_size
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+        return _KV_FORMATS[self.dtype]
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_format == "auto" else _KV_FORMATS[self.kv_format]
+
+    @property
+    def kv_format_name(self) -> str:
+        return {v: k for k, v in _KV_FORMATS.items()}[self.kv_dtype]
+
+    @property
+    def replica_name(self) -> str:
+        return self.replica_id or f"engine-{socket.gethostname()}-{self.listen_addr.rsplit(':', 1)[-1]}"
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> EngineConfig:
+        """Flags override environment variables (KVMEM_*), which override the defaults."""
+        env = os.environ.get
+        d = cls.__dataclass_fields__
+        p = argparse.ArgumentParser(prog="python -m services.engine", description="KVMem engine")
+        p.add_argument("--listen", default=env("KVMEM_ENGINE_ADDR", d["listen_addr"].default))
+        p.add_argument("--model", default=env("KVMEM_MODEL", DEFAULT_MODEL))
+        p.add_argument("--model-id", default=env("KVMEM_MODEL_ID", ""))
+        p.add_argument("--device", default=env("KVMEM_DEVICE", "auto"))
+        p.add_argument("--dtype", default=env("KVMEM_DTYPE", "auto"))
+        p.add_argument("--kv-format", default=env("KVMEM_KV_FORMAT", "auto"))
+        p.add_argument("--page-size", type=int, default=int(env("KVMEM_PAGE_SIZE", "64")))
+        p.add_argument("--max-context", type=int, default=int(env("KVMEM_MAX_CONTEXT", "8192")))
+        p.add_argument("--kv-capacity", type=int, default=int(env("KVMEM_KV_CAPACITY", "8192")))
+        p.add_argument("--prefill-chunk", type=int, default=int(env("KVMEM_PREFILL_CHUNK", "512")))
+        p.add_argument("--max-running", type=int, default=int(env("KVMEM_MAX_RUNNING", "16")))
+        p.add_argument("--max-waiting", type=int, default=int(env("KVMEM_MAX_WAITING", "256")))
+        p.add_argument(
+            "--kvstore",
+            default=env("KVMEM_KVSTORE_ADDRS", ""),
+            help="comma-separated kvstore addresses for page write-through",
+        )
+        p.add_argument("--replica-id", default=env("KVMEM_ENGINE_REPLICA_ID", ""))
+        p.add_argument("--num-threads", type=int, default=int(env("KVMEM_NUM_THREADS", "0")))
+        a = p.parse_args(argv)
+        return cls(
+            listen_addr=a.listen,
+            model=a.model,
+            model_id=a.model_id,
+            device=a.device,
+            dtype=a.dtype,
+            kv_format=a.kv_format,
+            page_size=a.page_size,
+            max_context=a.max_context,
+            kv_capacity=a.kv_capacity,
+            prefill_chunk=a.prefill_chunk,
+            max_running=a.max_running,
+            max_waiting=a.max_waiting,
+            kvstore_addrs=tuple(x.strip() for x in a.kvstore.split(",") if x.strip()),
+            replica_id=a.replica_id,
+            num_threads=a.num_threads,
+        )

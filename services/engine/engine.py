@@ -1,0 +1,243 @@
+"""Engine: the step loop (schedule, run the model, post-process) and the thread-safe request API."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.common.pagehash import page_hash, root_hash
+from services.common.tokenizer import Tokenizer
+from services.engine.detokenizer import Detokenizer
+from services.engine.kv_pool import KVPool
+from services.engine.model_runner import ModelRunner
+from services.engine.sampling import InvalidRequestError, SamplingParams, sample_one
+from services.engine.scheduler import Scheduler, Work
+from services.engine.sequence import Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
+from services.engine.slots import SlotAllocator
+
+if TYPE_CHECKING:
+    from services.engine.write_through import WriteThrough
+
+logger = logging.getLogger(__name__)
+
+
+class ContextLengthError(ValueError):
+    """prompt + max_tokens does not fit the context limit; the message has the numbers."""
+
+
+class OverloadedError(RuntimeError):
+    """The request queue is full."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_context: int
+    page_size: int
+    prefill_chunk: int
+    max_running: int
+    max_waiting: int
+    vocab_size: int
+    model_id: str
+    kv_format: str
+
+
+@dataclass
+class EngineStats:
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    steps_total: int = 0
+    step_failures_total: int = 0
+
+
+class Engine:
+    """Owns the scheduler, the runner and the loop thread. `submit` and `abort` are thread-safe."""
+
+    def __init__(
+        self,
+        limits: EngineLimits,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        write_through: WriteThrough | None = None,
+    ) -> None:
+        self.limits = limits
+        self.runner = runner
+        self.pool: KVPool = runner.pool
+        self.tokenizer = tokenizer
+        self.write_through = write_through
+        self.slots = SlotAllocator(self.pool.num_slots)
+        self.scheduler = Scheduler(
+            self.slots, limits.page_size, limits.prefill_chunk, limits.max_running, limits.model_id, limits.kv_format
+        )
+        self.stats = EngineStats()
+        self._eos_ids = frozenset(tokenizer.info.eos_token_ids)
+        self._lock = threading.Condition()
+        self._incoming: deque[Sequence] = deque()
+        self._aborts: set[Sequence] = set()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    # -- API (any thread) ------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = "") -> Sequence:
+        """Validate and queue a request; raises InvalidRequestError, ContextLengthError, OverloadedError."""
+        lim = self.limits
+        params.validate(lim.vocab_size)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < lim.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {lim.vocab_size})")
+        room = lim.max_context - len(prompt_ids)
+        if room < 1:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens; the context limit is {lim.max_context} "
+                "and at least 1 token must be left for the answer"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ContextLengthError(
+                f"prompt {len(prompt_ids)} + max_tokens {params.max_tokens} = "
+                f"{len(prompt_ids) + params.max_tokens} tokens > context limit {lim.max_context}"
+            )
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
+        seq = Sequence(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            namespace=namespace,
+            max_tokens=params.max_tokens or room,
+            stop_token_ids=frozenset(stop_ids),
+            detokenizer=Detokenizer(self.tokenizer, params.stop),
+            generator=params.make_generator(self.pool.device),
+        )
+        with self._lock:
+            queued = len(self._incoming) + len(self.scheduler.waiting)
+            if queued >= lim.max_waiting:
+                raise OverloadedError(f"{queued} requests are waiting (max_waiting {lim.max_waiting})")
+            self._incoming.append(seq)
+            self.stats.requests_total += 1
+            self._lock.notify()
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request (client went away); its slots are released at the next step."""
+        with self._lock:
+            self._aborts.add(seq)
+            self._lock.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- the loop (engine thread only) -----------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopped or self._incoming or self._aborts or self.scheduler.has_work()):
+                    self._lock.wait()
+                if self._stopped:
+                    break
+            self.poll()
+            if self.scheduler.has_work():
+                self.step()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._fail(seq, "unavailable", "the engine is shutting down")
+
+    def poll(self) -> None:
+        """Take new requests into the scheduler and finish aborted ones (engine thread)."""
+        with self._lock:
+            incoming, self._incoming = self._incoming, deque()
+            aborts, self._aborts = self._aborts, set()
+        for seq in incoming:
+            self.scheduler.add(seq)
+        for seq in aborts:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+
+    def step(self) -> None:
+        """One iteration: schedule, run the model, post-process."""
+        works = self.scheduler.schedule()
+        if not works:
+            time.sleep(0.001)  # nothing fits right now (waiting for slots): don't spin hot
+            return
+        try:
+            logits = self.runner.run(works)
+            self._postprocess(works, logits)
+        except Exception:
+            logger.exception("step failed; failing its %d sequences", len(works))
+            self.stats.step_failures_total += 1
+            for w in works:
+                self._fail(w.seq, "internal", "the engine failed while running this request")
+        self.stats.steps_total += 1
+
+    def _postprocess(self, works: list[Work], logits: torch.Tensor) -> None:
+        row = 0
+        for w in works:
+            seq = w.seq
+            seq.num_computed = w.start + w.num_new
+            self._publish_pages(seq)
+            if not w.samples:
+                continue
+            token = sample_one(logits[row], seq.params, seq.generator)
+            row += 1
+            self._append(seq, token)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        if not seq.output_ids:
+            self.stats.prompt_tokens_total += len(seq.prompt_ids)
+            self.stats.cached_tokens_total += seq.num_cached
+        seq.output_ids.append(token)
+        self.stats.generated_tokens_total += 1
+        reason: FinishReason | None = None
+        if token in seq.stop_token_ids:
+            reason = FinishReason.STOP
+            text = seq.detokenizer.update(seq.output_ids[:-1]) + seq.detokenizer.flush()
+        else:
+            text = seq.detokenizer.update(seq.output_ids)
+            if seq.detokenizer.matched_stop is not None:
+                reason = FinishReason.STOP
+        if reason is None and (len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.limits.max_context):
+            reason = FinishReason.LENGTH
+            text += seq.detokenizer.flush()
+        seq.events.put(Chunk([token], text))
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _publish_pages(self, seq: Sequence) -> None:
+        """Hash every newly completed page, offer it to the prefix cache and write it through."""
+        table = seq.page_table
+        size = self.limits.page_size
+        while len(table.page_hashes) < seq.num_computed // size:
+            i = len(table.page_hashes)
+            parent = table.page_hashes[-1] if table.page_hashes else root_hash(seq.namespace)
+            h = page_hash(parent, seq.token_ids[i * size : (i + 1) * size], self.limits.model_id, self.limits.kv_format)
+            table.page_hashes.append(h)
+            if self.slots.register(table.slot_ids[i], h) and self.write_through is not None:
+                self.write_through.submit(h, self.pool.read_page(table.slot_ids[i]), size)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(seq)
+        seq.finish_reason = reason
+        matched = seq.detokenizer.matched_stop or ""
+        seq.events.put(Done(reason, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, matched))
+
+    def _fail(self, seq: Sequence, code: str, message: str) -> None:
+        if seq.status is not SeqStatus.FINISHED:
+            self.scheduler.finish(seq)
+        seq.finish_reason = FinishReason.ERROR
+        seq.events.put(Failed(code, message))

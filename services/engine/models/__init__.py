@@ -1,0 +1,1 @@
+"""The engine's own model code: configs, forward passes and loaders."""

@@ -1,0 +1,179 @@
+"""The engine's own forward pass for the Llama family: Llama/SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Tokens are flattened: the model sees N tokens with their positions and never knows how many
+sequences they belong to; the AttentionBackend does the per-sequence bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from services.engine.attention import AttentionBackend
+from services.engine.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32, scaled in the input dtype (as transformers does it)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """[D/2] float32 inverse frequencies, with llama3 or llama.cpp freq-factor scaling if any."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    assert scaling["rope_type"] == "freq_factors", scaling["rope_type"]
+    return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+
+
+def _llama3_scaled(inv_freq: Tensor, scaling: dict[str, float]) -> Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by `factor`, a smooth blend in between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos / signed-sin tables [max_positions, D], built lazily on the model's device, indexed by position.
+
+    The tables hold cos(f) twice and (-sin(f), sin(f)), so rotating half-split pairs is
+    x * cos + roll(x, D/2) * sin: four kernels, and bit-for-bit transformers' rotate_half form.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._cos: Tensor | None = None
+        self._sin: Tensor | None = None
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions: [N] -> cos, sin: [N, 1, D] (broadcast over heads)."""
+        if self._cos is None or self._cos.device != positions.device or self._cos.dtype != dtype:
+            self._build(positions.device, dtype)
+        assert self._cos is not None and self._sin is not None
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+    def _build(self, device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq = rope_inv_freq(self.config).to(device)  # [D/2]
+        t = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        self._cos = torch.cat((cos, cos), dim=-1).to(dtype)  # [P, D]
+        self._sin = torch.cat((-sin, sin), dim=-1).to(dtype)  # [P, D]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [N, H, D] rotated in halves (HF / neox layout); cos, sin: [N, 1, D] from RotaryEmbedding."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+class Attention(nn.Module):
+    """Fused qkv projection, optional q/k RMSNorm, RoPE, the backend's attention, o_proj."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        qkv_size = config.q_size + 2 * config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        n, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([num_qk_heads, self.num_kv_heads], dim=1)  # qk: [N, Hq + Hkv, D]; v: [N, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k rotated together
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
+        out = attn.attend(self.layer_idx, q, k, v, self.scale)  # out: [N, Hq, D]
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU with a fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm; `logits` applies the (possibly tied) head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        # parameters come from the loader: skip nn.Embedding's random init (slow on meta tensors)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """input_ids, positions: [N] -> final-normed hidden states [N, hidden]."""
+        x = self.embed_tokens(input_ids)  # x: [N, hidden]
+        cos, sin = self.rotary(positions, x.dtype)  # [N, 1, D]
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [M, hidden] -> float32 logits [M, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,93 @@
+"""Sequence: one request's tokens, page table, sampling state and outgoing events."""
+
+from __future__ import annotations
+
+import enum
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from services.engine.detokenizer import Detokenizer
+from services.engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class Chunk(NamedTuple):
+    token_ids: list[int]
+    text: str
+
+
+class Done(NamedTuple):
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    matched_stop: str
+
+
+class Failed(NamedTuple):
+    code: str  # "overloaded", "internal", "invalid_argument"
+    message: str
+
+
+Event = Chunk | Done | Failed
+
+
+@dataclass
+class PageTable:
+    """A sequence's logical pages in order: the slot of each, and the hash of each full page."""
+
+    slot_ids: list[int] = field(default_factory=list)
+    page_hashes: list[bytes] = field(default_factory=list)  # one per finished (full) page
+
+
+@dataclass(eq=False)  # identity: a sequence is one request
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    namespace: str
+    max_tokens: int  # resolved: never past the context limit
+    stop_token_ids: frozenset[int]
+    detokenizer: Detokenizer
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    page_table: PageTable = field(default_factory=PageTable)
+    num_computed: int = 0  # tokens whose K/V is in the pool
+    num_cached: int = 0  # prompt tokens reused from the prefix cache (first admission)
+    admitted_once: bool = False
+    finish_reason: FinishReason | None = None
+    events: queue.Queue[Event] = field(default_factory=queue.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

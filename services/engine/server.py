@@ -1,0 +1,146 @@
+"""The Engine gRPC servicer: decode the request, call the core, encode its events."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import uuid
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+
+from services.common.protos import engine_pb2 as pb
+from services.common.protos import engine_pb2_grpc as pb_grpc
+from services.engine.builder import ModelInfo
+from services.engine.engine import ContextLengthError, Engine, OverloadedError
+from services.engine.sampling import InvalidRequestError, SamplingParams
+from services.engine.sequence import Chunk, Done, Event, Failed, FinishReason
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+_ERROR_CODES = {
+    "invalid_argument": pb.ERROR_CODE_INVALID_ARGUMENT,
+    "overloaded": pb.ERROR_CODE_OVERLOADED,
+    "unavailable": pb.ERROR_CODE_UNAVAILABLE,
+    "internal": pb.ERROR_CODE_INTERNAL,
+}
+
+
+def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens or None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        logit_bias=dict(p.logit_bias),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def event_to_proto(ev: Event) -> pb.GenerateEvent:
+    if isinstance(ev, Chunk):
+        return pb.GenerateEvent(chunk=pb.TokenChunk(token_ids=ev.token_ids, text=ev.text))
+    if isinstance(ev, Done):
+        usage = pb.Usage(
+            prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens
+        )
+        return pb.GenerateEvent(
+            done=pb.GenerateDone(finish_reason=_FINISH[ev.finish_reason], usage=usage, matched_stop=ev.matched_stop)
+        )
+    assert isinstance(ev, Failed)
+    return pb.GenerateEvent(
+        error=pb.GenerateError(code=_ERROR_CODES.get(ev.code, pb.ERROR_CODE_INTERNAL), message=ev.message)
+    )
+
+
+def _status_of(exc: Exception) -> grpc.StatusCode:
+    """The one mapping of the engine's typed errors to gRPC status codes."""
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, ContextLengthError):
+        return grpc.StatusCode.OUT_OF_RANGE
+    if isinstance(exc, OverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return grpc.StatusCode.INTERNAL
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    def __init__(self, engine: Engine, info: ModelInfo) -> None:
+        self.engine = engine
+        self.info = info
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateEvent]:
+        try:
+            seq = self.engine.submit(
+                request.request_id or uuid.uuid4().hex,
+                list(request.prompt_token_ids),
+                params_from_proto(request.sampling),
+                request.namespace,
+            )
+        except (InvalidRequestError, ContextLengthError, OverloadedError) as exc:
+            context.abort(_status_of(exc), str(exc))
+        context.add_callback(lambda: self.engine.abort(seq))
+        while True:
+            try:
+                ev = seq.events.get(timeout=0.5)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            yield event_to_proto(ev)
+            if not isinstance(ev, Chunk):
+                return
+
+    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.GetModelInfoResponse:
+        i = self.info
+        return pb.GetModelInfoResponse(
+            model_id=i.model_id,
+            architecture=i.architecture,
+            max_context=i.max_context,
+            kv_capacity=i.kv_capacity,
+            page_size=i.page_size,
+            kv_format=i.kv_format,
+            vocab_size=i.vocab_size,
+            eos_token_ids=list(i.eos_token_ids),
+            device=i.device,
+            dtype=i.dtype,
+            replica_id=i.replica_id,
+        )
+
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
+        e = self.engine
+        counts = e.slots.counts()
+        wt = e.write_through
+        s = e.stats
+        return pb.GetStatsResponse(
+            num_slots=counts.total,
+            free_slots=counts.free,
+            cached_slots=counts.cached,
+            running_sequences=len(e.scheduler.running),
+            waiting_sequences=len(e.scheduler.waiting),
+            prompt_tokens_total=s.prompt_tokens_total,
+            generated_tokens_total=s.generated_tokens_total,
+            cached_tokens_total=s.cached_tokens_total,
+            requests_total=s.requests_total,
+            pages_written_through=wt.num_written if wt else 0,
+            write_through_failures=(wt.num_failed + wt.num_dropped) if wt else 0,
+        )
+
+
+def serve(engine: Engine, info: ModelInfo, listen_addr: str, max_workers: int = 64) -> grpc.Server:
+    """Start the gRPC server (returns once it listens)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-rpc"))
+    pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, info), server)
+    if server.add_insecure_port(listen_addr) == 0:
+        raise OSError(f"cannot listen on {listen_addr}")
+    server.start()
+    return server

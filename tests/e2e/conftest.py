@@ -1,0 +1,29 @@
+"""The whole stack as real processes (redis, kvstore, engine, cacheguard, gateway) with the real model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from deploy.launcher import LaunchConfig, Stack
+from tests.conftest import free_port
+
+API_KEY = "sk-e2e-test"
+
+
+@pytest.fixture(scope="session")
+def stack(redis_url: str) -> Iterator[Stack]:
+    cfg = LaunchConfig(
+        port=free_port(),
+        redis_url=redis_url,
+        api_keys=f"e2e:{API_KEY}",
+        host_kv_mib=256,
+        max_context=2048,
+        kv_capacity=4096,
+        ready_timeout_s=300,
+    )
+    s = Stack(cfg, echo=False)
+    s.start()
+    yield s
+    s.stop()

@@ -1,0 +1,116 @@
+"""Factories for engine tests: a tiny random Llama, an Engine on a tiny pool, a dense reference."""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.tokenizer import Tokenizer
+from services.engine.attention import ContiguousKV
+from services.engine.engine import Engine, EngineLimits
+from services.engine.kv_pool import KVPool
+from services.engine.model_runner import ModelRunner
+from services.engine.models.config import ModelConfig
+from services.engine.models.llama import LlamaForCausalLM
+from services.engine.sampling import SamplingParams
+from services.engine.sequence import Chunk, Done, Event, Failed
+
+
+def tiny_model(vocab_size: int, seed: int = 0, architecture: str = "llama") -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        architecture=architecture,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=False,
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)  # large weights: logits far apart, greedy is stable across kernels
+    return model.eval()
+
+
+def make_engine(
+    model: LlamaForCausalLM,
+    tokenizer: Tokenizer,
+    num_slots: int,
+    page_size: int = 4,
+    prefill_chunk: int = 16,
+    max_running: int = 8,
+    max_context: int = 256,
+) -> Engine:
+    cfg = model.config
+    pool = KVPool(
+        cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu")
+    )
+    limits = EngineLimits(
+        max_context=max_context,
+        page_size=page_size,
+        prefill_chunk=prefill_chunk,
+        max_running=max_running,
+        max_waiting=64,
+        vocab_size=cfg.vocab_size,
+        model_id="tiny",
+        kv_format="fp32",
+    )
+    return Engine(limits, ModelRunner(model, pool, torch.device("cpu")), tokenizer)
+
+
+@torch.inference_mode()
+def reference_greedy(model: LlamaForCausalLM, prompt: list[int], num_new: int) -> list[int]:
+    """Greedy decoding with the one-sequence contiguous cache (no pages, no scheduler)."""
+    kv = ContiguousKV(model.config.num_layers)
+    ids = list(prompt)
+    hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv)
+    out: list[int] = []
+    for _ in range(num_new):
+        token = int(model.logits(hidden[-1:]).argmax())
+        out.append(token)
+        pos = len(ids) + len(out) - 1
+        hidden = model(torch.tensor([token]), torch.tensor([pos]), kv)
+    return out
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def drain(events: list[Event]) -> tuple[list[int], Done | Failed]:
+    tokens: list[int] = []
+    for ev in events[:-1]:
+        assert isinstance(ev, Chunk)
+        tokens.extend(ev.token_ids)
+    last = events[-1]
+    assert isinstance(last, Done | Failed)
+    return tokens, last
+
+
+def run_until_done(engine: Engine, seqs: list, max_steps: int = 10_000) -> None:
+    """Drive the engine loop by hand (no thread) until every sequence has finished."""
+    engine.poll()
+    for _ in range(max_steps):
+        if all(s.is_finished for s in seqs):
+            return
+        engine.step()
+        engine.slots.check_integrity()
+    raise AssertionError("sequences did not finish")
+
+
+def events_of(seq) -> list[Event]:
+    out = []
+    while not seq.events.empty():
+        out.append(seq.events.get_nowait())
+    return out

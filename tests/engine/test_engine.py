@@ -1,0 +1,137 @@
+"""Engine core on a tiny random model: paged KV equals the dense reference, across pages, chunks,
+concurrent sequences, prefix reuse and preemption; bad requests are refused with typed errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.common.tokenizer import Tokenizer
+from services.engine.engine import ContextLengthError, OverloadedError
+from services.engine.sampling import InvalidRequestError, SamplingParams
+from services.engine.sequence import Done, FinishReason
+from tests.engine.helpers import drain, events_of, greedy, make_engine, reference_greedy, run_until_done, tiny_model
+
+VOCAB = 49152  # the real tokenizer's vocabulary: detokenization runs for real
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(VOCAB)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, VOCAB) for _ in range(n)]
+
+
+@pytest.mark.parametrize(("prompt_len", "chunk"), [(1, 16), (7, 16), (8, 3), (37, 16), (37, 5)])
+def test_single_sequence_matches_dense_reference(model, smol_tokenizer: Tokenizer, prompt_len: int, chunk: int) -> None:
+    engine = make_engine(model, smol_tokenizer, num_slots=32, prefill_chunk=chunk)
+    prompt = _prompt(prompt_len, prompt_len)
+    seq = engine.submit("r", prompt, greedy(12))
+    run_until_done(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert tokens == reference_greedy(model, prompt, 12)
+    assert isinstance(done, Done) and done.finish_reason is FinishReason.LENGTH
+    assert (done.prompt_tokens, done.completion_tokens, done.cached_tokens) == (prompt_len, 12, 0)
+    assert engine.slots.counts().owned == 0
+
+
+def test_concurrent_sequences_each_match_their_reference(model, smol_tokenizer: Tokenizer) -> None:
+    engine = make_engine(model, smol_tokenizer, num_slots=64, prefill_chunk=10)
+    prompts = [_prompt(n, 100 + n) for n in (3, 17, 9, 30)]
+    seqs = [engine.submit(f"r{i}", p, greedy(10 + i)) for i, p in enumerate(prompts)]
+    run_until_done(engine, seqs)
+    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+        assert drain(events_of(s))[0] == reference_greedy(model, p, 10 + i)
+
+
+def test_shared_prefix_is_reused_and_reported(model, smol_tokenizer: Tokenizer) -> None:
+    engine = make_engine(model, smol_tokenizer, num_slots=32)
+    prefix = _prompt(22, 5)  # 5 full pages of 4 + 2 tokens
+    first = engine.submit("a", prefix + [200, 201], greedy(4))
+    run_until_done(engine, [first])
+    second_prompt = prefix + [300, 301, 302]
+    second = engine.submit("b", second_prompt, greedy(6))
+    run_until_done(engine, [second])
+    tokens, done = drain(events_of(second))
+    assert isinstance(done, Done) and done.cached_tokens == 20  # 5 whole pages
+    assert tokens == reference_greedy(model, second_prompt, 6)
+
+
+def test_prompt_of_whole_pages_recomputes_its_last_page(model, smol_tokenizer: Tokenizer) -> None:
+    engine = make_engine(model, smol_tokenizer, num_slots=32)
+    prompt = _prompt(16, 9)
+    run_until_done(engine, [s := engine.submit("a", prompt, greedy(2))])
+    again = engine.submit("b", prompt, greedy(5))
+    run_until_done(engine, [again])
+    tokens, done = drain(events_of(again))
+    assert done.cached_tokens == 12  # the last page holds the token whose logits we need
+    assert tokens == reference_greedy(model, prompt, 5)
+    assert s.is_finished
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs_exact(model, smol_tokenizer: Tokenizer) -> None:
+    engine = make_engine(model, smol_tokenizer, num_slots=12, prefill_chunk=8)  # 48 tokens of KV
+    prompts = [_prompt(10, 40 + i) for i in range(3)]
+    seqs = [engine.submit(f"r{i}", p, greedy(20)) for i, p in enumerate(prompts)]  # 3 x 30 > 48
+    run_until_done(engine, seqs)
+    assert engine.scheduler.num_preemptions > 0
+    for p, s in zip(prompts, seqs, strict=True):
+        assert drain(events_of(s))[0] == reference_greedy(model, p, 20)
+    assert engine.slots.counts().owned == 0
+
+
+def test_seeded_sampling_is_reproducible(model, smol_tokenizer: Tokenizer) -> None:
+    engine = make_engine(model, smol_tokenizer, num_slots=32)
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    a = engine.submit("a", _prompt(5, 1), params)
+    b = engine.submit("b", _prompt(5, 1), params)
+    run_until_done(engine, [a, b])
+    assert drain(events_of(a))[0] == drain(events_of(b))[0]
+
+
+def test_stop_token_ends_with_stop_and_is_not_in_text(model, smol_tokenizer: Tokenizer) -> None:
+    engine = make_engine(model, smol_tokenizer, num_slots=32)
+    prompt = _prompt(6, 3)
+    expected = reference_greedy(model, prompt, 8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(expected[3],), ignore_eos=True)
+    seq = engine.submit("a", prompt, params)
+    run_until_done(engine, [seq])
+    events = events_of(seq)
+    tokens, done = drain(events)
+    assert tokens == expected[:4]
+    assert done.finish_reason is FinishReason.STOP
+    text = "".join(e.text for e in events[:-1])
+    assert text == smol_tokenizer.decode(expected[:3])
+
+
+def test_abort_releases_slots(model, smol_tokenizer: Tokenizer) -> None:
+    engine = make_engine(model, smol_tokenizer, num_slots=32)
+    seq = engine.submit("a", _prompt(10, 2), greedy(100))
+    engine.poll()
+    engine.step()
+    engine.step()
+    assert engine.slots.counts().owned > 0
+    engine.abort(seq)
+    engine.poll()
+    assert engine.slots.counts().owned == 0
+    assert drain(events_of(seq))[1].finish_reason is FinishReason.ABORT
+
+
+def test_bad_requests_raise_typed_errors(model, smol_tokenizer: Tokenizer) -> None:
+    engine = make_engine(model, smol_tokenizer, num_slots=32, max_context=64)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.submit("a", [], greedy(1))
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.submit("a", [VOCAB + 5], greedy(1))
+    with pytest.raises(ContextLengthError, match="60 \\+ max_tokens 10 = 70"):
+        engine.submit("a", _prompt(60, 0), greedy(10))
+    with pytest.raises(ContextLengthError, match="64 tokens"):
+        engine.submit("a", _prompt(64, 0), greedy(1))
+    for i in range(64):
+        engine.submit(f"q{i}", [5], greedy(1))
+    with pytest.raises(OverloadedError):
+        engine.submit("over", [5], greedy(1))

@@ -1,0 +1,38 @@
+"""Every finished page the engine computes is written through to a real kvstore process and reads
+back by its hash, byte for byte equal to the page in the device pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.pagehash import chain_hashes
+from services.engine.write_through import WriteThrough
+from services.kvstore.client import KVStoreClient, PageNotFoundError
+from tests.conftest import StartStore
+from tests.engine.helpers import greedy, make_engine, run_until_done, tiny_model
+
+VOCAB = 49152
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_pages_read_back_byte_for_byte(start_store: StartStore, smol_tokenizer, shared_memory: bool) -> None:
+    store = start_store(host_kv_mib=16)
+    engine = make_engine(tiny_model(VOCAB, seed=1), smol_tokenizer, num_slots=32, page_size=8)
+    engine.write_through = WriteThrough(KVStoreClient(store.address, shared_memory=shared_memory), "fp32", 64)
+    prompt = list(range(300, 323))  # 2 full pages of 8 + 7; 10 generated tokens fill 2 more pages
+    seq = engine.submit("w", prompt, greedy(10), namespace="t1")
+    run_until_done(engine, [seq])
+    engine.write_through.flush()
+    hashes = chain_hashes(seq.token_ids, 8, "tiny", "fp32", namespace="t1")
+    assert len(hashes) == 4
+    with KVStoreClient(store.address) as reader:
+        for i, h in enumerate(hashes):
+            slot = engine.slots.lookup(h)
+            assert slot is not None, f"page {i} is not in the prefix cache"
+            expected = engine.pool.read_page(slot).contiguous().view(torch.uint8).numpy().tobytes()
+            assert reader.get_page(h) == expected
+        with pytest.raises(PageNotFoundError):
+            reader.get_page(chain_hashes(prompt, 8, "tiny", "fp32", namespace="other")[0])
+    assert engine.write_through.num_written == 4 and engine.write_through.num_failed == 0
+    engine.write_through.close()
