@@ -38,6 +38,8 @@ class Done(NamedTuple):
     completion_tokens: int
     cached_tokens: int
     matched_stop: str
+    prefill_policy: str = "resident"  # resident, exact or sparse
+    unverified: bool = False
 
 
 class Failed(NamedTuple):

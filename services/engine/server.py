@@ -53,9 +53,14 @@ def event_to_proto(ev: Event) -> pb.GenerateEvent:
         usage = pb.Usage(
             prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens
         )
-        return pb.GenerateEvent(
-            done=pb.GenerateDone(finish_reason=_FINISH[ev.finish_reason], usage=usage, matched_stop=ev.matched_stop)
+        done = pb.GenerateDone(
+            finish_reason=_FINISH[ev.finish_reason],
+            usage=usage,
+            matched_stop=ev.matched_stop,
+            prefill_policy=ev.prefill_policy,
+            unverified=ev.unverified,
         )
+        return pb.GenerateEvent(done=done)
     assert isinstance(ev, Failed)
     return pb.GenerateEvent(
         error=pb.GenerateError(code=_ERROR_CODES.get(ev.code, pb.ERROR_CODE_INTERNAL), message=ev.message)
