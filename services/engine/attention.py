@@ -13,10 +13,14 @@ logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def attend(
+        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None
+    ) -> Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] for the N new tokens of this step (after RoPE and q/k norm).
         Stores k, v in the cache and returns the attention output [N, Hq, D] over the cached
-        tokens plus the new ones, causal."""
+        tokens plus the new ones, causal. With a `window` (a sliding-window layer), the query at
+        position p sees only keys at positions > p - window: itself and the window - 1 before it
+        (transformers' sliding_window_overlay); see causal_mask."""
         ...
 
 
@@ -26,6 +30,8 @@ class ContiguousKV:
     The new tokens of a step are the next positions of the sequence, in order. Layer i's
     length advances when layer i attends, so every layer must be called once per step.
     GQA goes through grouped_sdpa (query heads folded onto their KV head; K/V never repeated).
+    Sliding-window layers keep every token too (this is the reference, not a ring) but attend
+    only over the keys their window can still reach.
     """
 
     def __init__(self, num_layers: int, initial_capacity: int = 256) -> None:
@@ -34,8 +40,8 @@ class ContiguousKV:
         self._k: list[Tensor | None] = [None] * num_layers  # each [Hkv, capacity, D]
         self._v: list[Tensor | None] = [None] * num_layers
         self._lengths = [0] * num_layers
-        self._mask_key: tuple[object, ...] | None = None
-        self._mask: Tensor | None = None
+        # window -> (key, additive mask): one mask per window size, shared by the layers that use it
+        self._masks: dict[int | None, tuple[tuple[object, ...], Tensor]] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -49,24 +55,29 @@ class ContiguousKV:
         length = self._lengths[layer_idx]
         return k[:, :length], v[:, :length]
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """Append k, v to layer `layer_idx`, then causal SDPA of q over the whole cache."""
+    def attend(
+        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None
+    ) -> Tensor:
+        """Append k, v to layer `layer_idx`, then causal (optionally sliding-window) SDPA of q over the cache."""
         num_past, num_new = self._lengths[layer_idx], q.shape[0]
         k_all, v_all = self._append(layer_idx, k, v)  # [Hkv, T, D]
-        row_mask = self._row_mask(num_past, num_new, q.shape[1] // k.shape[1], q)
-        return grouped_sdpa(q, k_all, v_all, row_mask, scale)
+        first = first_visible_key(num_past, window)  # keys before it are out of every new token's window
+        row_mask = self._row_mask(num_past, num_new, q.shape[1] // k.shape[1], q, window)  # [G * N, T - first]
+        return grouped_sdpa(q, k_all[:, first:], v_all[:, first:], row_mask, scale)
 
-    def _row_mask(self, num_past: int, num_new: int, group: int, q: Tensor) -> Tensor | None:
-        """The step's additive mask for grouped_sdpa's rows, built once and shared by all layers."""
+    def _row_mask(self, num_past: int, num_new: int, group: int, q: Tensor, window: int | None) -> Tensor | None:
+        """The step's additive mask for grouped_sdpa's rows over keys first_visible_key.., shared by layers."""
         if num_new == 1:
-            return None  # one new token sees the whole cache
+            return None  # one new token sees every key from the first visible one
         key = (num_past, num_new, group, q.dtype, q.device)
-        if self._mask_key != key:
-            allowed = causal_mask(num_past, num_new, q.device).repeat(group, 1)  # [G * N, T]
+        cached = self._masks.get(window)
+        if cached is None or cached[0] != key:
+            first = first_visible_key(num_past, window)
+            allowed = causal_mask(num_past, num_new, q.device, window)[:, first:].repeat(group, 1)  # [G * N, T']
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-            self._mask = mask.masked_fill_(~allowed, float("-inf"))
-            self._mask_key = key
-        return self._mask
+            cached = key, mask.masked_fill_(~allowed, float("-inf"))
+            self._masks[window] = cached
+        return cached[1]
 
     def _append(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         start = self._lengths[layer_idx]
@@ -99,11 +110,28 @@ class ContiguousKV:
         self._k[layer_idx], self._v[layer_idx] = new_k, new_v
 
 
-def causal_mask(num_past: int, num_new: int, device: torch.device) -> Tensor:
-    """[num_new, num_past + num_new] bool, True where new token i may attend: key j <= num_past + i."""
+def causal_mask(num_past: int, num_new: int, device: torch.device, window: int | None = None) -> Tensor:
+    """[num_new, num_past + num_new] bool, True where new token i (position p = num_past + i) may
+    attend key j: j <= p, and with a window also j > p - window (the query and the window - 1
+    keys before it; transformers' sliding-window mask, `kv_idx > q_idx - sliding_window`)."""
     keys = torch.arange(num_past + num_new, device=device)
     queries = torch.arange(num_past, num_past + num_new, device=device)
-    return keys[None, :] <= queries[:, None]
+    return position_mask(queries, keys, window)
+
+
+def position_mask(query_pos: Tensor, key_pos: Tensor, window: int | None = None) -> Tensor:
+    """[n, T] bool from positions (keys may have gaps, e.g. pages not resident): True where query i
+    may attend key j, key_pos[j] <= query_pos[i] and, with a window, key_pos[j] > query_pos[i] - window."""
+    allowed = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        allowed &= key_pos[None, :] > query_pos[:, None] - window
+    return allowed
+
+
+def first_visible_key(num_past: int, window: int | None) -> int:
+    """The oldest key position any of a step's new tokens can see (0 without a window):
+    the first new token, at position num_past, sees keys > num_past - window."""
+    return 0 if window is None else max(0, num_past + 1 - window)
 
 
 def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, row_mask: Tensor | None, scale: float) -> Tensor:

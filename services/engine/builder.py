@@ -16,6 +16,7 @@ from services.engine.kv_pool import KVPool
 from services.engine.model_runner import ModelRunner
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
+from services.engine.ring import RingLimits
 from services.engine.write_through import WriteThrough
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,22 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
         config.kv_dtype,
         device,
     )
+    config.check_host_capacity(pool.page_nbytes)
+    write_through = _write_through(config)
+    host = None
+    if config.ring_enabled:
+        assert write_through is not None  # check_host_capacity refuses a ring without a kvstore
+        from services.engine.host_pages import KVStoreHostPages
+        from services.kvstore.client import KVStoreClient
+
+        shape = (model_config.num_layers, 2, config.page_size, model_config.num_kv_heads, model_config.head_dim)
+        host = KVStoreHostPages(KVStoreClient(config.kvstore_addrs[0]), write_through, shape, config.kv_dtype)
+        logger.info(
+            "ring on: budget %d pages per sequence (protect %d, recent %d, skeleton <= %d, evidence <= %d), "
+            "chunk %d tokens, default policy %s, retrieval %s",
+            config.ring_budget_pages, config.protect_pages, config.recent_pages, config.skeleton_pages,
+            config.evidence_pages, config.ring_chunk, config.prefill_policy, "on" if config.retrieval else "OFF",
+        )  # fmt: skip
     limits = EngineLimits(
         max_context=max_context,
         page_size=config.page_size,
@@ -68,8 +85,11 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
         vocab_size=model_config.vocab_size,
         model_id=model_id,
         kv_format=config.kv_format_name,
+        default_policy=config.prefill_policy,
+        ring=ring_limits(config) if config.ring_enabled else None,
+        ring_chunk=config.ring_chunk if config.ring_enabled else 0,
     )
-    engine = Engine(limits, ModelRunner(model, pool, device), tokenizer, _write_through(config))
+    engine = Engine(limits, ModelRunner(model, pool, device, host), tokenizer, write_through)
     engine.start()
     info = ModelInfo(
         model_id=model_id,
@@ -85,6 +105,16 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
         replica_id=config.replica_name,
     )
     return engine, info
+
+
+def ring_limits(config: EngineConfig) -> RingLimits:
+    return RingLimits(
+        page_size=config.page_size, budget_pages=config.ring_budget_pages, protect_pages=config.protect_pages,
+        recent_pages=config.recent_pages, skeleton_pages=config.skeleton_pages,
+        evidence_pages=config.evidence_pages, neighbor_pages=config.neighbor_pages, query_tail=config.query_tail,
+        max_query=256, rescore_interval=config.rescore_interval, retrieval=config.retrieval,
+        audit_dir=config.audit_dir,
+    )  # fmt: skip
 
 
 def _check_context(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -39,6 +39,19 @@ class EngineConfig:
     write_through_queue: int = 256  # pages waiting to be written before new ones are dropped
     replica_id: str = ""
     num_threads: int = 0  # torch CPU threads; 0: torch's default
+    host_kv_mib: int = 1024  # the kvstore's budget, for the start-up capacity guard
+    # -- the ring (active for a sequence whose pages outgrow ring_budget) --
+    prefill_policy: str = "sparse"  # default for over-budget prompts: sparse or exact
+    ring_budget: int = 0  # resident tokens one sequence may hold; 0: the whole pool
+    protect_tokens: int = 128  # attention sinks + head of the prompt, always resident
+    recent_tokens: int = 0  # trailing window; 0: one ring chunk + one page
+    skeleton_tokens: int = 256  # query span (last user turn) kept resident
+    retrieval_share: float = 0.5  # evidence budget = share x (budget - protect - recent)
+    neighbor_pages: int = 1  # seam completion reach
+    query_tail: int = 64  # scored tokens when no query span is known
+    rescore_interval: int = 16  # decode steps between re-selections (0: select at prefill only)
+    retrieval: bool = True  # False: the negative control (evidence stays empty)
+    audit_dir: str = ""  # write per-selection scores and choices here
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -47,12 +60,18 @@ class EngineConfig:
             raise ConfigError(f"kv_capacity {self.kv_capacity} is smaller than one page ({self.page_size})")
         if self.max_context <= 0:
             raise ConfigError(f"max_context must be positive, got {self.max_context}")
-        if self.max_context > self.pool_tokens:
+        if self.ring_budget_pages > self.num_slots:
+            raise ConfigError(f"ring_budget {self.ring_budget} tokens > kv_capacity {self.pool_tokens}")
+        min_working = self.protect_pages + self.recent_pages + 1
+        if min_working > self.ring_budget_pages:
             raise ConfigError(
-                f"max_context {self.max_context} > kv_capacity {self.pool_tokens} "
-                f"({self.num_slots} pages of {self.page_size}): this engine keeps a sequence's "
-                "whole KV on the device, so the pool must hold max_context"
+                f"protect {self.protect_pages} + recent {self.recent_pages} + 1 working page = {min_working} pages "
+                f"> ring budget {self.ring_budget_pages} pages: short by {min_working - self.ring_budget_pages} page(s)"
             )
+        if self.prefill_policy not in ("sparse", "exact"):
+            raise ConfigError(f"prefill_policy {self.prefill_policy!r} not in sparse, exact")
+        if not 0.0 <= self.retrieval_share <= 1.0:
+            raise ConfigError(f"retrieval_share must be in [0, 1], got {self.retrieval_share}")
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_running < 1 or self.max_waiting < 1:
@@ -70,6 +89,50 @@ class EngineConfig:
     @property
     def pool_tokens(self) -> int:
         return self.num_slots * self.page_size
+
+    @property
+    def ring_enabled(self) -> bool:
+        """The ring is active only when one sequence's context can outgrow its resident budget."""
+        return self.max_context > self.ring_budget_pages * self.page_size
+
+    def check_host_capacity(self, page_nbytes: int) -> None:
+        """Refuse a ring whose host store cannot hold what the pool cannot (called once the page size is known)."""
+        host_pages = self.host_kv_mib * 2**20 // page_nbytes if self.kvstore_addrs else 0
+        logical_pages = -(-self.max_context // self.page_size)
+        if self.ring_enabled and host_pages + self.num_slots < logical_pages:
+            where = f"kvstore {self.kvstore_addrs[0]}" if self.kvstore_addrs else "no kvstore configured"
+            raise ConfigError(
+                f"host_pages + pool_pages < ceil(max_context / page_size): {host_pages} + {self.num_slots} "
+                f"< {logical_pages} (max_context {self.max_context}, host_kv_mib {self.host_kv_mib}, {where})"
+            )
+
+    @property
+    def ring_budget_pages(self) -> int:
+        return -(-self.ring_budget // self.page_size) if self.ring_budget else self.num_slots
+
+    @property
+    def protect_pages(self) -> int:
+        return -(-self.protect_tokens // self.page_size)
+
+    @property
+    def ring_chunk(self) -> int:
+        """Prefill chunk of a ring sequence: at most a quarter of its budget."""
+        return max(self.page_size, min(self.prefill_chunk, self.ring_budget_pages // 4 * self.page_size))
+
+    @property
+    def recent_pages(self) -> int:
+        if self.recent_tokens:
+            return -(-self.recent_tokens // self.page_size)
+        return self.ring_chunk // self.page_size + 1
+
+    @property
+    def skeleton_pages(self) -> int:
+        return -(-self.skeleton_tokens // self.page_size)
+
+    @property
+    def evidence_pages(self) -> int:
+        room = self.ring_budget_pages - self.protect_pages - self.recent_pages
+        return max(0, int(room * self.retrieval_share))
 
     @property
     def torch_device(self) -> torch.device:
@@ -120,6 +183,22 @@ class EngineConfig:
         )
         p.add_argument("--replica-id", default=env("KVMEM_ENGINE_REPLICA_ID", ""))
         p.add_argument("--num-threads", type=int, default=int(env("KVMEM_NUM_THREADS", "0")))
+        p.add_argument("--host-kv-mib", type=int, default=int(env("KVMEM_HOST_KV_MIB", "1024")))
+        p.add_argument("--prefill-policy", default=env("KVMEM_PREFILL_POLICY", "sparse"))
+        p.add_argument("--ring-budget", type=int, default=int(env("KVMEM_RING_BUDGET", "0")))
+        p.add_argument("--protect-tokens", type=int, default=int(env("KVMEM_PROTECT_TOKENS", "128")))
+        p.add_argument("--recent-tokens", type=int, default=int(env("KVMEM_RECENT_TOKENS", "0")))
+        p.add_argument("--skeleton-tokens", type=int, default=int(env("KVMEM_SKELETON_TOKENS", "256")))
+        p.add_argument("--retrieval-share", type=float, default=float(env("KVMEM_RETRIEVAL_SHARE", "0.5")))
+        p.add_argument("--neighbor-pages", type=int, default=int(env("KVMEM_NEIGHBOR_PAGES", "1")))
+        p.add_argument("--rescore-interval", type=int, default=int(env("KVMEM_RESCORE_INTERVAL", "16")))
+        p.add_argument(
+            "--no-retrieval",
+            action="store_true",
+            default=env("KVMEM_RETRIEVAL", "1") == "0",
+            help="negative control: the ring keeps no evidence pages",
+        )
+        p.add_argument("--audit-dir", default=env("KVMEM_RING_AUDIT_DIR", ""))
         a = p.parse_args(argv)
         return cls(
             listen_addr=a.listen,
@@ -137,4 +216,15 @@ class EngineConfig:
             kvstore_addrs=tuple(x.strip() for x in a.kvstore.split(",") if x.strip()),
             replica_id=a.replica_id,
             num_threads=a.num_threads,
+            host_kv_mib=a.host_kv_mib,
+            prefill_policy=a.prefill_policy,
+            ring_budget=a.ring_budget,
+            protect_tokens=a.protect_tokens,
+            recent_tokens=a.recent_tokens,
+            skeleton_tokens=a.skeleton_tokens,
+            retrieval_share=a.retrieval_share,
+            neighbor_pages=a.neighbor_pages,
+            rescore_interval=a.rescore_interval,
+            retrieval=not a.no_retrieval,
+            audit_dir=a.audit_dir,
         )

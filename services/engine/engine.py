@@ -16,10 +16,13 @@ from services.common.tokenizer import Tokenizer
 from services.engine.detokenizer import Detokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.model_runner import ModelRunner
+from services.engine.paged_attention import SeqSpan
+from services.engine.ring import RingLimits, RingManager, SeqRing
 from services.engine.sampling import InvalidRequestError, SamplingParams, sample_one
 from services.engine.scheduler import Scheduler, Work
 from services.engine.sequence import Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
 from services.engine.slots import SlotAllocator
+from services.engine.summaries import PageSummaries
 
 if TYPE_CHECKING:
     from services.engine.write_through import WriteThrough
@@ -45,6 +48,9 @@ class EngineLimits:
     vocab_size: int
     model_id: str
     kv_format: str
+    default_policy: str = "sparse"
+    ring: RingLimits | None = None  # None: every sequence keeps its whole KV resident
+    ring_chunk: int = 0
 
 
 @dataclass
@@ -73,9 +79,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.write_through = write_through
         self.slots = SlotAllocator(self.pool.num_slots)
+        self.ring = RingManager(limits.ring, self.slots, self.pool, runner.host) if limits.ring else None
         self.scheduler = Scheduler(
-            self.slots, limits.page_size, limits.prefill_chunk, limits.max_running, limits.model_id, limits.kv_format
-        )
+            self.slots, limits.page_size, limits.prefill_chunk, limits.max_running, limits.model_id,
+            limits.kv_format, self.ring, limits.ring_chunk, self._new_ring if self.ring else None,
+        )  # fmt: skip
         self.stats = EngineStats()
         self._eos_ids = frozenset(tokenizer.info.eos_token_ids)
         self._lock = threading.Condition()
@@ -86,7 +94,15 @@ class Engine:
 
     # -- API (any thread) ------------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = "") -> Sequence:
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        namespace: str = "",
+        prefill_policy: str = "",
+        query_start: int | None = None,
+    ) -> Sequence:
         """Validate and queue a request; raises InvalidRequestError, ContextLengthError, OverloadedError."""
         lim = self.limits
         params.validate(lim.vocab_size)
@@ -106,6 +122,11 @@ class Engine:
                 f"prompt {len(prompt_ids)} + max_tokens {params.max_tokens} = "
                 f"{len(prompt_ids) + params.max_tokens} tokens > context limit {lim.max_context}"
             )
+        policy = prefill_policy or lim.default_policy
+        if policy not in ("sparse", "exact"):
+            raise InvalidRequestError(f"prefill_policy must be sparse or exact, got {policy!r}")
+        if query_start is not None and not 0 <= query_start < len(prompt_ids):
+            raise InvalidRequestError(f"query_start {query_start} is outside the prompt [0, {len(prompt_ids)})")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
         seq = Sequence(
             request_id=request_id,
@@ -116,6 +137,8 @@ class Engine:
             stop_token_ids=frozenset(stop_ids),
             detokenizer=Detokenizer(self.tokenizer, params.stop),
             generator=params.make_generator(self.pool.device),
+            prefill_policy=policy,
+            query_start=query_start if query_start is not None else -1,
         )
         with self._lock:
             queued = len(self._incoming) + len(self.scheduler.waiting)
@@ -172,12 +195,14 @@ class Engine:
     def step(self) -> None:
         """One iteration: schedule, run the model, post-process."""
         works = self.scheduler.schedule()
+        for seq, message in self.scheduler.take_failures():
+            self._fail(seq, "overloaded", message)
         if not works:
             time.sleep(0.001)  # nothing fits right now (waiting for slots): don't spin hot
             return
         try:
-            logits = self.runner.run(works)
-            self._postprocess(works, logits)
+            logits, spans = self.runner.run(works)
+            self._postprocess(works, logits, spans)
         except Exception:
             logger.exception("step failed; failing its %d sequences", len(works))
             self.stats.step_failures_total += 1
@@ -185,10 +210,14 @@ class Engine:
                 self._fail(w.seq, "internal", "the engine failed while running this request")
         self.stats.steps_total += 1
 
-    def _postprocess(self, works: list[Work], logits: torch.Tensor) -> None:
+    def _postprocess(self, works: list[Work], logits: torch.Tensor, spans: list[SeqSpan]) -> None:
         row = 0
-        for w in works:
+        for w, span in zip(works, spans, strict=True):
             seq = w.seq
+            if seq.ring is not None and self.ring is not None:
+                self._ring_after_step(w, span, seq.ring)
+            if w.score_only:
+                continue
             seq.num_computed = w.start + w.num_new
             self._publish_pages(seq)
             if not w.samples:
@@ -196,6 +225,36 @@ class Engine:
             token = sample_one(logits[row], seq.params, seq.generator)
             row += 1
             self._append(seq, token)
+
+    def _ring_after_step(self, w: Work, span: SeqSpan, ring: SeqRing) -> None:
+        """Fold the step's page scores in and re-select evidence when the schedule says so."""
+        assert self.ring is not None
+        if span.scores is not None:
+            self.ring.add_scores(ring, span.scores, w.score_tokens)
+        candidates = w.start // self.limits.page_size
+        if w.score_only:
+            ring.final_scored = True
+            self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total)
+        elif w.score_tokens and w.seq.in_prefill:
+            self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total)
+        elif w.score_tokens:
+            ring.decode_steps += 1
+            interval = self.ring.limits.rescore_interval
+            if interval and ring.decode_steps % interval == 0:
+                self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total)
+
+    def _new_ring(self, seq: Sequence) -> None:
+        """Ring state for a sequence being admitted (summaries sized to its longest possible context)."""
+        assert self.ring is not None
+        cfg = self.runner.model.config
+        size = self.limits.page_size
+        max_pages = -(-min(self.limits.max_context, len(seq.prompt_ids) + seq.max_tokens) // size)
+        summaries = PageSummaries(cfg.num_layers, max_pages, cfg.num_kv_heads, cfg.head_dim, self.pool.device)
+        query_start = seq.query_start
+        if query_start < 0:
+            query_start = max(0, len(seq.prompt_ids) - self.ring.limits.query_tail)
+        seq.ring = SeqRing(summaries=summaries, policy=seq.prefill_policy, query_start=query_start)
+        self.ring.set_query(seq.ring, len(seq.prompt_ids))
 
     def _append(self, seq: Sequence, token: int) -> None:
         if not seq.output_ids:
@@ -231,10 +290,20 @@ class Engine:
                 self.write_through.submit(h, self.pool.read_page(table.slot_ids[i]), size)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        matched = seq.detokenizer.matched_stop or ""
+        ring = seq.ring
+        policy = ring.policy if ring is not None and ring.num_demotions else "resident"
+        unverified = ring is not None and ring.unverified
+        if unverified:
+            logger.warning(
+                "%s: prompt of %d tokens exceeded the ring budget under the sparse policy; %d page(s) were not "
+                "attended: the answer is flagged unverified (use prefill_policy=exact for an exact answer)",
+                seq.request_id, len(seq.prompt_ids), ring.hidden_pages if ring else 0,
+            )  # fmt: skip
         self.scheduler.finish(seq)
         seq.finish_reason = reason
-        matched = seq.detokenizer.matched_stop or ""
-        seq.events.put(Done(reason, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, matched))
+        done = Done(reason, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, matched, policy, unverified)
+        seq.events.put(done)
 
     def _fail(self, seq: Sequence, code: str, message: str) -> None:
         if seq.status is not SeqStatus.FINISHED:

@@ -9,20 +9,25 @@ import torch
 from services.engine.kv_pool import KVPool
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.paged_attention import SeqSpan, StepAttention
+from services.engine.ring import HostPages
 from services.engine.scheduler import Work
+from services.engine.sequence import NOT_RESIDENT
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, pool: KVPool, device: torch.device, host: HostPages | None = None
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        self.host = host
 
     @torch.inference_mode()
-    def run(self, works: list[Work]) -> torch.Tensor:
-        """Forward every work item; logits [num_sampling_works, V] (float32), in work order."""
+    def run(self, works: list[Work]) -> tuple[torch.Tensor, list[SeqSpan]]:
+        """Forward every work item; (logits [num_sampling_works, V] float32 in work order, the spans)."""
         token_ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
@@ -30,9 +35,7 @@ class ModelRunner:
         for w in works:
             token_ids.extend(w.seq.token_ids[w.start : w.start + w.num_new])
             positions.extend(range(w.start, w.start + w.num_new))
-            slot_ids = torch.tensor(w.seq.page_table.slot_ids, dtype=torch.long, device=self.device)
-            rows = self.pool.rows(slot_ids)[: w.start + w.num_new]
-            spans.append(SeqSpan(num_past=w.start, num_new=w.num_new, read_rows=rows))
+            spans.append(self._span(w))
             if w.samples:
                 sample_rows.append(len(token_ids) - 1)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
@@ -41,6 +44,43 @@ class ModelRunner:
         attn = StepAttention(self.pool, spans, cfg.num_heads // cfg.num_kv_heads, self.model.embed_tokens.weight.dtype)
         hidden = self.model(ids, pos, attn)  # [N, hidden]
         if not sample_rows:
-            return torch.empty(0, device=self.device)
+            return torch.empty(0, device=self.device), spans
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return self.model.logits(hidden.index_select(0, rows_t))  # [M, V]
+        return self.model.logits(hidden.index_select(0, rows_t)), spans  # [M, V]
+
+    def _span(self, w: Work) -> SeqSpan:
+        """Rows to write and read for one sequence; summaries, scoring and host pages when it has a ring."""
+        size = self.pool.page_size
+        table = w.seq.page_table
+        end = w.start + w.num_new
+        slots = torch.tensor(table.slot_ids, dtype=torch.long, device=self.device)
+        new_pos = torch.arange(w.start, end, device=self.device)
+        write_rows = slots[new_pos // size] * size + new_pos % size
+        last_page = (end - 1) // size
+        resident = [p for p in range(last_page + 1) if table.slot_ids[p] != NOT_RESIDENT]
+        res_t = torch.tensor(resident, dtype=torch.long, device=self.device)
+        read_rows = self.pool.rows(slots[res_t])
+        if len(resident) == last_page + 1:
+            read_rows, key_pos = read_rows[:end], None
+        else:
+            key_pos = (res_t[:, None] * size + torch.arange(size, device=self.device)[None, :]).reshape(-1)
+            keep = key_pos < end
+            read_rows, key_pos = read_rows[keep], key_pos[keep]
+        span = SeqSpan(w.start, w.num_new, write_rows, read_rows, key_pos)
+        ring = w.seq.ring
+        if ring is None:
+            return span
+        first_page = w.start // size
+        touched = torch.arange(first_page, last_page + 1, device=self.device)
+        span.summaries = ring.summaries
+        span.touched_pages = touched
+        span.touched_rows = self.pool.rows(slots[touched])
+        span.touched_valid = (touched[:, None] * size + torch.arange(size, device=self.device)[None, :]) < end
+        span.score_tokens = w.score_tokens
+        span.score_pages = first_page if w.score_tokens else 0
+        if ring.policy == "exact":
+            hidden = [p for p in range(first_page) if table.slot_ids[p] == NOT_RESIDENT]
+            if hidden:
+                assert self.host is not None, "exact attention over host pages needs a host store"
+                span.host_pages = self.host.fetch([table.page_hashes[p] for p in hidden])
+        return span

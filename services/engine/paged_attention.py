@@ -1,22 +1,40 @@
-"""StepAttention: the AttentionBackend over the KV pool for one forward step of several sequences."""
+"""StepAttention: the AttentionBackend over the KV pool for one forward step of several sequences.
+
+Each sequence attends exactly its device-resident pages (a page that is not resident is never read);
+with the `exact` policy the pages that only live on the host stream in through a staging buffer and
+are merged with log-sum-exp. The same pass keeps page summaries current and, for sequences that
+asked for it, scores every earlier page against this step's queries (the ring's retrieval signal).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.attention import causal_mask, grouped_sdpa
+from services.engine.attention import grouped_sdpa
+from services.engine.exact_attention import grouped_attention_lse, merge_partials, rows_to_heads
 from services.engine.kv_pool import KVPool
+from services.engine.summaries import PageSummaries, page_scores
 
 
-@dataclass(frozen=True)
+@dataclass
 class SeqSpan:
-    """One sequence's part of a step: `num_new` tokens after `num_past` tokens already in the pool."""
+    """One sequence's part of a step: `num_new` tokens at positions [num_past, num_past + num_new)."""
 
     num_past: int
     num_new: int
-    read_rows: torch.Tensor  # [num_past + num_new] pool rows of the whole context, in order
+    write_rows: torch.Tensor  # [num_new] pool rows of the new tokens
+    read_rows: torch.Tensor  # [T] pool rows of every resident token up to the last new one, in order
+    key_pos: torch.Tensor | None  # [T] positions of read_rows; None when they are 0..T-1 (no gaps)
+    summaries: PageSummaries | None = None
+    touched_pages: torch.Tensor | None = None  # [P] logical pages written this step (summaries)
+    touched_rows: torch.Tensor | None = None  # [P * page_size] their pool rows
+    touched_valid: torch.Tensor | None = None  # [P, page_size] real tokens
+    score_tokens: int = 0  # trailing new tokens whose queries score pages
+    score_pages: int = 0  # pages [0, score_pages) are scored
+    host_pages: list[torch.Tensor] = field(default_factory=list)  # exact: [L, 2, page, Hkv, D] each
+    scores: torch.Tensor | None = None  # accumulated [score_pages] after the forward
 
 
 class StepAttention:
@@ -25,11 +43,13 @@ class StepAttention:
     Per-step work shared by all layers (write rows, masks) is built once in the constructor.
     """
 
-    def __init__(self, pool: KVPool, spans: list[SeqSpan], group: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, pool: KVPool, spans: list[SeqSpan], group: int, dtype: torch.dtype, staging_pages: int = 32
+    ) -> None:
         self.pool = pool
         self.spans = spans
-        # write_rows: [N] rows of the new tokens, in the step's flattened order
-        self.write_rows = torch.cat([s.read_rows[s.num_past :] for s in spans])
+        self.staging_pages = staging_pages
+        self.write_rows = torch.cat([s.write_rows for s in spans])  # [N], the step's flattened order
         self.row_masks = [_row_mask(s, group, dtype, pool.device) for s in spans]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -40,16 +60,65 @@ class StepAttention:
         outs = []
         start = 0
         for span, mask in zip(self.spans, self.row_masks, strict=True):
+            q_s = q[start : start + span.num_new]
+            if span.summaries is not None:
+                self._summarize(layer_idx, span)
+                if span.score_tokens:
+                    self._score(layer_idx, span, q_s, scale)
             k_s = k_pool.index_select(0, span.read_rows).transpose(0, 1).to(q.dtype)  # [Hkv, T, D]
             v_s = v_pool.index_select(0, span.read_rows).transpose(0, 1).to(q.dtype)
-            outs.append(grouped_sdpa(q[start : start + span.num_new], k_s, v_s, mask, scale))  # [n, Hq, D]
+            if span.host_pages:
+                outs.append(self._exact(layer_idx, span, q_s, k_s, v_s, mask, scale).to(q.dtype))
+            else:
+                outs.append(grouped_sdpa(q_s, k_s, v_s, mask, scale))  # [n, Hq, D]
             start += span.num_new
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    def _summarize(self, layer_idx: int, span: SeqSpan) -> None:
+        assert span.summaries is not None and span.touched_rows is not None
+        assert span.touched_pages is not None and span.touched_valid is not None
+        k_pool = self.pool.k[layer_idx]
+        keys = k_pool.index_select(0, span.touched_rows).view(span.touched_pages.shape[0], -1, *k_pool.shape[1:])
+        span.summaries.update(layer_idx, span.touched_pages, keys, span.touched_valid)
+
+    def _score(self, layer_idx: int, span: SeqSpan, q_s: torch.Tensor, scale: float) -> None:
+        assert span.summaries is not None
+        if span.score_pages == 0:
+            return
+        q_sel = q_s[-span.score_tokens :]  # [Tq, Hq, D]
+        kmin = span.summaries.kmin[layer_idx, : span.score_pages]
+        kmax = span.summaries.kmax[layer_idx, : span.score_pages]
+        scores = page_scores(q_sel, kmin, kmax, scale)
+        span.scores = scores if span.scores is None else span.scores + scores
+
+    def _exact(
+        self,
+        layer_idx: int,
+        span: SeqSpan,
+        q_s: torch.Tensor,
+        k_s: torch.Tensor,
+        v_s: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """Resident keys, then the host-only pages (all earlier than the new tokens) in staging batches."""
+        out, lse = grouped_attention_lse(q_s, k_s, v_s, mask, scale)
+        pages = span.host_pages
+        for i in range(0, len(pages), self.staging_pages):
+            batch = pages[i : i + self.staging_pages]
+            # staging: [Hkv, B * page, D] of this layer, moved to the pool's device
+            k_h = torch.cat([p[layer_idx, 0] for p in batch]).to(self.pool.device).transpose(0, 1)
+            v_h = torch.cat([p[layer_idx, 1] for p in batch]).to(self.pool.device).transpose(0, 1)
+            out_h, lse_h = grouped_attention_lse(q_s, k_h, v_h, None, scale)
+            out, lse = merge_partials(out, lse, out_h, lse_h)
+        return rows_to_heads(out, q_s.shape[0], q_s.shape[1])
+
 
 def _row_mask(span: SeqSpan, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """Additive [G * n, T] mask for grouped_sdpa's rows; None when one new token sees everything."""
+    """Additive [G * n, T] causal mask over the span's read rows; None when one new token sees them all."""
     if span.num_new == 1:
         return None
-    allowed = causal_mask(span.num_past, span.num_new, device).repeat(group, 1)
+    q_pos = span.num_past + torch.arange(span.num_new, device=device)
+    k_pos = span.key_pos if span.key_pos is not None else torch.arange(span.read_rows.shape[0], device=device)
+    allowed = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))

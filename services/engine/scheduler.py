@@ -5,16 +5,23 @@ waiting ones are admitted FIFO while the prefill token budget, `max_running` and
 When a running sequence needs a slot and none is left, the youngest running sequence is preempted:
 its slots are released (its finished pages stay in the prefix cache) and it goes back to the front
 of the queue, to be recomputed from its tokens (prompt + output so far) later.
+
+With a ring (RingManager), a sequence keeps only its planned resident pages (buckets.py): before
+each step the pages that left the plan are demoted and the planned ones are made resident; the last
+prefill chunk of a sparse over-budget prompt first runs once as a scoring pass so that retrieval
+sees the whole query before the chunk is computed for real.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from services.common.pagehash import chain_hashes
-from services.engine.sequence import PageTable, SeqStatus, Sequence
+from services.engine.ring import RingExhaustedError, RingManager
+from services.engine.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
 from services.engine.slots import SlotAllocator
 
 logger = logging.getLogger(__name__)
@@ -26,11 +33,13 @@ class Work(NamedTuple):
     seq: Sequence
     start: int
     num_new: int
+    score_tokens: int = 0  # trailing tokens of this work whose queries score pages (ring)
+    score_only: bool = False  # a scoring pass: nothing is kept but the scores
 
     @property
     def samples(self) -> bool:
         """The step reaches the end of the sequence, so its last logits give the next token."""
-        return self.start + self.num_new == self.seq.num_tokens
+        return not self.score_only and self.start + self.num_new == self.seq.num_tokens
 
 
 class Scheduler:
@@ -42,6 +51,9 @@ class Scheduler:
         max_running: int,
         model_id: str,
         kv_format: str,
+        ring: RingManager | None = None,
+        ring_chunk: int = 0,
+        new_ring: Callable[[Sequence], None] | None = None,
     ) -> None:
         self.slots = slots
         self.page_size = page_size
@@ -49,9 +61,18 @@ class Scheduler:
         self.max_running = max_running
         self.model_id = model_id
         self.kv_format = kv_format
+        self.ring = ring
+        self.ring_chunk = ring_chunk or prefill_chunk
+        self._new_ring = new_ring
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
+        self._failures: list[tuple[Sequence, str]] = []
+
+    def take_failures(self) -> list[tuple[Sequence, str]]:
+        """Sequences the ring could not make room for since the last call (to be failed with 429)."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -60,34 +81,35 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Work]:
-        """The work of the next step; allocates the slots it needs."""
+        """The work of the next step; allocates (and, with a ring, demotes and restores) slots."""
         works: list[Work] = []
         budget = self.prefill_chunk
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            want = 1 if seq.num_uncomputed == 1 else min(seq.num_uncomputed, budget)
+            decoding = seq.num_uncomputed == 1 and not seq.in_prefill
+            want = 1 if decoding else self._chunk(seq, budget)
             if want == 0:
                 continue
             if not self._make_room(seq, want):
                 continue
-            works.append(Work(seq, seq.num_computed, want))
-            if want > 1 or seq.num_uncomputed > 1:
+            works.append(self._work(seq, want))
+            if not decoding:
                 budget -= want
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            self._match_prefix(seq)
-            want = min(seq.num_uncomputed, budget)
-            want = min(want, self._fits(seq, want))
-            if want <= 0:
+            self._admit_prefix(seq)
+            want = self._chunk(seq, budget)
+            if want <= 0 or not self._fits(seq, want):
                 self._unmatch(seq)
                 break
             self.waiting.popleft()
-            self._grow(seq, seq.num_computed + want)
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
             self.running.append(seq)
-            works.append(Work(seq, seq.num_computed, want))
+            if not self._make_room(seq, want):
+                break  # it preempted itself back into the queue
+            works.append(self._work(seq, want))
             budget -= want
         return works
 
@@ -100,31 +122,79 @@ class Scheduler:
         self._release_all(seq)
         seq.status = SeqStatus.FINISHED
 
+    # -- work shapes -----------------------------------------------------------------------------
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        limit = self.ring_chunk if seq.ring is not None else budget
+        return min(seq.num_uncomputed, budget, limit)
+
+    def _work(self, seq: Sequence, want: int) -> Work:
+        ring = seq.ring
+        if ring is None or self.ring is None or not self._over_budget(seq) or ring.policy != "sparse":
+            return Work(seq, seq.num_computed, want)
+        lim = self.ring.limits
+        end = seq.num_computed + want
+        if not seq.in_prefill:
+            return Work(seq, seq.num_computed, want, score_tokens=1)
+        if end == len(seq.prompt_ids):
+            if ring.final_scored or not lim.retrieval:
+                return Work(seq, seq.num_computed, want)
+            query_from = max(seq.num_computed, ring.query_start, end - lim.max_query)
+            return Work(seq, seq.num_computed, want, score_tokens=end - query_from, score_only=True)
+        return Work(seq, seq.num_computed, want, score_tokens=min(want, lim.query_tail))
+
+    def _over_budget(self, seq: Sequence) -> bool:
+        assert self.ring is not None
+        return -(-seq.num_tokens // self.page_size) > self.ring.limits.budget_pages
+
     # -- slots -----------------------------------------------------------------------------------
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def _fits(self, seq: Sequence, want: int) -> int:
-        """How many of `want` new tokens get slots from what is available now (no preemption)."""
-        have = len(seq.page_table.slot_ids) * self.page_size - seq.num_computed
-        extra = self.slots.num_available() * self.page_size
-        return min(want, have + extra)
+    def _needed(self, seq: Sequence, want: int) -> int:
+        """Slots this sequence still lacks for a step of `want` tokens."""
+        end = seq.num_computed + want
+        if seq.ring is None or self.ring is None:
+            return self._pages_for(end) - len(seq.page_table.slot_ids)
+        return self.ring.slots_needed(seq.page_table.slot_ids, self.ring.plan(seq.ring, end).resident)
 
-    def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        table = seq.page_table
-        while len(table.slot_ids) < self._pages_for(num_tokens):
-            table.slot_ids.append(self.slots.allocate())
+    def _fits(self, seq: Sequence, want: int) -> bool:
+        return self._needed(seq, want) <= self.slots.num_available()
 
     def _make_room(self, seq: Sequence, want: int) -> bool:
-        """Allocate slots for `want` more tokens of a running sequence, preempting the youngest."""
-        need = self._pages_for(seq.num_computed + want) - len(seq.page_table.slot_ids)
-        while need > self.slots.num_available():
+        """Make the step's pages resident, preempting the youngest running sequences if needed."""
+        try:
+            return self._make_room_or_raise(seq, want)
+        except RingExhaustedError as exc:
+            logger.warning("%s: %s", seq.request_id, exc)
+            if seq in self.running:
+                self.running.remove(seq)
+            self._failures.append((seq, str(exc)))
+            return False
+
+    def _make_room_or_raise(self, seq: Sequence, want: int) -> bool:
+        end = seq.num_computed + want
+        table = seq.page_table
+        if seq.ring is not None and self.ring is not None:
+            plan = self.ring.plan(seq.ring, end)
+            self.ring.demote(table.slot_ids, table.page_hashes, plan.resident, seq.ring)
+            computed_pages = seq.num_computed // self.page_size
+            hidden = sum(1 for p in range(computed_pages) if p not in plan.resident)
+            if seq.ring.policy == "sparse":
+                seq.ring.hidden_pages = max(seq.ring.hidden_pages, hidden)
+        while self._needed(seq, want) > self.slots.num_available():
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
-        self._grow(seq, seq.num_computed + want)
+        if seq.ring is not None and self.ring is not None:
+            plan = self.ring.plan(seq.ring, end)
+            self.ring.materialize(table.slot_ids, table.page_hashes, plan.resident, seq.ring)
+            assert set(table.resident_pages()) == plan.resident, (table.resident_pages(), plan)
+        else:
+            while len(table.slot_ids) < self._pages_for(end):
+                table.slot_ids.append(self.slots.allocate())
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -137,23 +207,24 @@ class Scheduler:
 
     def _release_all(self, seq: Sequence) -> None:
         for slot in seq.page_table.slot_ids:
-            self.slots.release(slot)
+            if slot != NOT_RESIDENT:
+                self.slots.release(slot)
         seq.page_table = PageTable()
         seq.num_computed = 0
+        seq.ring = None
 
     # -- prefix cache ----------------------------------------------------------------------------
 
-    def _match_prefix(self, seq: Sequence) -> None:
-        """Reuse the longest run of cached full pages; at least one token is always recomputed."""
+    def _admit_prefix(self, seq: Sequence) -> None:
+        """Give the sequence its ring state and reuse the longest run of cached full pages
+        (at least one token is always recomputed)."""
         if seq.num_computed or seq.page_table.slot_ids:
             return
+        if self._new_ring is not None:
+            self._new_ring(seq)
         reusable = (seq.num_tokens - 1) // self.page_size
         hashes = chain_hashes(
-            seq.token_ids[: reusable * self.page_size],
-            self.page_size,
-            self.model_id,
-            self.kv_format,
-            seq.namespace,
+            seq.token_ids[: reusable * self.page_size], self.page_size, self.model_id, self.kv_format, seq.namespace
         )
         for page_hash in hashes:
             slot = self.slots.lookup(page_hash)
@@ -165,9 +236,11 @@ class Scheduler:
         seq.num_computed = len(seq.page_table.slot_ids) * self.page_size
         if not seq.admitted_once:
             seq.num_cached = seq.num_computed
+        if seq.ring is not None and self.ring is not None and seq.page_table.slot_ids:
+            self.ring.summarize(seq.ring, seq.page_table.slot_ids, range(len(seq.page_table.slot_ids)))
 
     def _unmatch(self, seq: Sequence) -> None:
-        """Give back what _match_prefix took when the sequence could not be admitted after all."""
+        """Give back what _admit_prefix took when the sequence could not be admitted after all."""
         self._release_all(seq)
         if not seq.admitted_once:
             seq.num_cached = 0

@@ -6,12 +6,15 @@ import enum
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from services.engine.detokenizer import Detokenizer
 from services.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.ring import SeqRing
 
 
 class SeqStatus(enum.Enum):
@@ -43,19 +46,25 @@ class Done(NamedTuple):
 
 
 class Failed(NamedTuple):
-    code: str  # "overloaded", "internal", "invalid_argument"
+    code: str  # "overloaded", "internal", "invalid_argument", "unavailable"
     message: str
 
 
 Event = Chunk | Done | Failed
 
+NOT_RESIDENT = -1
+
 
 @dataclass
 class PageTable:
-    """A sequence's logical pages in order: the slot of each, and the hash of each full page."""
+    """A sequence's logical pages in order: the slot of each (NOT_RESIDENT when only the host copy
+    exists), and the hash of each finished (full) page."""
 
     slot_ids: list[int] = field(default_factory=list)
-    page_hashes: list[bytes] = field(default_factory=list)  # one per finished (full) page
+    page_hashes: list[bytes] = field(default_factory=list)
+
+    def resident_pages(self) -> list[int]:
+        return [p for p, s in enumerate(self.slot_ids) if s != NOT_RESIDENT]
 
 
 @dataclass(eq=False)  # identity: a sequence is one request
@@ -68,10 +77,13 @@ class Sequence:
     stop_token_ids: frozenset[int]
     detokenizer: Detokenizer
     generator: torch.Generator | None
+    prefill_policy: str = "sparse"  # for the part of the context that outgrows the ring budget
+    query_start: int = -1  # token index of the query (last user turn); -1: unknown
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     page_table: PageTable = field(default_factory=PageTable)
-    num_computed: int = 0  # tokens whose K/V is in the pool
+    ring: SeqRing | None = None  # set at admission when the engine runs a ring
+    num_computed: int = 0  # tokens whose K/V has been computed (resident or on the host)
     num_cached: int = 0  # prompt tokens reused from the prefix cache (first admission)
     admitted_once: bool = False
     finish_reason: FinishReason | None = None
@@ -89,6 +101,10 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
 
     @property
     def is_finished(self) -> bool:

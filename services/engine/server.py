@@ -24,6 +24,7 @@ _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
+_POLICY = {pb.PREFILL_POLICY_EXACT: "exact", pb.PREFILL_POLICY_SPARSE: "sparse"}
 _ERROR_CODES = {
     "invalid_argument": pb.ERROR_CODE_INVALID_ARGUMENT,
     "overloaded": pb.ERROR_CODE_OVERLOADED,
@@ -90,6 +91,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                 list(request.prompt_token_ids),
                 params_from_proto(request.sampling),
                 request.namespace,
+                prefill_policy=_POLICY.get(request.prefill_policy, ""),
+                query_start=request.query_start if request.HasField("query_start") else None,
             )
         except (InvalidRequestError, ContextLengthError, OverloadedError) as exc:
             context.abort(_status_of(exc), str(exc))

@@ -31,15 +31,33 @@ class WriteThrough:
         self.num_written = 0
         self.num_failed = 0
         self.num_dropped = 0
+        self._written: set[bytes] = set()  # pages whose host copy is known to exist
+        self._written_cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="write-through", daemon=True)
         self._thread.start()
 
-    def submit(self, page_hash: bytes, page: torch.Tensor, num_tokens: int) -> None:
-        """Queue a page; when the writer is behind, drop it (counted) rather than stall decoding."""
+    def submit(self, page_hash: bytes, page: torch.Tensor, num_tokens: int, timeout_s: float = 30.0) -> None:
+        """Queue a page; when the writer is behind, wait for room (the ring relies on host copies),
+        and only after `timeout_s` drop it (counted)."""
         try:
-            self._queue.put_nowait(PendingPage(page_hash, page.to("cpu", copy=True), num_tokens))
+            self._queue.put(PendingPage(page_hash, page.to("cpu", copy=True), num_tokens), timeout=timeout_s)
         except queue.Full:
             self.num_dropped += 1
+            logger.error("write-through queue full for %.0f s: page %s dropped", timeout_s, page_hash.hex())
+
+    def is_written(self, page_hash: bytes) -> bool:
+        return page_hash in self._written
+
+    def wait_written(self, page_hashes: list[bytes], timeout_s: float) -> bool:
+        """Block until every page has been written (or found present) in the store; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._written_cond:
+            while not all(h in self._written for h in page_hashes):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._written_cond.wait(left)
+        return True
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued page has been handled (tests, shutdown)."""
@@ -70,6 +88,9 @@ class WriteThrough:
         try:
             self._client.put_page(meta, data.data)
             self.num_written += 1
+            with self._written_cond:
+                self._written.add(item.page_hash)
+                self._written_cond.notify_all()
         except Exception as exc:  # the host copy is best effort here; the pool copy stays valid
             self.num_failed += 1
             logger.warning("write-through of page %s failed: %s", item.page_hash.hex(), exc)

@@ -7,12 +7,16 @@ import torch
 from services.common.tokenizer import Tokenizer
 from services.engine.attention import ContiguousKV
 from services.engine.engine import Engine, EngineLimits
+from services.engine.host_pages import KVStoreHostPages
 from services.engine.kv_pool import KVPool
 from services.engine.model_runner import ModelRunner
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.ring import RingLimits
 from services.engine.sampling import SamplingParams
 from services.engine.sequence import Chunk, Done, Event, Failed
+from services.engine.write_through import WriteThrough
+from services.kvstore.client import KVStoreClient
 
 
 def tiny_model(vocab_size: int, seed: int = 0, architecture: str = "llama") -> LlamaForCausalLM:
@@ -51,11 +55,21 @@ def make_engine(
     prefill_chunk: int = 16,
     max_running: int = 8,
     max_context: int = 256,
+    ring: RingLimits | None = None,
+    ring_chunk: int = 0,
+    store_address: str = "",
+    default_policy: str = "sparse",
 ) -> Engine:
+    """An engine on the CPU; with `ring`, pages go through a real kvstore process at `store_address`."""
     cfg = model.config
     pool = KVPool(
         cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu")
     )
+    write_through = host = None
+    if store_address:
+        write_through = WriteThrough(KVStoreClient(store_address), "fp32", 256)
+        shape = (cfg.num_layers, 2, page_size, cfg.num_kv_heads, cfg.head_dim)
+        host = KVStoreHostPages(KVStoreClient(store_address), write_through, shape, torch.float32)
     limits = EngineLimits(
         max_context=max_context,
         page_size=page_size,
@@ -65,8 +79,22 @@ def make_engine(
         vocab_size=cfg.vocab_size,
         model_id="tiny",
         kv_format="fp32",
+        default_policy=default_policy,
+        ring=ring,
+        ring_chunk=ring_chunk,
     )
-    return Engine(limits, ModelRunner(model, pool, torch.device("cpu")), tokenizer)
+    return Engine(limits, ModelRunner(model, pool, torch.device("cpu"), host), tokenizer, write_through)
+
+
+def ring_limits(budget_pages: int, page_size: int = 4, retrieval: bool = True, **kw: object) -> RingLimits:
+    """Small ring limits for tests: protect 1 page, recent 3 pages, skeleton 2, evidence as given."""
+    values: dict[str, object] = dict(
+        page_size=page_size, budget_pages=budget_pages, protect_pages=1, recent_pages=3, skeleton_pages=2,
+        evidence_pages=max(0, (budget_pages - 4) // 2), neighbor_pages=1, query_tail=8, max_query=64,
+        rescore_interval=4, retrieval=retrieval,
+    )  # fmt: skip
+    values.update(kw)
+    return RingLimits(**values)  # type: ignore[arg-type]
 
 
 @torch.inference_mode()

@@ -1,7 +1,9 @@
-"""Load a Llama-family model from a GGUF file (dequantised) or an HF safetensors directory.
+"""Load a Llama-family or Gemma 3 model from a GGUF file (dequantised) or an HF safetensors directory.
 
 Both formats are first read as HF-named float tensors (`model.layers.3.self_attn.q_proj.weight`),
 then fused into our parameters (qkv_proj, gate_up_proj), cast and moved tensor by tensor.
+Gemma 3 norm weights are kept as transformers keeps them (used as 1 + w): llama.cpp's GGUF stores
+w + 1, so 1 is subtracted from them (in float32, as transformers' GGUF loader does).
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import torch
 from torch import Tensor
 
 from services.engine.models.config import ModelConfig, UnsupportedModelError
+from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelFormatError", "UnsupportedModelError", "load_model"]
+__all__ = ["CausalLM", "ModelFormatError", "UnsupportedModelError", "load_model"]
 
+# Both expose forward(input_ids, positions, attn) -> hidden, logits(hidden), config, embed_tokens.
+CausalLM = LlamaForCausalLM | Gemma3ForCausalLM
 # A source returns the float tensor stored under an HF name, or raises KeyError.
 TensorSource = Callable[[str], Tensor]
 
@@ -46,6 +51,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP there
+_GGUF_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -58,7 +70,7 @@ class ModelFormatError(ValueError):
     """The model file is readable but lacks a tensor or has one of the wrong shape."""
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[ModelConfig, LlamaForCausalLM]:
+def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[ModelConfig, CausalLM]:
     """Config and model (eval mode, no grad) from a `.gguf` file or an HF directory."""
     start = time.perf_counter()
     path = Path(path)
@@ -74,9 +86,9 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Mo
     return config, model
 
 
-def _build(config: ModelConfig, source: TensorSource, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def _build(config: ModelConfig, source: TensorSource, device: torch.device, dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model: CausalLM = Gemma3ForCausalLM(config) if config.architecture == "gemma3" else LlamaForCausalLM(config)
     state = dict(_our_tensors(config, source))
     expected = {name: p.shape for name, p in model.named_parameters()}
     for name, tensor in state.items():
@@ -102,7 +114,10 @@ def _our_tensors(config: ModelConfig, get: TensorSource) -> Iterator[tuple[str, 
 
 def _layer_tensors(config: ModelConfig, get: TensorSource, i: int) -> Iterator[tuple[str, Tensor]]:
     hf, ours = f"model.layers.{i}.", f"layers.{i}."
-    for norm in ("input_layernorm", "post_attention_layernorm"):
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if config.architecture == "gemma3":
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for norm in norms:
         yield ours + f"{norm}.weight", _need(get, hf + f"{norm}.weight")
     qkv = [hf + f"self_attn.{p}_proj" for p in "qkv"]
     yield ours + "self_attn.qkv_proj.weight", torch.cat([_need(get, n + ".weight") for n in qkv])
@@ -136,7 +151,26 @@ def _open_hf_dir(path: Path) -> Iterator[tuple[ModelConfig, TensorSource]]:
     config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
     files = _safetensors_files(path)
     handles = {f: safe_open(str(path / f), framework="pt", device="cpu") for f in set(files.values())}
-    yield config, lambda name: handles[files[name]].get_tensor(name)
+    stored = _stored_name_function(files)
+    yield config, lambda name: handles[files[stored(name)]].get_tensor(stored(name))
+
+
+# Where a text model's `model.*` tensors live: text-only checkpoints, then multimodal Gemma 3 ones
+# (transformers >= 4.52 saves `model.language_model.*`, the original release `language_model.model.*`).
+_TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+
+
+def _stored_name_function(files: dict[str, str]) -> Callable[[str], str]:
+    """Maps an HF text-model name (`model.layers.0...`, `lm_head.weight`) to the name stored in the files."""
+    prefix = next((p for p in _TEXT_PREFIXES if p + "embed_tokens.weight" in files), "model.")
+    head = "language_model.lm_head.weight" if prefix == "language_model.model." else "lm_head.weight"
+
+    def stored(name: str) -> str:
+        if name == "lm_head.weight":
+            return head
+        return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+    return stored
 
 
 def _safetensors_files(path: Path) -> dict[str, str]:
@@ -168,7 +202,7 @@ def _open_gguf(path: Path) -> Iterator[tuple[ModelConfig, TensorSource]]:
     config = ModelConfig.from_gguf_metadata(reader)
     tensors = {}
     for tensor in reader.tensors:
-        hf_name = _gguf_to_hf_name(tensor.name)
+        hf_name = _gguf_to_hf_name(tensor.name, config.architecture)
         if hf_name is not None:
             tensors[hf_name] = tensor
         elif tensor.name != "rope_freqs.weight":  # read into the config's rope scaling
@@ -176,17 +210,19 @@ def _open_gguf(path: Path) -> Iterator[tuple[ModelConfig, TensorSource]]:
     yield config, lambda name: _gguf_tensor(config, name, tensors[name])
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, arch: str) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    layer_names = _GGUF_GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
     match = _GGUF_LAYER_RE.fullmatch(name)
-    if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
+    if match is None or match.group(2) not in layer_names:
         return None
-    return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}"
+    return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
 
 
 def _gguf_tensor(config: ModelConfig, hf_name: str, tensor: Any) -> Tensor:
-    """Dequantised float32, in torch's [out, in] order (GGUF lists dims reversed), un-permuted."""
+    """Dequantised float32, in torch's [out, in] order (GGUF lists dims reversed), un-permuted (llama),
+    norm weights - 1 (gemma3)."""
     from gguf.quants import dequantize
 
     array = dequantize(tensor.data, tensor.tensor_type)
@@ -196,6 +232,8 @@ def _gguf_tensor(config: ModelConfig, hf_name: str, tensor: Any) -> Tensor:
     if config.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
         num_heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
         array = _unpermute_rope(array, num_heads)
+    if config.architecture == "gemma3" and hf_name.endswith("norm.weight"):
+        array = array - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w)
     return torch.from_numpy(array)
 
 

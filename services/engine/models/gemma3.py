@@ -1,0 +1,155 @@
+"""The engine's own forward pass for Gemma 3 text models (gemma3_text, e.g. Gemma 3 270M).
+
+Differences from the Llama family (models/llama.py), each following transformers' modeling_gemma3.py:
+embeddings scaled by sqrt(hidden) rounded to the model dtype; RMSNorm scaled by (1 + weight) in
+float32; q/k RMSNorm; four norms per layer (before and after attention and MLP); a GELU-tanh gated
+MLP; attention scale query_pre_attn_scalar^-1/2; sliding-window layers (ModelConfig.layer_windows)
+with their own RoPE base, global layers with the global base and rope scaling; optional final logit
+softcapping. Tokens are flattened as in llama.py; the AttentionBackend gets each layer's window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from services.engine.attention import AttentionBackend
+from services.engine.models.config import ModelConfig
+from services.engine.models.llama import RotaryEmbedding, apply_rope
+
+logger = logging.getLogger(__name__)
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), all in float32, cast back to the input dtype at the end.
+
+    `weight` is stored as transformers stores it (0 means identity); llama.cpp's GGUF stores
+    weight + 1 and the loader subtracts the 1, as transformers does.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden) rounded as transformers rounds it: to float32, then to the model dtype."""
+    return torch.tensor(hidden_size**0.5, dtype=torch.float32).to(dtype).item()
+
+
+class Gemma3Attention(nn.Module):
+    """Fused qkv projection, q/k RMSNorm, RoPE (local or global), the backend's windowed attention, o_proj."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.window = config.layer_windows[layer_idx]  # None: a global layer
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.attention_scale
+        qkv_size = config.q_size + 2 * config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # [N, H*, D]
+        qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)  # [N, Hq + Hkv, D]
+        qk = apply_rope(qk, cos, sin)  # q and k rotated together
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
+        out = attn.attend(self.layer_idx, q, k, v, self.scale, window=self.window)  # out: [N, Hq, D]
+        return self.o_proj(out.reshape(n, -1))
+
+
+class GeluMLP(nn.Module):
+    """GELU (tanh approximation) gated MLP with a fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Sandwich norms: x + post_norm(block(pre_norm(x))) for attention, then for the MLP."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.self_attn = Gemma3Attention(config, layer_idx)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.mlp = GeluMLP(config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.self_attn.window is not None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Scaled embedding, decoder layers, final norm; `logits` applies the (usually tied) head and softcap."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        assert config.architecture == "gemma3", config.architecture
+        self.config = config
+        # parameters come from the loader: skip nn.Embedding's random init (slow on meta tensors)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_global = RotaryEmbedding(config)
+        local_theta = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
+        self.rotary_local = RotaryEmbedding(dataclasses.replace(config, rope_theta=local_theta, rope_scaling=None))
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """input_ids, positions: [N] -> final-normed hidden states [N, hidden]."""
+        x = self.embed_tokens(input_ids)  # x: [N, hidden]
+        x = x * embed_scale(self.config.hidden_size, x.dtype)
+        rope = self._rope_tables(positions, x.dtype)
+        for layer in self.layers:
+            cos, sin = rope[layer.is_sliding]  # [N, 1, D] each
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def _rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict[bool, tuple[Tensor, Tensor]]:
+        """is_sliding -> (cos, sin) [N, 1, D], only for the layer kinds the model has."""
+        kinds = {layer.is_sliding for layer in self.layers}
+        rotary = {True: self.rotary_local, False: self.rotary_global}
+        return {sliding: rotary[sliding](positions, dtype) for sliding in kinds}
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [M, hidden] -> float32 logits [M, vocab], softcapped if the config says so."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,234 @@
+"""The KVMem ring: a sequence whose KV outgrows its share of the device pool keeps only the pages
+that matter resident (buckets.py) and pulls the rest back from the host copy on demand.
+
+RingManager is called by the scheduler (what must be resident before a step) and by the engine
+(after a step: select evidence from the scores the step accumulated). It owns no slots: it asks the
+SlotAllocator, reads the KVPool, and restores pages through a HostPages reader.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from services.engine.buckets import BucketCounts, BucketPlan, plan_buckets
+from services.engine.kv_pool import KVPool
+from services.engine.sequence import NOT_RESIDENT
+from services.engine.slots import SlotAllocator
+from services.engine.summaries import PageSummaries
+
+logger = logging.getLogger(__name__)
+
+
+class RingExhaustedError(RuntimeError):
+    """Room cannot be made for a sequence's resident pages; maps to RESOURCE_EXHAUSTED (429)."""
+
+
+class HostPages(Protocol):
+    """Where demoted pages come back from (the kvstore's authoritative copies)."""
+
+    def has(self, page_hash: bytes) -> bool: ...
+
+    def fetch(self, page_hashes: list[bytes]) -> list[torch.Tensor]:
+        """Pages as [num_layers, 2, page_size, Hkv, D] tensors (CPU), in order; raises when one is gone."""
+        ...
+
+    def wait(self, page_hashes: list[bytes], timeout_s: float) -> bool:
+        """Block until these pages have a host copy; False on timeout."""
+        ...
+
+
+@dataclass(frozen=True)
+class RingLimits:
+    page_size: int
+    budget_pages: int  # resident pages one ring sequence may hold
+    protect_pages: int
+    recent_pages: int
+    skeleton_pages: int
+    evidence_pages: int  # retrieval budget
+    neighbor_pages: int  # seam completion reach (0 = off, the negative control for seams)
+    query_tail: int  # query tokens when no query span is given
+    max_query: int  # cap on scored query tokens
+    rescore_interval: int  # decode steps between re-selections (0 = never during decode)
+    retrieval: bool  # False = the negative control: evidence stays empty
+    audit_dir: str = ""
+
+
+@dataclass
+class SeqRing:
+    """Ring state of one sequence."""
+
+    summaries: PageSummaries
+    policy: str  # "sparse" or "exact"
+    query_start: int  # token index where the query (last user turn) starts
+    evidence: set[int] = field(default_factory=set)
+    skeleton: set[int] = field(default_factory=set)
+    scores: torch.Tensor | None = None  # accumulated over the current scoring window
+    scored_tokens: int = 0
+    final_scored: bool = False  # the query has been read and scored (retrieval may run)
+    decode_steps: int = 0
+    summary_pending: set[int] = field(default_factory=set)  # reused pages without summaries yet
+    num_restores: int = 0
+    restored_bytes: int = 0
+    num_demotions: int = 0
+    hidden_pages: int = 0  # pages a sparse step could not see (over the whole request)
+
+    @property
+    def unverified(self) -> bool:
+        return self.policy == "sparse" and self.hidden_pages > 0
+
+
+class RingManager:
+    def __init__(self, limits: RingLimits, slots: SlotAllocator, pool: KVPool, host: HostPages | None) -> None:
+        self.limits = limits
+        self.slots = slots
+        self.pool = pool
+        self.host = host
+        self.num_restores = 0
+        self.restored_bytes = 0
+        self.num_demotions = 0
+        self._audit = Path(limits.audit_dir) if limits.audit_dir else None
+        if self._audit is not None:
+            self._audit.mkdir(parents=True, exist_ok=True)
+
+    # -- planning ---------------------------------------------------------------------------------
+
+    def plan(self, ring: SeqRing, num_tokens: int) -> BucketPlan:
+        """The resident set once the sequence holds `num_tokens` tokens' worth of pages."""
+        lim = self.limits
+        num_pages = -(-num_tokens // lim.page_size)
+        evidence = ring.evidence if lim.retrieval else set()
+        return plan_buckets(num_pages, lim.budget_pages, lim.protect_pages, lim.recent_pages, ring.skeleton, evidence)
+
+    def counts(self, ring: SeqRing, num_tokens: int) -> BucketCounts:
+        return self.plan(ring, num_tokens).counts(self.limits.budget_pages)
+
+    def set_query(self, ring: SeqRing, prompt_len: int) -> None:
+        """Skeleton = the pages holding the query span (capped at skeleton_pages, the last ones)."""
+        size = self.limits.page_size
+        first, last = ring.query_start // size, (prompt_len - 1) // size
+        ring.skeleton = set(range(max(first, last - self.limits.skeleton_pages + 1), last + 1))
+
+    def summarize(self, ring: SeqRing, slot_ids: list[int], pages: range | list[int]) -> None:
+        """Summaries of resident full pages from the pool (pages reused from the prefix cache)."""
+        pages = [p for p in pages if slot_ids[p] != NOT_RESIDENT]
+        if not pages:
+            return
+        size = self.limits.page_size
+        page_t = torch.tensor(pages, dtype=torch.long, device=self.pool.device)
+        rows = self.pool.rows(torch.tensor([slot_ids[p] for p in pages], dtype=torch.long, device=self.pool.device))
+        valid = torch.ones(len(pages), size, dtype=torch.bool, device=self.pool.device)
+        for layer in range(self.pool.num_layers):
+            keys = self.pool.k[layer].index_select(0, rows).view(len(pages), size, *self.pool.k[layer].shape[1:])
+            ring.summaries.update(layer, page_t, keys, valid)
+
+    # -- residency (scheduler, before a step) ----------------------------------------------------
+
+    def demote(self, slot_ids: list[int], page_hashes: list[bytes], keep: frozenset[int], ring: SeqRing) -> None:
+        """Release the slots of finished pages outside `keep`; their host copy is authoritative."""
+        victims = [i for i, s in enumerate(slot_ids) if s >= 0 and i not in keep and i < len(page_hashes)]
+        if not victims:
+            return
+        if self.host is None:
+            raise RingExhaustedError("no host KV store: pages cannot leave the device")
+        hashes = [page_hashes[i] for i in victims]
+        if not self.host.wait(hashes, timeout_s=30.0):
+            raise RingExhaustedError(f"{len(hashes)} page(s) have no host copy yet; cannot demote them")
+        for i in victims:
+            self.slots.release(slot_ids[i])
+            slot_ids[i] = -1
+        ring.num_demotions += len(victims)
+        self.num_demotions += len(victims)
+
+    def slots_needed(self, slot_ids: list[int], keep: frozenset[int]) -> int:
+        """Pages of `keep` without a slot (new pages and pages to restore)."""
+        return sum(1 for p in keep if p >= len(slot_ids) or slot_ids[p] < 0)
+
+    def materialize(self, slot_ids: list[int], page_hashes: list[bytes], keep: frozenset[int], ring: SeqRing) -> None:
+        """Give every page of `keep` a slot: new pages get empty ones, finished pages are restored
+        from the device prefix cache when still there, else from the host in one batch."""
+        while len(slot_ids) < (max(keep) + 1 if keep else 0):
+            slot_ids.append(-1)
+        to_fetch: list[int] = []
+        for p in sorted(keep):
+            if slot_ids[p] >= 0:
+                continue
+            cached = self.slots.lookup(page_hashes[p]) if p < len(page_hashes) else None
+            if cached is not None:
+                self.slots.acquire(cached)
+                slot_ids[p] = cached
+            elif p < len(page_hashes):
+                to_fetch.append(p)
+            else:
+                slot_ids[p] = self.slots.allocate()
+        if to_fetch:
+            self._restore(slot_ids, page_hashes, to_fetch, ring)
+
+    def _restore(self, slot_ids: list[int], page_hashes: list[bytes], pages: list[int], ring: SeqRing) -> None:
+        assert self.host is not None
+        data = self.host.fetch([page_hashes[p] for p in pages])  # one batched transfer
+        for p, page in zip(pages, data, strict=True):
+            slot = self.slots.allocate()
+            self.pool.write_page(slot, page)
+            self.slots.register(slot, page_hashes[p])
+            slot_ids[p] = slot
+        nbytes = len(pages) * self.pool.page_nbytes
+        ring.num_restores += len(pages)
+        ring.restored_bytes += nbytes
+        self.num_restores += len(pages)
+        self.restored_bytes += nbytes
+
+    # -- selection (engine, after a scoring step) ------------------------------------------------
+
+    def add_scores(self, ring: SeqRing, scores: torch.Tensor, num_query_tokens: int) -> None:
+        """Accumulate one step's page scores ([pages], unit mass per query token and head)."""
+        scores = scores.detach().float().cpu()
+        if ring.scores is None or ring.scores.shape[0] < scores.shape[0]:
+            grown = torch.zeros(scores.shape[0])
+            if ring.scores is not None:
+                grown[: ring.scores.shape[0]] = ring.scores
+            ring.scores = grown
+        ring.scores[: scores.shape[0]] += scores
+        ring.scored_tokens += num_query_tokens
+
+    def select(self, ring: SeqRing, num_candidate_pages: int, request_id: str, step: int) -> None:
+        """Top-scored candidate pages plus their neighbours become the evidence set; scores reset."""
+        lim = self.limits
+        if not lim.retrieval or ring.scores is None:
+            ring.evidence = set()
+            return
+        scores = ring.scores[:num_candidate_pages]
+        excluded = set(range(lim.protect_pages)) | ring.skeleton
+        order = [int(p) for p in torch.argsort(scores, descending=True, stable=True) if int(p) not in excluded]
+        chosen: list[int] = []
+        for p in order:
+            for q in [p, *range(p + 1, p + 1 + lim.neighbor_pages), *range(p - 1, p - 1 - lim.neighbor_pages, -1)]:
+                if len(chosen) >= lim.evidence_pages:
+                    break
+                if 0 <= q < num_candidate_pages and q not in excluded and q not in chosen:
+                    chosen.append(q)
+            if len(chosen) >= lim.evidence_pages:
+                break
+        ring.evidence = set(chosen)
+        if self._audit is not None:
+            self._write_audit(ring, scores, chosen, request_id, step)
+        ring.scores = None
+        ring.scored_tokens = 0
+
+    def _write_audit(self, ring: SeqRing, scores: torch.Tensor, chosen: list[int], request_id: str, step: int) -> None:
+        assert self._audit is not None
+        top = torch.argsort(scores, descending=True)[:32].tolist()
+        record = {
+            "time": time.time(), "request_id": request_id, "step": step, "scored_tokens": ring.scored_tokens,
+            "candidates": int(scores.shape[0]), "top": [[p, round(float(scores[p]), 5)] for p in top],
+            "evidence": sorted(chosen), "skeleton": sorted(ring.skeleton),
+        }  # fmt: skip
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in request_id) or "request"
+        with open(self._audit / f"{safe}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")

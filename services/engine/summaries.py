@@ -1,0 +1,76 @@
+"""Page summaries and page scoring: what the ring reads to decide which pages matter for a query.
+
+For every page of a sequence, resident or not, and every KV-bearing layer and KV head, we keep the
+element-wise min and max of the page's keys (Quest's bound) and their mean. Keys are summarised in
+the frame attention uses (after RoPE): `q . k <= sum_d max(q_d * kmin_d, q_d * kmax_d)` then bounds
+the real attention logit of every key in the page, whatever its position. bench/needle.py measures
+this against the pre-RoPE (content-frame) mean key.
+
+Scoring turns the per-(layer, query token, query head) bounds into a distribution over pages
+(softmax of bound * scale), so every query token spreads one unit of mass over the pages; summed
+over layers, heads and tokens this is the page score (Σ scores == query tokens x heads x layers
+before normalisation, a built-in check).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageSummaries:
+    """kmin, kmax, kmean: [num_layers, max_pages, num_kv_heads, head_dim] per sequence (pool device)."""
+
+    def __init__(self, num_layers: int, max_pages: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+        shape = (num_layers, max_pages, num_kv_heads, head_dim)
+        self.kmin = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.kmax = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.kmean = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.num_pages = 0  # pages summarised so far (0..num_pages-1 valid)
+
+    def update(self, layer_idx: int, page_ids: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        """keys: [P, page_size, Hkv, D] of pages `page_ids` [P]; valid: [P, page_size] bool (real tokens)."""
+        k = keys.float()
+        v = valid[:, :, None, None]
+        kmin = torch.where(v, k, torch.inf).amin(dim=1)
+        kmax = torch.where(v, k, -torch.inf).amax(dim=1)
+        count = valid.sum(dim=1).clamp(min=1)[:, None, None]
+        kmean = torch.where(v, k, 0.0).sum(dim=1) / count
+        self.kmin[layer_idx].index_copy_(0, page_ids, kmin)
+        self.kmax[layer_idx].index_copy_(0, page_ids, kmax)
+        self.kmean[layer_idx].index_copy_(0, page_ids, kmean)
+
+    def nbytes(self) -> int:
+        return 3 * self.kmin.numel() * 4
+
+
+def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest upper bound of q . k over each page.
+
+    q: [T, Hq, D] (query tokens, after RoPE); kmin, kmax: [Np, Hkv, D] -> [T, Hq, Np].
+    Query head h reads KV head h // (Hq / Hkv).
+    """
+    num_heads, num_kv_heads = q.shape[1], kmin.shape[1]
+    group = num_heads // num_kv_heads
+    qf = q.float()
+    q_pos, q_neg = qf.clamp(min=0), qf.clamp(max=0)
+    kmax_h = kmax.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Np, D]
+    kmin_h = kmin.repeat_interleave(group, dim=1).transpose(0, 1)
+    # bound: [Hq, T, Np]
+    bound = torch.bmm(q_pos.transpose(0, 1), kmax_h.transpose(1, 2)) + torch.bmm(
+        q_neg.transpose(0, 1), kmin_h.transpose(1, 2)
+    )
+    return bound.transpose(0, 1)
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
+    """Unit mass per (query token, head) spread over pages: [T, Hq, D] x [Np, ...] -> [Np] (sums to T*Hq)."""
+    bound = page_bounds(q, kmin, kmax) * scale  # [T, Hq, Np]
+    return torch.softmax(bound, dim=-1).sum(dim=(0, 1))
+
+
+def mean_key_scores(q: torch.Tensor, kmean: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same unit-mass aggregation over q . mean(k) logits (the content-frame alternative)."""
+    num_heads, num_kv_heads = q.shape[1], kmean.shape[1]
+    k = kmean.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)  # [Hq, Np, D]
+    logits = torch.bmm(q.float().transpose(0, 1), k.transpose(1, 2)) * scale  # [Hq, T, Np]
+    return torch.softmax(logits, dim=-1).sum(dim=(0, 1))

@@ -1,0 +1,128 @@
+"""The ring on a tiny random model with a real kvstore: a sequence many times its resident budget.
+
+- `exact` gives the same tokens as an unlimited pool (dense reference), through demotions and restores;
+- `sparse` reports itself and is flagged unverified; the bucket identity holds at every step;
+- selection: top pages plus seam neighbours, protect/skeleton excluded, audit records written;
+- two sequences share one pool, each within its budget.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from services.common.tokenizer import Tokenizer
+from services.engine.ring import RingManager, SeqRing
+from services.engine.sequence import Done
+from services.engine.slots import SlotAllocator
+from services.engine.summaries import PageSummaries
+from tests.conftest import StartStore
+from tests.engine.helpers import drain, events_of, greedy, make_engine, reference_greedy, ring_limits, tiny_model
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(VOCAB, seed=11)
+
+
+@pytest.fixture
+def store_address(start_store: StartStore) -> str:
+    return start_store(host_kv_mib=32).address
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, VOCAB) for _ in range(n)]
+
+
+def _run_checking_buckets(engine, seqs, max_steps: int = 5000) -> None:
+    engine.poll()
+    for _ in range(max_steps):
+        if all(s.is_finished for s in seqs):
+            return
+        engine.step()
+        engine.slots.check_integrity()
+        for s in engine.scheduler.running:
+            if s.ring is not None:
+                resident = s.page_table.resident_pages()
+                assert len(resident) <= engine.ring.limits.budget_pages, resident
+                assert 0 in resident  # protect
+                last = (s.num_computed - 1) // engine.ring.limits.page_size
+                assert last in resident  # recent
+    raise AssertionError("sequences did not finish")
+
+
+def test_exact_policy_matches_the_unlimited_pool(model, smol_tokenizer: Tokenizer, store_address: str) -> None:
+    limits = ring_limits(budget_pages=8)  # 32 tokens resident for a 90-token context
+    engine = make_engine(model, smol_tokenizer, num_slots=8, ring=limits, ring_chunk=8, store_address=store_address,
+                         default_policy="exact")  # fmt: skip
+    prompt = _prompt(70, 1)
+    seq = engine.submit("exact", prompt, greedy(20))
+    _run_checking_buckets(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert isinstance(done, Done)
+    assert tokens == reference_greedy(model, prompt, 20)
+    assert done.prefill_policy == "exact" and not done.unverified
+    assert engine.ring.num_demotions > 10
+
+
+def test_sparse_policy_is_flagged_unverified(model, smol_tokenizer: Tokenizer, store_address: str) -> None:
+    engine = make_engine(model, smol_tokenizer, num_slots=8, ring=ring_limits(budget_pages=8), ring_chunk=8,
+                         store_address=store_address)  # fmt: skip
+    seq = engine.submit("sparse", _prompt(70, 2), greedy(12))
+    _run_checking_buckets(engine, [seq])
+    _, done = drain(events_of(seq))
+    assert done.prefill_policy == "sparse" and done.unverified
+    assert done.completion_tokens == 12
+
+
+def test_prompt_within_budget_stays_resident_and_exact(model, smol_tokenizer: Tokenizer, store_address: str) -> None:
+    engine = make_engine(model, smol_tokenizer, num_slots=16, ring=ring_limits(budget_pages=16), ring_chunk=8,
+                         store_address=store_address)  # fmt: skip
+    prompt = _prompt(30, 3)
+    seq = engine.submit("fits", prompt, greedy(10))
+    _run_checking_buckets(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert tokens == reference_greedy(model, prompt, 10)
+    assert done.prefill_policy == "resident" and not done.unverified
+
+
+def test_two_sequences_share_one_pool(model, smol_tokenizer: Tokenizer, store_address: str) -> None:
+    limits = ring_limits(budget_pages=8)
+    engine = make_engine(model, smol_tokenizer, num_slots=16, ring=limits, ring_chunk=8, store_address=store_address,
+                         default_policy="exact")  # fmt: skip
+    prompts = [_prompt(60, 4), _prompt(45, 5)]
+    seqs = [engine.submit(f"s{i}", p, greedy(10)) for i, p in enumerate(prompts)]
+    _run_checking_buckets(engine, seqs)
+    for p, s in zip(prompts, seqs, strict=True):
+        assert drain(events_of(s))[0] == reference_greedy(model, p, 10)
+    assert engine.scheduler.num_preemptions == 0
+
+
+def test_selection_takes_top_pages_and_their_neighbours(tmp_path) -> None:
+    limits = ring_limits(budget_pages=12, evidence_pages=5, audit_dir=str(tmp_path))
+    manager = RingManager(limits, SlotAllocator(4), pool=None, host=None)  # type: ignore[arg-type]
+    ring = SeqRing(summaries=PageSummaries(1, 20, 1, 4, torch.device("cpu")), policy="sparse", query_start=70)
+    ring.skeleton = {17}
+    scores = torch.zeros(20)
+    scores[[9, 0, 17, 3]] = torch.tensor([5.0, 4.0, 3.0, 2.0])
+    manager.add_scores(ring, scores, num_query_tokens=4)
+    manager.select(ring, num_candidate_pages=18, request_id="audit/me", step=7)
+    # 9 then its neighbours 10, 8; 0 is protect, 17 is skeleton: skipped; then 3 and 4
+    assert ring.evidence == {9, 10, 8, 3, 4}
+    record = json.loads((tmp_path / "audit_me.jsonl").read_text().splitlines()[0])
+    assert record["evidence"] == [3, 4, 8, 9, 10] and record["top"][0] == [9, 5.0] and record["step"] == 7
+
+
+def test_negative_control_keeps_no_evidence() -> None:
+    limits = ring_limits(budget_pages=12, retrieval=False)
+    manager = RingManager(limits, SlotAllocator(4), pool=None, host=None)  # type: ignore[arg-type]
+    ring = SeqRing(summaries=PageSummaries(1, 20, 1, 4, torch.device("cpu")), policy="sparse", query_start=0)
+    manager.add_scores(ring, torch.arange(20.0), num_query_tokens=1)
+    manager.select(ring, num_candidate_pages=20, request_id="r", step=0)
+    assert ring.evidence == set()
