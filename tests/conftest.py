@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -94,14 +94,16 @@ def start_store(redis_url: str, tmp_path: Path) -> Iterator[StartStore]:
     """Start kvstore processes (stopped with SIGTERM at the end); each gets its own catalog prefix."""
     started: list[Store] = []
 
-    def start(host_kv_mib: int = 64, port: int | None = None, replica_id: str = "", prefix: str = "") -> Store:
+    def start(
+        host_kv_mib: int = 64, port: int | None = None, replica_id: str = "", prefix: str = "", args: Sequence[str] = ()
+    ) -> Store:
         port = port or free_port()
         replica_id = replica_id or f"test-{uuid.uuid4().hex[:8]}"
         prefix = prefix or f"kvmem-test-{uuid.uuid4().hex[:8]}:"
         address = f"127.0.0.1:{port}"
         argv = [sys.executable, "-m", "services.kvstore", "--listen-addr", address, "--host-kv-mib",
                 str(host_kv_mib), "--arena-dir", str(tmp_path), "--replica-id", replica_id,
-                "--redis-url", redis_url, "--catalog-prefix", prefix, "--heartbeat-s", "0.5"]  # fmt: skip
+                "--redis-url", redis_url, "--catalog-prefix", prefix, "--heartbeat-s", "0.5", *args]  # fmt: skip
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
         lines: list[str] = []
         _wait_ready(proc, lines)

@@ -170,6 +170,22 @@ class Arena:
         self._free_by_end[offset + cls] = offset
         self._trim()
 
+    def shrink(self, offset: int, nbytes: int, new_nbytes: int) -> None:
+        """Keep the first new_nbytes of the slot at offset (allocated for nbytes); the tail becomes a free
+        slot of its own class (the cold tier compresses a page in place, then gives the rest back)."""
+        cls, new_cls = round_up(nbytes), round_up(new_nbytes)
+        have = self._used.get(offset)
+        if have != cls or not 0 < new_cls < cls:
+            raise ArenaError(f"shrink of offset {offset} from class {cls} to {new_cls}: slot is {have}")
+        self._used[offset] = new_cls
+        tail, tail_cls = offset + new_cls, cls - new_cls
+        self._num_cut[cls] -= 1
+        self._num_cut[new_cls] += 1
+        self._num_cut[tail_cls] += 1
+        self._free.setdefault(tail_cls, {})[tail] = None
+        self._free_by_end[tail + tail_cls] = tail
+        self._trim()
+
     def _trim(self) -> None:
         """Give free slots that end at the bump pointer back to the bump region."""
         while (offset := self._free_by_end.pop(self._bump, None)) is not None:

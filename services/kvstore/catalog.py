@@ -50,34 +50,18 @@ class CatalogEntry(NamedTuple):
     num_tokens: int
 
 
-class Catalog:
-    """One replica's handle on the redis catalog (a CatalogSink for PageStore)."""
+class Member(NamedTuple):
+    address: str
+    last_beat: float  # unix time of the replica's last heartbeat
 
-    def __init__(
-        self,
-        redis_url: str,
-        replica_id: str,
-        address: str,
-        prefix: str = "kvmem:",
-        heartbeat_s: float = 2.0,
-        stale_after_s: float | None = None,
-    ) -> None:
-        self.replica_id = replica_id
-        self.address = address
+
+class CatalogReader:
+    """Read-only view of the catalog: live replicas and page entries (what clients use)."""
+
+    def __init__(self, redis_url: str, prefix: str = "kvmem:", stale_after_s: float = 6.0) -> None:
         self.prefix = prefix
-        self.heartbeat_s = heartbeat_s
-        self.stale_after_s = stale_after_s if stale_after_s is not None else 3 * heartbeat_s
-        self.num_errors = 0
+        self.stale_after_s = stale_after_s
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        self._remove = self._redis.register_script(_REMOVE_SCRIPT)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._failing = False
-        self._queue: queue.Queue[tuple[list[PageLocation], list[bytes]] | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._writer_loop, name="kvstore-catalog", daemon=True)
-        self._writer.start()
-
-    # ---- keys -----------------------------------------------------------------------------------
 
     def page_key(self, page_hash: bytes) -> str:
         return f"{self.prefix}page:{page_hash.hex()}"
@@ -89,6 +73,79 @@ class Catalog:
     @property
     def heartbeat_key(self) -> str:
         return f"{self.prefix}replicas:heartbeat"
+
+    def members(self) -> dict[str, Member]:
+        """Live replicas (heartbeat within stale_after_s): replica_id -> address and last beat."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hgetall(self.replicas_key)
+        pipe.hgetall(self.heartbeat_key)
+        addresses, beats = pipe.execute()
+        now = time.time()
+        return {
+            _text(rid): Member(_text(addr), float(beats[rid]))
+            for rid, addr in addresses.items()
+            if rid in beats and now - float(beats[rid]) <= self.stale_after_s
+        }
+
+    def replicas(self) -> dict[str, str]:
+        """Live replicas (heartbeat within stale_after_s): replica_id -> address."""
+        return {rid: m.address for rid, m in self.members().items()}
+
+    def entry(self, page_hash: bytes) -> CatalogEntry | None:
+        """The catalog entry of a page, or None."""
+        return self.entries([page_hash])[0]
+
+    def entries(self, page_hashes: Sequence[bytes]) -> list[CatalogEntry | None]:
+        """The catalog entry of each page, in order (None where there is none); one round trip."""
+        pipe = self._redis.pipeline(transaction=False)
+        for h in page_hashes:
+            pipe.hgetall(self.page_key(h))
+        out: list[CatalogEntry | None] = []
+        for fields in pipe.execute() if page_hashes else []:
+            f = {_text(k): _text(v) for k, v in fields.items()}
+            out.append(
+                CatalogEntry(f["replica"], int(f["offset"]), int(f["nbytes"]), f["kv_format"], int(f["num_tokens"]))
+                if f
+                else None
+            )
+        return out
+
+    def where(self, page_hash: bytes) -> str | None:
+        """Address of the live replica holding the page, or None (absent, or its replica is stale)."""
+        entry = self.entry(page_hash)
+        if entry is None:
+            return None
+        member = self.members().get(entry.replica_id)
+        return member.address if member is not None else None
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+class Catalog(CatalogReader):
+    """One replica's handle on the redis catalog (a CatalogSink for PageStore)."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        replica_id: str,
+        address: str,
+        prefix: str = "kvmem:",
+        heartbeat_s: float = 2.0,
+        stale_after_s: float | None = None,
+    ) -> None:
+        super().__init__(redis_url, prefix, stale_after_s if stale_after_s is not None else 3 * heartbeat_s)
+        self.replica_id = replica_id
+        self.address = address
+        self.heartbeat_s = heartbeat_s
+        self.num_errors = 0
+        self._remove = self._redis.register_script(_REMOVE_SCRIPT)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+        self._queue: queue.Queue[tuple[list[PageLocation], list[bytes]] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._writer_loop, name="kvstore-catalog", daemon=True)
+        self._writer.start()
 
     def pages_key(self, replica_id: str) -> str:
         return f"{self.prefix}replica:{replica_id}:pages"
@@ -123,19 +180,6 @@ class Catalog:
             logger.info("catalog: unregistered %s (%d page entries removed)", self.replica_id, num_removed)
         except redis.RedisError as e:
             logger.error("catalog: unregister of %s failed: %s", self.replica_id, e)
-
-    def replicas(self) -> dict[str, str]:
-        """Live replicas (heartbeat within stale_after_s): replica_id -> address."""
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hgetall(self.replicas_key)
-        pipe.hgetall(self.heartbeat_key)
-        addresses, beats = pipe.execute()
-        now = time.time()
-        return {
-            _text(rid): _text(addr)
-            for rid, addr in addresses.items()
-            if rid in beats and now - float(beats[rid]) <= self.stale_after_s
-        }
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
@@ -204,27 +248,6 @@ class Catalog:
             self._note_ok()
         except redis.RedisError as e:
             self._note_error(f"update (+{num_added} -{num_removed})", e)
-
-    def entry(self, page_hash: bytes) -> CatalogEntry | None:
-        """The catalog entry of a page, or None."""
-        fields = self._redis.hgetall(self.page_key(page_hash))
-        if not fields:
-            return None
-        f = {_text(k): _text(v) for k, v in fields.items()}
-        return CatalogEntry(f["replica"], int(f["offset"]), int(f["nbytes"]), f["kv_format"], int(f["num_tokens"]))
-
-    def where(self, page_hash: bytes) -> str | None:
-        """Address of the live replica holding the page, or None (absent, or its replica is stale)."""
-        replica = self._redis.hget(self.page_key(page_hash), "replica")
-        if replica is None:
-            return None
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hget(self.replicas_key, replica)
-        pipe.hget(self.heartbeat_key, replica)
-        address, beat = pipe.execute()
-        if address is None or beat is None or time.time() - float(beat) > self.stale_after_s:
-            return None
-        return _text(address)
 
     def close(self) -> None:
         """Stop the threads (queued updates are written first) and close the connection."""

@@ -1,31 +1,32 @@
-"""KVStoreClient: what the engine uses to put and get pages.
+"""KVStoreClient: what the engine uses to put, get and pin pages of one kvstore replica.
 
-Same host: the store's arena file is mapped here and page bytes move by one memcpy into or out of
-the mapping (Reserve, write, Commit / GetPage for the offset, copy). Another host (or when the file
-cannot be verified): the bytes travel in PutPage / GetPage messages. The choice is made on first
-use from GetInfo; `shared_memory=True/False` forces it.
+Same host: the store's arena file is mapped here and page bytes move by one memcpy into the mapping
+(Reserve(Pages), write, Commit(Pages)) and not at all out of it: `get_pages` returns read-only views
+into the mapping, pinned until the batch is released, which a CUDA engine copies straight to the
+device from the registered mapping (`arena_mapping`). Another host (or when the file cannot be
+verified): the bytes travel in PutPage(s) messages and a GetPagesStream. The choice is made on
+first use from GetInfo; `shared_memory=True/False` forces it.
+
+Pins by owner (`pin`, `unpin`) are renewed by a keep-alive thread while this client is open, so
+they lapse on the store `ttl_s` after the owning process dies.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 
 from services.common.protos import kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.arena import HEADER_BYTES, MAP_FLAGS, ArenaError, parse_header
-from services.kvstore.server import TOKEN_METADATA_KEY, meta_to_pb
-from services.kvstore.store import (
-    READ_LEASE_S,
-    RESERVATION_TTL_S,
+from services.kvstore.mapping import ArenaMapping, Mapping, SharedMemoryUnavailable, StoreInfo, map_arena
+from services.kvstore.pages import (
     InvalidPageError,
     KVStoreError,
+    PageBatch,
     PageLocation,
     PageMeta,
     PageNotFoundError,
@@ -35,14 +36,18 @@ from services.kvstore.store import (
     StoreFullError,
     as_bytes_view,
 )
+from services.kvstore.server import TOKEN_METADATA_KEY, location_from_pb, meta_to_pb
+from services.kvstore.store import PIN_TTL_S, READ_LEASE_S, RESERVATION_TTL_S
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ArenaMapping",
     "InvalidPageError",
     "KVStoreClient",
     "KVStoreError",
     "KVStoreUnavailable",
+    "PageBatch",
     "PageLocation",
     "PageMeta",
     "PageNotFoundError",
@@ -54,25 +59,14 @@ __all__ = [
     "StoreInfo",
 ]
 
-
 Metadata = tuple[tuple[str, str], ...]
+PageData = bytes | bytearray | memoryview
+DEFAULT_RENEW_S = 2.0  # how often pins taken with the store's default ttl are renewed
+MAX_PUT_REQUEST_BYTES = 8 << 20  # PutPages requests are split near this (huge messages are slow in grpc)
 
 
 class KVStoreUnavailable(KVStoreError):
     """The store cannot be reached (UNAVAILABLE or deadline exceeded)."""
-
-
-class SharedMemoryUnavailable(KVStoreError):
-    """shared_memory=True was asked for but the store's arena cannot be mapped and verified here."""
-
-
-class StoreInfo(NamedTuple):
-    replica_id: str
-    arena_path: str
-    arena_bytes: int
-    used_bytes: int
-    num_pages: int
-    evictions: int
 
 
 _ERROR_FOR_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
@@ -94,54 +88,9 @@ def error_from_rpc(e: grpc.RpcError, address: str) -> KVStoreError:
     return _ERROR_FOR_CODE.get(code, KVStoreError)(f"kvstore {address}: {code.name}: {details}")
 
 
-class _Mapping(NamedTuple):
-    mm: mmap.mmap
-    token_hex: str
-    replica_id: str
-    arena_bytes: int
-
-
-def _location_from_pb(loc: kvstore_pb2.PageLocation) -> PageLocation:
-    m = loc.meta
-    return PageLocation(
-        loc.found, loc.replica_id, loc.offset, PageMeta(m.page_hash, m.kv_format, m.num_tokens, m.nbytes)
-    )
-
-
-def map_arena(info: StoreInfo, token_hex: str) -> mmap.mmap:
-    """Map the arena file named by info and check it is that store's (raises SharedMemoryUnavailable)."""
-    if not token_hex:
-        raise SharedMemoryUnavailable("the store sent no arena token")
-    try:
-        fd = os.open(info.arena_path, os.O_RDWR)
-    except OSError as e:
-        raise SharedMemoryUnavailable(f"cannot open {info.arena_path}: {e.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size < HEADER_BYTES + info.arena_bytes:
-            raise SharedMemoryUnavailable(
-                f"{info.arena_path} is {size} bytes, store says {HEADER_BYTES} + {info.arena_bytes}"
-            )
-        mm = mmap.mmap(fd, HEADER_BYTES + info.arena_bytes, flags=MAP_FLAGS)
-    finally:
-        os.close(fd)
-    try:
-        header = parse_header(mm[:HEADER_BYTES])
-    except ArenaError as e:
-        mm.close()
-        raise SharedMemoryUnavailable(f"{info.arena_path}: {e}") from None
-    if (header.token.hex(), header.replica_id, header.capacity) != (
-        token_hex,
-        info.replica_id,
-        info.arena_bytes,
-    ):
-        mm.close()
-        raise SharedMemoryUnavailable(
-            f"{info.arena_path} belongs to another store: token {header.token.hex()} replica "
-            f"{header.replica_id} capacity {header.capacity}, expected {token_hex} {info.replica_id} "
-            f"{info.arena_bytes}"
-        )
-    return mm
+def missing_error(page_hashes: Sequence[bytes], where: str) -> PageNotFoundError:
+    shown = ", ".join(h.hex() for h in page_hashes[:4]) + (" ..." if len(page_hashes) > 4 else "")
+    return PageNotFoundError(f"{len(page_hashes)} pages not in {where}: {shown}", tuple(page_hashes))
 
 
 class KVStoreClient:
@@ -159,7 +108,8 @@ class KVStoreClient:
         self._lock = threading.Lock()
         self._resolved = False
         self._info: StoreInfo | None = None
-        self._mapping: _Mapping | None = None
+        self._mapping: Mapping | None = None
+        self._keep_alive = _KeepAlive(self)
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -172,53 +122,104 @@ class KVStoreClient:
         """The store's replica id, arena file, budget and counters."""
         return self._get_info()[0]
 
-    def put_page(self, meta: PageMeta, data: bytes | bytearray | memoryview) -> PageLocation:
-        """Store one page (no-op if present); through the mapped arena when shared."""
-        src = as_bytes_view(data)
-        if src.nbytes != meta.nbytes:
-            raise InvalidPageError(f"page data is {src.nbytes} bytes, meta says {meta.nbytes}")
+    def arena_mapping(self) -> ArenaMapping | None:
+        """The mapped arena's address and size (to register as pinned memory), or None when remote."""
         mapping = self._ensure_resolved()
-        assert self._info is not None
-        if meta.nbytes > self._info.arena_bytes:
-            raise PageTooLargeError(
-                f"page of {meta.nbytes} bytes exceeds the store budget of {self._info.arena_bytes} bytes"
-            )
+        return mapping.arena_mapping() if mapping is not None else None
+
+    def put_page(self, meta: PageMeta, data: PageData) -> PageLocation:
+        """Store one page (no-op if present); through the mapped arena when shared."""
+        return self.put_pages([(meta, data)])[0]
+
+    def put_pages(self, pages: Sequence[tuple[PageMeta, PageData]]) -> list[PageLocation]:
+        """Store pages (present ones are no-ops), one location each: on the same host one ReservePages,
+        a memcpy per page and one CommitPages; otherwise PutPages requests of about 8 MiB."""
+        checked = [(meta, self._check_put(meta, data)) for meta, data in pages]
+        if not checked:
+            return []
+        mapping = self._ensure_resolved()
         if mapping is not None:
             try:
                 try:
-                    return self._put_shared(mapping, meta, src)
+                    return self._put_shared(mapping, checked)
                 except StaleArenaError:
                     mapping = self._remap(mapping)
                     if mapping is not None:
-                        return self._put_shared(mapping, meta, src)
+                        return self._put_shared(mapping, checked)
             except ReservationError as e:  # expired while we were slow: send the bytes instead
                 logger.warning("kvstore %s: shared put failed (%s); putting inline", self.address, e)
-        return self._put_inline(meta, src)
+        return self._put_inline(checked)
 
     def get_page(self, page_hash: bytes) -> bytes:
-        """The page's bytes; raises PageNotFoundError when the store does not hold it."""
+        """A copy of the page's bytes; raises PageNotFoundError when the store does not hold it."""
         mapping = self._ensure_resolved()
         if mapping is not None:
             try:
-                data = self._get_shared(mapping, page_hash)
+                data = self._get_one_shared(mapping, page_hash)
             except StaleArenaError:
                 mapping = self._remap(mapping)
-                data = self._get_shared(mapping, page_hash) if mapping is not None else None
+                data = self._get_one_shared(mapping, page_hash) if mapping is not None else None
             if data is not None:
                 return data
         response = self._call(self._stub.GetPage, kvstore_pb2.GetPageRequest(page_hash=page_hash, with_data=True))
         return bytes(response.data)
 
+    def get_pages(
+        self, page_hashes: Sequence[bytes], owner_id: str = "", missing_ok: bool = False, pin_ttl_s: float = 0.0
+    ) -> PageBatch:
+        """The pages, in order: zero-copy views into the mapped arena on the same host (pinned under
+        owner_id, or a lease of the store's pin ttl when empty: release the batch before it ends), bytes
+        otherwise. Missing pages raise PageNotFoundError (listing them), or are None with missing_ok."""
+        if owner_id:
+            self._keep_alive.add(owner_id, pin_ttl_s)
+        mapping = self._ensure_resolved()
+        if mapping is not None:
+            try:
+                batch = self._get_shared(mapping, page_hashes, owner_id, pin_ttl_s)
+            except StaleArenaError:
+                mapping = self._remap(mapping)
+                batch = self._get_shared(mapping, page_hashes, owner_id, pin_ttl_s) if mapping else None
+        else:
+            batch = None
+        if batch is None:
+            batch = self._get_streamed(page_hashes)
+        missing = [h for h, page in zip(page_hashes, batch, strict=True) if page is None]
+        if missing and not missing_ok:
+            batch.release()
+            raise missing_error(missing, f"kvstore {self.address}")
+        return batch
+
     def lookup(self, page_hashes: Sequence[bytes]) -> list[PageLocation]:
         """One location per hash, in order (found=False where the store lacks the page)."""
         response = self._call(self._stub.Lookup, kvstore_pb2.LookupRequest(page_hashes=list(page_hashes)))
-        return [_location_from_pb(loc) for loc in response.locations]
+        return [location_from_pb(loc) for loc in response.locations]
+
+    def pin(self, owner_id: str, page_hashes: Sequence[bytes], ttl_s: float = 0.0) -> list[PageLocation]:
+        """Pin the present pages for owner_id (one pin each); renewed by this client until unpinned or
+        closed, so they lapse ttl_s (0: the store's default) after this process stops."""
+        request = kvstore_pb2.PinRequest(owner_id=owner_id, page_hashes=list(page_hashes), ttl_s=ttl_s)
+        locations = [location_from_pb(loc) for loc in self._call(self._stub.Pin, request).locations]
+        if any(loc.found for loc in locations):
+            self._keep_alive.add(owner_id, ttl_s)
+        return locations
+
+    def unpin(self, owner_id: str, page_hashes: Sequence[bytes] | None = None) -> int:
+        """Drop one pin per listed page (every pin of owner_id when None); returns pages left unpinned."""
+        if page_hashes is None:
+            self._keep_alive.discard(owner_id)
+        request = kvstore_pb2.UnpinRequest(owner_id=owner_id, page_hashes=list(page_hashes or ()))
+        return int(self._call(self._stub.Unpin, request).num_unpinned)
+
+    def renew(self, owner_id: str, ttl_s: float = 0.0) -> None:
+        """Push owner_id's deadline ttl_s into the future (the keep-alive thread does this by itself)."""
+        self._call(self._stub.Pin, kvstore_pb2.PinRequest(owner_id=owner_id, ttl_s=ttl_s))
 
     def close(self) -> None:
-        """Close the channel and drop the arena mapping."""
+        """Stop renewing pins, close the channel and drop the arena mapping."""
+        self._keep_alive.stop()
         with self._lock:
             if self._mapping is not None:
-                self._mapping.mm.close()
+                self._mapping.close()
                 self._mapping = None
         self._channel.close()
 
@@ -230,32 +231,93 @@ class KVStoreClient:
 
     # ---- paths ----------------------------------------------------------------------------------
 
-    def _put_shared(self, mapping: _Mapping, meta: PageMeta, src: memoryview) -> PageLocation:
+    def _check_put(self, meta: PageMeta, data: PageData) -> memoryview:
+        src = as_bytes_view(data)
+        if src.nbytes != meta.nbytes:
+            raise InvalidPageError(f"page data is {src.nbytes} bytes, meta says {meta.nbytes}")
+        self._ensure_resolved()
+        assert self._info is not None
+        if meta.nbytes > self._info.arena_bytes:
+            raise PageTooLargeError(
+                f"page of {meta.nbytes} bytes exceeds the store budget of {self._info.arena_bytes} bytes"
+            )
+        return src
+
+    def _put_shared(self, mapping: Mapping, pages: list[tuple[PageMeta, memoryview]]) -> list[PageLocation]:
         md = ((TOKEN_METADATA_KEY, mapping.token_hex),)
         start = time.monotonic()
-        r = self._call(self._stub.Reserve, kvstore_pb2.ReserveRequest(meta=meta_to_pb(meta)), md)
-        if r.already_present:
-            return PageLocation(True, mapping.replica_id, r.offset, meta)
-        if time.monotonic() - start >= RESERVATION_TTL_S:  # too late to write safely: let it expire
-            raise ReservationError(f"reservation {r.reservation_id} for {meta.page_hash.hex()} came back too late")
-        mapping.mm[r.offset : r.offset + meta.nbytes] = src
-        response = self._call(self._stub.Commit, kvstore_pb2.CommitRequest(reservation_id=r.reservation_id), md)
-        return _location_from_pb(response.location)
+        request = kvstore_pb2.ReservePagesRequest(metas=[meta_to_pb(meta) for meta, _ in pages])
+        reservations = self._call(self._stub.ReservePages, request, md).reservations
+        if time.monotonic() - start >= RESERVATION_TTL_S:  # too late to write safely: let them expire
+            raise ReservationError(f"{len(pages)} reservations came back too late")
+        for (meta, src), r in zip(pages, reservations, strict=True):
+            if not r.already_present:
+                mapping.mm[r.offset : r.offset + meta.nbytes] = src
+        ids = [r.reservation_id for r in reservations if not r.already_present]
+        committed = iter(
+            self._call(self._stub.CommitPages, kvstore_pb2.CommitPagesRequest(reservation_ids=ids), md).locations
+            if ids
+            else ()
+        )
+        return [
+            PageLocation(True, mapping.replica_id, r.offset, meta)
+            if r.already_present
+            else location_from_pb(next(committed))
+            for (meta, _), r in zip(pages, reservations, strict=True)
+        ]
 
-    def _put_inline(self, meta: PageMeta, src: memoryview) -> PageLocation:
-        data = src.obj if isinstance(src.obj, bytes) and len(src.obj) == src.nbytes else src.tobytes()
-        request = kvstore_pb2.PutPageRequest(meta=meta_to_pb(meta), data=data)
-        return _location_from_pb(self._call(self._stub.PutPage, request).location)
+    def _put_inline(self, pages: list[tuple[PageMeta, memoryview]]) -> list[PageLocation]:
+        locations: list[PageLocation] = []
+        request, request_bytes = kvstore_pb2.PutPagesRequest(), 0
+        for meta, src in pages:
+            if request.pages and request_bytes + meta.nbytes > MAX_PUT_REQUEST_BYTES:
+                locations += self._send_puts(request)
+                request, request_bytes = kvstore_pb2.PutPagesRequest(), 0
+            data = src.obj if isinstance(src.obj, bytes) and len(src.obj) == src.nbytes else src.tobytes()
+            request.pages.append(kvstore_pb2.PutPageRequest(meta=meta_to_pb(meta), data=data))
+            request_bytes += meta.nbytes
+        return locations + self._send_puts(request)
 
-    def _get_shared(self, mapping: _Mapping, page_hash: bytes) -> bytes | None:
-        """Copy the page out of the mapping; None when the read lease ran out (caller re-reads inline)."""
+    def _send_puts(self, request: kvstore_pb2.PutPagesRequest) -> list[PageLocation]:
+        return [location_from_pb(r.location) for r in self._call(self._stub.PutPages, request).results]
+
+    def _get_shared(
+        self, mapping: Mapping, page_hashes: Sequence[bytes], owner_id: str, pin_ttl_s: float
+    ) -> PageBatch | None:
+        """Views into the mapping, pinned; None when the pins may have lapsed (caller streams instead)."""
+        md = ((TOKEN_METADATA_KEY, mapping.token_hex),)
+        start = time.monotonic()
+        request = kvstore_pb2.GetPagesRequest(page_hashes=list(page_hashes), owner_id=owner_id, pin_ttl_s=pin_ttl_s)
+        response = self._call(self._stub.GetPages, request, md)
+        locations = [location_from_pb(loc) for loc in response.locations]
+        pinned = [loc.meta.page_hash for loc in locations if loc.found]
+        pin_owner = response.owner_id
+
+        def release() -> None:
+            if pinned:
+                try:
+                    self.unpin(pin_owner, pinned)
+                except KVStoreError as e:  # the pins lapse by themselves
+                    logger.warning("kvstore %s: unpin of %d pages failed: %s", self.address, len(pinned), e)
+
+        batch = PageBatch(
+            [mapping.page_view(loc.offset, loc.meta.nbytes) if loc.found else None for loc in locations],
+            locations,
+            release,
+        )
+        if time.monotonic() - start >= (pin_ttl_s or PIN_TTL_S):
+            logger.warning("shared get of %d pages took too long to trust the pins: streaming", len(pinned))
+            batch.release()
+            return None
+        return batch
+
+    def _get_one_shared(self, mapping: Mapping, page_hash: bytes) -> bytes | None:
+        """Copy one page out of the mapping under a read lease; None when the lease ran out (re-read inline)."""
         md = ((TOKEN_METADATA_KEY, mapping.token_hex),)
         start = time.monotonic()
         response = self._call(self._stub.GetPage, kvstore_pb2.GetPageRequest(page_hash=page_hash), md)
-        offset, nbytes = response.location.offset, response.location.meta.nbytes
-        if offset + nbytes > len(mapping.mm):
-            raise KVStoreError(f"page {page_hash.hex()} at [{offset}, {offset + nbytes}) is outside the mapped arena")
-        data = mapping.mm[offset : offset + nbytes]
+        loc = response.location
+        data = bytes(mapping.page_view(loc.offset, loc.meta.nbytes))
         elapsed_s = time.monotonic() - start
         if elapsed_s >= READ_LEASE_S:
             logger.warning(
@@ -266,6 +328,30 @@ class KVStoreClient:
             )
             return None
         return data
+
+    def _get_streamed(self, page_hashes: Sequence[bytes]) -> PageBatch:
+        """The pages' bytes through GetPagesStream (found=False pages are None)."""
+        locations = [PageLocation(False, "", 0, PageMeta(h, "", 0, 0)) for h in page_hashes]
+        chunks: list[list[bytes]] = [[] for _ in page_hashes]
+        try:
+            request = kvstore_pb2.GetPagesRequest(page_hashes=list(page_hashes))
+            # the whole stream has one deadline: give big batches 50 ms a page on top
+            stream = self._stub.GetPagesStream(request, timeout=self.timeout_s + 0.05 * len(page_hashes))
+            for chunk in stream:
+                if chunk.HasField("location"):
+                    locations[chunk.index] = location_from_pb(chunk.location)
+                if chunk.data:
+                    chunks[chunk.index].append(chunk.data)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, self.address) from None
+        pages = [
+            (parts[0] if len(parts) == 1 else b"".join(parts)) if loc.found else None
+            for loc, parts in zip(locations, chunks, strict=True)
+        ]
+        for loc, page in zip(locations, pages, strict=True):
+            if page is not None and len(page) != loc.meta.nbytes:
+                raise KVStoreError(f"page {loc.meta.page_hash.hex()}: got {len(page)} of {loc.meta.nbytes} bytes")
+        return PageBatch(pages, locations)
 
     # ---- plumbing -------------------------------------------------------------------------------
 
@@ -280,7 +366,9 @@ class KVStoreClient:
             response, call = self._stub.GetInfo.with_call(kvstore_pb2.GetInfoRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise error_from_rpc(e, self.address) from None
-        token_hex = next((str(v) for k, v in call.initial_metadata() or () if k == TOKEN_METADATA_KEY), "")
+        token_hex = response.arena_token.hex() or next(
+            (str(v) for k, v in call.initial_metadata() or () if k == TOKEN_METADATA_KEY), ""
+        )
         info = StoreInfo(
             response.replica_id,
             response.arena_path,
@@ -288,10 +376,16 @@ class KVStoreClient:
             response.used_bytes,
             response.num_pages,
             response.evictions,
+            response.num_cold_pages,
+            response.cold_bytes,
+            response.cold_raw_bytes,
+            response.num_pinned_pages,
+            response.num_compressed,
+            response.num_restored,
         )
         return info, token_hex
 
-    def _ensure_resolved(self) -> _Mapping | None:
+    def _ensure_resolved(self) -> Mapping | None:
         if self._resolved:
             return self._mapping
         with self._lock:
@@ -304,8 +398,7 @@ class KVStoreClient:
         self._info, self._mapping = info, None
         if self._force_shared is not False:
             try:
-                mm = map_arena(info, token_hex)
-                self._mapping = _Mapping(mm, token_hex, info.replica_id, info.arena_bytes)
+                self._mapping = map_arena(info, token_hex)
                 logger.info("kvstore %s: shared-memory path via %s", self.address, info.arena_path)
             except SharedMemoryUnavailable as e:
                 if self._force_shared:
@@ -313,10 +406,67 @@ class KVStoreClient:
                 logger.info("kvstore %s: inline path (%s)", self.address, e)
         self._resolved = True
 
-    def _remap(self, stale: _Mapping) -> _Mapping | None:
+    def _remap(self, stale: Mapping) -> Mapping | None:
         """The store's arena changed (restart): map the new one (or fall back to inline)."""
         with self._lock:
             if self._mapping is stale:
                 logger.warning("kvstore %s: arena token changed; remapping", self.address)
+                stale.close()
                 self._resolve_locked()
             return self._mapping
+
+
+class _KeepAlive:
+    """Renews the pin owners a client holds pins for, every third of their ttl (every DEFAULT_RENEW_S
+    for the store's default ttl, 30 s unless configured lower), while the client is open."""
+
+    def __init__(self, client: KVStoreClient) -> None:
+        self._client = client
+        self._owner_ttl: dict[str, float] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def add(self, owner_id: str, ttl_s: float) -> None:
+        with self._cond:
+            if self._stopped:
+                return
+            old = self._owner_ttl.get(owner_id)
+            if old is None or _renew_period(ttl_s) < _renew_period(old):
+                self._owner_ttl[owner_id] = ttl_s  # renewed with the ttl that needs it most often
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvstore-pin-keepalive", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def discard(self, owner_id: str) -> None:
+        with self._cond:
+            self._owner_ttl.pop(owner_id, None)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                period = min((_renew_period(t) for t in self._owner_ttl.values()), default=PIN_TTL_S)
+                self._cond.wait(period)
+                if self._stopped:
+                    return
+                owners = dict(self._owner_ttl)
+            for owner_id, ttl_s in owners.items():
+                try:
+                    self._client.renew(owner_id, ttl_s)
+                except KVStoreError as e:
+                    logger.warning("kvstore %s: renewing pins of %s failed: %s", self._client.address, owner_id, e)
+
+
+def _renew_period(ttl_s: float) -> float:
+    return ttl_s / 3 if ttl_s else DEFAULT_RENEW_S

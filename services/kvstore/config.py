@@ -39,11 +39,18 @@ def default_replica_id(listen_addr: str) -> str:
 
 
 def default_advertise_addr(listen_addr: str) -> str:
-    """The address other processes should dial: the listen address, or hostname:port for a wildcard."""
+    """The address other processes should dial: the listen address; for a wildcard, this host's
+    address (what its name resolves to: a container's own IP under compose, where replicas scaled
+    with `--scale kvstore=N` share a service name), or its name when that resolves to loopback."""
     host, port = split_address(listen_addr)
-    if host in _WILDCARD_HOSTS:
-        return f"{socket.gethostname()}:{port}"
-    return listen_addr
+    if host not in _WILDCARD_HOSTS:
+        return listen_addr
+    name = socket.gethostname()
+    try:
+        ip = socket.gethostbyname(name)
+    except OSError:
+        return f"{name}:{port}"
+    return f"{name}:{port}" if ip.startswith("127.") else f"{ip}:{port}"
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,9 @@ class KVStoreConfig:
     catalog_prefix: str = "kvmem:"
     heartbeat_s: float = 2.0
     max_workers: int = 16
+    cold_after_s: float = 120.0  # compress pages not read for this long; 0: no cold tier
+    pin_ttl_s: float = 30.0  # an owner's pins lapse when it does not renew them within this
+    zstd_level: int = 1
 
     def __post_init__(self) -> None:
         split_address(self.listen_addr)
@@ -84,6 +94,17 @@ class KVStoreConfig:
             raise ConfigError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if self.max_workers < 1:
             raise ConfigError(f"max_workers must be >= 1, got {self.max_workers}")
+        if self.cold_after_s < 0:
+            raise ConfigError(f"cold_after_s must be >= 0 (0: no cold tier), got {self.cold_after_s}")
+        if not 0 < self.pin_ttl_s <= 3600:
+            raise ConfigError(f"pin_ttl_s must be in (0, 3600], got {self.pin_ttl_s}")
+        if not 1 <= self.zstd_level <= 19:
+            raise ConfigError(f"zstd_level must be in 1..19, got {self.zstd_level}")
+
+    @property
+    def maintenance_s(self) -> float:
+        """How often the maintenance thread expires pins and compresses cold pages."""
+        return min(1.0, self.pin_ttl_s / 4, self.cold_after_s / 4 if self.cold_after_s else 1.0)
 
     @property
     def arena_bytes(self) -> int:
@@ -110,6 +131,9 @@ class KVStoreConfig:
         # String defaults go through `type`, so a bad env value fails like a bad flag.
         p.add_argument("--heartbeat-s", type=float, default=env.get("KVMEM_KVSTORE_HEARTBEAT_S", "2.0"))
         p.add_argument("--max-workers", type=int, default=env.get("KVMEM_KVSTORE_WORKERS", "16"))
+        p.add_argument("--cold-after-s", type=float, default=env.get("KVMEM_COLD_AFTER_S", "120"))
+        p.add_argument("--pin-ttl-s", type=float, default=env.get("KVMEM_PIN_TTL_S", "30"))
+        p.add_argument("--zstd-level", type=int, default=env.get("KVMEM_ZSTD_LEVEL", "1"))
         a = p.parse_args(argv)
         return cls(
             listen_addr=a.listen_addr,
@@ -121,4 +145,7 @@ class KVStoreConfig:
             catalog_prefix=a.catalog_prefix,
             heartbeat_s=a.heartbeat_s,
             max_workers=a.max_workers,
+            cold_after_s=a.cold_after_s,
+            pin_ttl_s=a.pin_ttl_s,
+            zstd_level=a.zstd_level,
         )

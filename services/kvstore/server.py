@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -13,18 +14,20 @@ import grpc
 from services.common.protos import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.arena import Arena
 from services.kvstore.catalog import Catalog
+from services.kvstore.codec import PageCodec
 from services.kvstore.config import KVStoreConfig
-from services.kvstore.store import (
+from services.kvstore.pages import (
     InvalidPageError,
     PageLocation,
     PageMeta,
     PageNotFoundError,
-    PageStore,
     PageTooLargeError,
     ReservationError,
     StaleArenaError,
     StoreFullError,
+    check_hash,
 )
+from services.kvstore.store import PageStore
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 # Reserve, Commit and GetPage so a stale mapping (store restarted) is refused rather than misused.
 TOKEN_METADATA_KEY = "kvmem-arena-token"
 _MAX_GRPC_MESSAGE = 2**31 - 1
+STREAM_CHUNK_BYTES = 4 << 20  # GetPagesStream splits pages into chunks of at most this many bytes
 
 _T = TypeVar("_T")
 
@@ -72,6 +76,25 @@ def _rpc(
     return wrapper
 
 
+def _rpc_stream(
+    method: Callable[[Any, Any, grpc.ServicerContext], Iterator[_T]],
+) -> Callable[[Any, Any, grpc.ServicerContext], Iterator[_T]]:
+    """`_rpc` for server-streaming methods (errors raised while iterating become a status too)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[_T]:
+        try:
+            yield from method(self, request, context)
+        except Exception as e:
+            code = status_code_for(e)
+            if code == grpc.StatusCode.INTERNAL:
+                logger.exception("%s failed", method.__name__)
+                context.abort(code, f"internal error in {method.__name__} ({type(e).__name__}); see kvstore log")
+            context.abort(code, str(e))
+
+    return wrapper
+
+
 def meta_from_pb(m: kvstore_pb2.PageMeta) -> PageMeta:
     return PageMeta(bytes(m.page_hash), m.kv_format, m.num_tokens, m.nbytes)
 
@@ -84,8 +107,25 @@ def meta_to_pb(meta: PageMeta) -> kvstore_pb2.PageMeta:
 
 def location_to_pb(loc: PageLocation) -> kvstore_pb2.PageLocation:
     return kvstore_pb2.PageLocation(
-        found=loc.found, replica_id=loc.replica_id, offset=loc.offset, meta=meta_to_pb(loc.meta)
+        found=loc.found, replica_id=loc.replica_id, offset=loc.offset, meta=meta_to_pb(loc.meta), cold=loc.cold
     )
+
+
+def location_from_pb(loc: kvstore_pb2.PageLocation) -> PageLocation:
+    m = loc.meta
+    return PageLocation(
+        loc.found, loc.replica_id, loc.offset, PageMeta(m.page_hash, m.kv_format, m.num_tokens, m.nbytes), loc.cold
+    )
+
+
+def page_chunks(index: int, location: PageLocation, data: bytes) -> Iterator[kvstore_pb2.PageChunk]:
+    """A page's stream messages: the location with the first chunk of bytes, then the rest."""
+    view = memoryview(data)
+    yield kvstore_pb2.PageChunk(
+        index=index, location=location_to_pb(location), offset=0, data=bytes(view[:STREAM_CHUNK_BYTES])
+    )
+    for start in range(STREAM_CHUNK_BYTES, len(data), STREAM_CHUNK_BYTES):
+        yield kvstore_pb2.PageChunk(index=index, offset=start, data=bytes(view[start : start + STREAM_CHUNK_BYTES]))
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
@@ -116,6 +156,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             used_bytes=s.used_bytes,
             num_pages=s.num_pages,
             evictions=s.evictions,
+            arena_token=self._store.arena.token,
+            num_cold_pages=s.num_cold_pages,
+            cold_bytes=s.cold_bytes,
+            cold_raw_bytes=s.cold_raw_bytes,
+            num_pinned_pages=s.num_pinned_pages,
+            num_compressed=s.num_compressed,
+            num_restored=s.num_restored,
         )
 
     @_rpc
@@ -155,16 +202,119 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         locations = self._store.lookup([bytes(h) for h in request.page_hashes])
         return kvstore_pb2.LookupResponse(locations=[location_to_pb(loc) for loc in locations])
 
+    @_rpc
+    def ReservePages(
+        self, request: kvstore_pb2.ReservePagesRequest, context: grpc.ServicerContext
+    ) -> kvstore_pb2.ReservePagesResponse:
+        self._check_token(context)
+        made = self._store.reserve_many([meta_from_pb(m) for m in request.metas])
+        return kvstore_pb2.ReservePagesResponse(
+            reservations=[
+                kvstore_pb2.ReserveResponse(
+                    already_present=r.already_present, offset=r.offset, reservation_id=r.reservation_id
+                )
+                for r in made
+            ]
+        )
+
+    @_rpc
+    def CommitPages(
+        self, request: kvstore_pb2.CommitPagesRequest, context: grpc.ServicerContext
+    ) -> kvstore_pb2.CommitPagesResponse:
+        self._check_token(context)
+        locations = [self._store.commit(r) for r in request.reservation_ids]
+        return kvstore_pb2.CommitPagesResponse(locations=[location_to_pb(loc) for loc in locations])
+
+    @_rpc
+    def PutPages(
+        self, request: kvstore_pb2.PutPagesRequest, context: grpc.ServicerContext
+    ) -> kvstore_pb2.PutPagesResponse:
+        results = [self._store.put(meta_from_pb(p.meta), p.data) for p in request.pages]
+        return kvstore_pb2.PutPagesResponse(
+            results=[
+                kvstore_pb2.PutPageResponse(location=location_to_pb(r.location), already_present=r.already_present)
+                for r in results
+            ]
+        )
+
+    @_rpc
+    def GetPages(
+        self, request: kvstore_pb2.GetPagesRequest, context: grpc.ServicerContext
+    ) -> kvstore_pb2.GetPagesResponse:
+        self._check_token(context)
+        owner_id, locations = self._store.get_many(
+            [bytes(h) for h in request.page_hashes], request.owner_id, request.pin_ttl_s
+        )
+        return kvstore_pb2.GetPagesResponse(locations=[location_to_pb(loc) for loc in locations], owner_id=owner_id)
+
+    @_rpc_stream
+    def GetPagesStream(
+        self, request: kvstore_pb2.GetPagesRequest, context: grpc.ServicerContext
+    ) -> Iterator[kvstore_pb2.PageChunk]:
+        page_hashes = [bytes(h) for h in request.page_hashes]
+        for h in page_hashes:
+            check_hash(h)
+        for index, h in enumerate(page_hashes):
+            try:
+                location, data = self._store.read(h)
+            except PageNotFoundError:
+                yield kvstore_pb2.PageChunk(index=index, location=location_to_pb(self._store.lookup([h])[0]))
+                continue
+            yield from page_chunks(index, location, data)
+
+    @_rpc
+    def Pin(self, request: kvstore_pb2.PinRequest, context: grpc.ServicerContext) -> kvstore_pb2.PinResponse:
+        locations = self._store.pin(request.owner_id, [bytes(h) for h in request.page_hashes], request.ttl_s)
+        return kvstore_pb2.PinResponse(locations=[location_to_pb(loc) for loc in locations])
+
+    @_rpc
+    def Unpin(self, request: kvstore_pb2.UnpinRequest, context: grpc.ServicerContext) -> kvstore_pb2.UnpinResponse:
+        page_hashes = [bytes(h) for h in request.page_hashes] or None
+        return kvstore_pb2.UnpinResponse(num_unpinned=self._store.unpin(request.owner_id, page_hashes))
+
+
+class Maintenance:
+    """The store's background thread: expires unrenewed pins and compresses cold pages."""
+
+    def __init__(self, store: PageStore, interval_s: float) -> None:
+        self._store = store
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-maintenance", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._store.expire_pins()
+                while self._store.compress_cold() and not self._stop.is_set():
+                    pass
+            except Exception:  # keep serving; the next round tries again
+                logger.exception("maintenance round failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
 
 class KVStoreService:
     """A running kvstore: the gRPC server plus what it owns (store, arena, catalog registration)."""
 
-    def __init__(self, config: KVStoreConfig, server: grpc.Server, store: PageStore, catalog: Catalog, port: int):
+    def __init__(
+        self,
+        config: KVStoreConfig,
+        server: grpc.Server,
+        store: PageStore,
+        catalog: Catalog,
+        port: int,
+        maintenance: Maintenance,
+    ):
         self.config = config
         self.server = server
         self.store = store
         self.catalog = catalog
         self.port = port
+        self.maintenance = maintenance
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return bool(self.server.wait_for_termination(timeout))
@@ -172,6 +322,7 @@ class KVStoreService:
     def stop(self, grace: float | None = 2.0) -> None:
         """Stop serving, unregister from redis (with every page entry), unlink the arena."""
         self.server.stop(grace).wait()
+        self.maintenance.stop()
         self.catalog.unregister()
         self.catalog.close()
         self.store.arena.close()
@@ -184,7 +335,13 @@ def serve(config: KVStoreConfig) -> KVStoreService:
         config.redis_url, config.replica_id, config.advertise_addr, config.catalog_prefix, config.heartbeat_s
     )
     try:
-        store = PageStore(arena, catalog)
+        store = PageStore(
+            arena,
+            catalog,
+            pin_ttl_s=config.pin_ttl_s,
+            cold_after_s=config.cold_after_s or None,
+            codec=PageCodec(config.zstd_level),
+        )
         max_message = min(config.arena_bytes + (1 << 20), _MAX_GRPC_MESSAGE)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="kvstore-rpc"),
@@ -207,4 +364,4 @@ def serve(config: KVStoreConfig) -> KVStoreService:
         catalog.close()
         arena.close()
         raise
-    return KVStoreService(config, server, store, catalog, port)
+    return KVStoreService(config, server, store, catalog, port, Maintenance(store, config.maintenance_s))
