@@ -348,9 +348,12 @@ def _gemma3_hf_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:
     if unknown or len(types) != num_layers:
         raise UnsupportedModelError("gemma3", f"layer_types {types} (need {num_layers} of {list(_GEMMA3_LAYER_TYPES)})")
     window = cfg.get("sliding_window")
-    if window is None and "sliding_attention" in types:
-        raise UnsupportedModelError("gemma3", "sliding_attention layers without a sliding_window")
-    return tuple(int(window) if _GEMMA3_LAYER_TYPES[t] else None for t in types)
+    sliding = [_GEMMA3_LAYER_TYPES[t] for t in types]
+    if window is None:
+        if any(sliding):
+            raise UnsupportedModelError("gemma3", "sliding_attention layers without a sliding_window")
+        return (None,) * num_layers
+    return tuple(int(window) if s else None for s in sliding)
 
 
 def _gemma3_hf_rope(cfg: dict[str, Any], head_dim: int) -> tuple[float, dict[str, Any] | None, float]:

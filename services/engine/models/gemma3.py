@@ -102,10 +102,6 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GeluMLP(config)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    @property
-    def is_sliding(self) -> bool:
-        return self.self_attn.window is not None
-
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -123,6 +119,7 @@ class Gemma3ForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layer_is_sliding = tuple(w is not None for w in config.layer_windows)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_global = RotaryEmbedding(config)
         local_theta = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
@@ -136,16 +133,15 @@ class Gemma3ForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # x: [N, hidden]
         x = x * embed_scale(self.config.hidden_size, x.dtype)
         rope = self._rope_tables(positions, x.dtype)
-        for layer in self.layers:
-            cos, sin = rope[layer.is_sliding]  # [N, 1, D] each
+        for layer, is_sliding in zip(self.layers, self.layer_is_sliding, strict=True):
+            cos, sin = rope[is_sliding]  # [N, 1, D] each
             x = layer(x, cos, sin, attn)
         return self.norm(x)
 
     def _rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict[bool, tuple[Tensor, Tensor]]:
         """is_sliding -> (cos, sin) [N, 1, D], only for the layer kinds the model has."""
-        kinds = {layer.is_sliding for layer in self.layers}
         rotary = {True: self.rotary_local, False: self.rotary_global}
-        return {sliding: rotary[sliding](positions, dtype) for sliding in kinds}
+        return {sliding: rotary[sliding](positions, dtype) for sliding in set(self.layer_is_sliding)}
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [M, hidden] -> float32 logits [M, vocab], softcapped if the config says so."""
