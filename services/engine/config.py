@@ -46,7 +46,7 @@ class EngineConfig:
     protect_tokens: int = 128  # attention sinks + head of the prompt, always resident
     recent_tokens: int = 0  # trailing window; 0: one ring chunk + one page
     skeleton_tokens: int = 256  # query span (last user turn) kept resident
-    retrieval_share: float = 0.5  # evidence budget = share x (budget - protect - recent)
+    retrieval_share: float = 1.0  # evidence budget = share x (budget - protect - recent); bench/RESULTS.md
     neighbor_pages: int = 1  # seam completion reach
     query_tail: int = 64  # scored tokens when no query span is known
     rescore_interval: int = 16  # decode steps between re-selections (0: select at prefill only)
@@ -189,7 +189,7 @@ class EngineConfig:
         p.add_argument("--protect-tokens", type=int, default=int(env("KVMEM_PROTECT_TOKENS", "128")))
         p.add_argument("--recent-tokens", type=int, default=int(env("KVMEM_RECENT_TOKENS", "0")))
         p.add_argument("--skeleton-tokens", type=int, default=int(env("KVMEM_SKELETON_TOKENS", "256")))
-        p.add_argument("--retrieval-share", type=float, default=float(env("KVMEM_RETRIEVAL_SHARE", "0.5")))
+        p.add_argument("--retrieval-share", type=float, default=float(env("KVMEM_RETRIEVAL_SHARE", "1.0")))
         p.add_argument("--neighbor-pages", type=int, default=int(env("KVMEM_NEIGHBOR_PAGES", "1")))
         p.add_argument("--rescore-interval", type=int, default=int(env("KVMEM_RESCORE_INTERVAL", "16")))
         p.add_argument(

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from services.engine.kv_pool import KVPool
-from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.loader import CausalLM
 from services.engine.paged_attention import SeqSpan, StepAttention
 from services.engine.ring import HostPages
 from services.engine.scheduler import Work
@@ -17,9 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, device: torch.device, host: HostPages | None = None
-    ) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, host: HostPages | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = device
@@ -83,4 +81,5 @@ class ModelRunner:
             if hidden:
                 assert self.host is not None, "exact attention over host pages needs a host store"
                 span.host_pages = self.host.fetch([table.page_hashes[p] for p in hidden])
+                span.host_page_ids = hidden
         return span

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.attention import grouped_sdpa
+from services.engine.attention import grouped_sdpa, position_mask
 from services.engine.exact_attention import grouped_attention_lse, merge_partials, rows_to_heads
 from services.engine.kv_pool import KVPool
 from services.engine.summaries import PageSummaries, page_scores
@@ -34,6 +34,7 @@ class SeqSpan:
     score_tokens: int = 0  # trailing new tokens whose queries score pages
     score_pages: int = 0  # pages [0, score_pages) are scored
     host_pages: list[torch.Tensor] = field(default_factory=list)  # exact: [L, 2, page, Hkv, D] each
+    host_page_ids: list[int] = field(default_factory=list)  # their logical page indices
     scores: torch.Tensor | None = None  # accumulated [score_pages] after the forward
 
 
@@ -48,18 +49,29 @@ class StepAttention:
     ) -> None:
         self.pool = pool
         self.spans = spans
+        self.group = group
+        self.dtype = dtype
         self.staging_pages = staging_pages
         self.write_rows = torch.cat([s.write_rows for s in spans])  # [N], the step's flattened order
-        self.row_masks = [_row_mask(s, group, dtype, pool.device) for s in spans]
+        self._masks: dict[tuple[int, int | None], torch.Tensor | None] = {}  # (span, window) -> mask
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]."""
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]; `window`: sliding-window layer (keys > pos - window)."""
         k_pool, v_pool = self.pool.k[layer_idx], self.pool.v[layer_idx]
         k_pool.index_copy_(0, self.write_rows, k.to(k_pool.dtype))
         v_pool.index_copy_(0, self.write_rows, v.to(v_pool.dtype))
         outs = []
         start = 0
-        for span, mask in zip(self.spans, self.row_masks, strict=True):
+        for i, span in enumerate(self.spans):
+            mask = self._mask(i, span, window)
             q_s = q[start : start + span.num_new]
             if span.summaries is not None:
                 self._summarize(layer_idx, span)
@@ -68,11 +80,17 @@ class StepAttention:
             k_s = k_pool.index_select(0, span.read_rows).transpose(0, 1).to(q.dtype)  # [Hkv, T, D]
             v_s = v_pool.index_select(0, span.read_rows).transpose(0, 1).to(q.dtype)
             if span.host_pages:
-                outs.append(self._exact(layer_idx, span, q_s, k_s, v_s, mask, scale).to(q.dtype))
+                outs.append(self._exact(layer_idx, span, q_s, k_s, v_s, mask, scale, window).to(q.dtype))
             else:
                 outs.append(grouped_sdpa(q_s, k_s, v_s, mask, scale))  # [n, Hq, D]
             start += span.num_new
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _mask(self, i: int, span: SeqSpan, window: int | None) -> torch.Tensor | None:
+        key = (i, window)
+        if key not in self._masks:
+            self._masks[key] = _row_mask(span, self.group, self.dtype, self.pool.device, window)
+        return self._masks[key]
 
     def _summarize(self, layer_idx: int, span: SeqSpan) -> None:
         assert span.summaries is not None and span.touched_rows is not None
@@ -100,25 +118,38 @@ class StepAttention:
         v_s: torch.Tensor,
         mask: torch.Tensor | None,
         scale: float,
+        window: int | None,
     ) -> torch.Tensor:
         """Resident keys, then the host-only pages (all earlier than the new tokens) in staging batches."""
         out, lse = grouped_attention_lse(q_s, k_s, v_s, mask, scale)
-        pages = span.host_pages
-        for i in range(0, len(pages), self.staging_pages):
-            batch = pages[i : i + self.staging_pages]
+        size = self.pool.page_size
+        pairs = list(zip(span.host_page_ids, span.host_pages, strict=True))
+        if window is not None:  # a sliding layer sees only the pages that reach into its window
+            pairs = [(p, t) for p, t in pairs if p * size + size - 1 > span.num_past - window]
+        q_pos = span.num_past + torch.arange(span.num_new, device=self.pool.device)
+        offsets = torch.arange(size, device=self.pool.device)
+        for i in range(0, len(pairs), self.staging_pages):
+            batch = pairs[i : i + self.staging_pages]
             # staging: [Hkv, B * page, D] of this layer, moved to the pool's device
-            k_h = torch.cat([p[layer_idx, 0] for p in batch]).to(self.pool.device).transpose(0, 1)
-            v_h = torch.cat([p[layer_idx, 1] for p in batch]).to(self.pool.device).transpose(0, 1)
-            out_h, lse_h = grouped_attention_lse(q_s, k_h, v_h, None, scale)
+            k_h = torch.cat([t[layer_idx, 0] for _, t in batch]).to(self.pool.device).transpose(0, 1)
+            v_h = torch.cat([t[layer_idx, 1] for _, t in batch]).to(self.pool.device).transpose(0, 1)
+            host_mask = None
+            if window is not None:
+                key_pos = torch.cat([p * size + offsets for p, _ in batch])
+                allowed = position_mask(q_pos, key_pos, window).repeat(self.group, 1)
+                host_mask = torch.zeros(allowed.shape, device=self.pool.device).masked_fill_(~allowed, float("-inf"))
+            out_h, lse_h = grouped_attention_lse(q_s, k_h, v_h, host_mask, scale)
             out, lse = merge_partials(out, lse, out_h, lse_h)
         return rows_to_heads(out, q_s.shape[0], q_s.shape[1])
 
 
-def _row_mask(span: SeqSpan, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """Additive [G * n, T] causal mask over the span's read rows; None when one new token sees them all."""
-    if span.num_new == 1:
-        return None
-    q_pos = span.num_past + torch.arange(span.num_new, device=device)
+def _row_mask(
+    span: SeqSpan, group: int, dtype: torch.dtype, device: torch.device, window: int | None = None
+) -> torch.Tensor | None:
+    """Additive [G * n, T] causal (and window) mask over the span's read rows; None when not needed."""
     k_pos = span.key_pos if span.key_pos is not None else torch.arange(span.read_rows.shape[0], device=device)
-    allowed = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)
+    if span.num_new == 1 and (window is None or int(k_pos[0]) > span.num_past - window):
+        return None  # one new token sees every read row
+    q_pos = span.num_past + torch.arange(span.num_new, device=device)
+    allowed = position_mask(q_pos, k_pos, window).repeat(group, 1)
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))

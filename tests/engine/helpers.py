@@ -142,3 +142,24 @@ def events_of(seq) -> list[Event]:
     while not seq.events.empty():
         out.append(seq.events.get_nowait())
     return out
+
+
+def tiny_gemma(vocab_size: int, seed: int = 0, window: int = 8) -> torch.nn.Module:
+    """A tiny random Gemma 3 (our forward) with sliding layers of `window` tokens: S, F, S, S, F, S."""
+    from transformers import Gemma3TextConfig
+
+    from services.engine.models.config import ModelConfig
+    from services.engine.models.gemma3 import Gemma3ForCausalLM
+
+    s, f = "sliding_attention", "full_attention"
+    hf = Gemma3TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=window,
+        layer_types=[s, f, s, s, f, s], max_position_embeddings=4096,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(ModelConfig.from_hf_config(hf.to_dict()))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model.eval()

@@ -126,3 +126,29 @@ def test_negative_control_keeps_no_evidence() -> None:
     manager.add_scores(ring, torch.arange(20.0), num_query_tokens=1)
     manager.select(ring, num_candidate_pages=20, request_id="r", step=0)
     assert ring.evidence == set()
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from tests.engine.helpers import tiny_gemma
+
+    return tiny_gemma(VOCAB, seed=5, window=8)
+
+
+def test_gemma_sliding_layers_through_the_paged_engine(gemma, smol_tokenizer: Tokenizer) -> None:
+    engine = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8)
+    prompt = _prompt(37, 8)
+    seq = engine.submit("g", prompt, greedy(12))
+    _run_checking_buckets(engine, [seq])
+    assert drain(events_of(seq))[0] == reference_greedy(gemma, prompt, 12)
+
+
+def test_gemma_exact_ring_matches_the_unlimited_pool(gemma, smol_tokenizer: Tokenizer, store_address: str) -> None:
+    engine = make_engine(gemma, smol_tokenizer, num_slots=8, ring=ring_limits(budget_pages=8), ring_chunk=8,
+                         store_address=store_address, default_policy="exact")  # fmt: skip
+    prompt = _prompt(70, 9)
+    seq = engine.submit("g-exact", prompt, greedy(16))
+    _run_checking_buckets(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert tokens == reference_greedy(gemma, prompt, 16)
+    assert done.prefill_policy == "exact"
