@@ -69,7 +69,10 @@ def make_case(
     elif task == "multikey":
         names = rng.sample(NAMES, 4)
         spots = sorted(rng.sample(range(len(filler)), 3))
-        needles = [(s, f"The pass key for {n} is {rng.randrange(10000, 99999)}. ") for s, n in zip(spots, names[1:])]
+        needles = [
+            (s, f"The pass key for {n} is {rng.randrange(10000, 99999)}. ")
+            for s, n in zip(spots, names[1:], strict=True)
+        ]
         needles.append((at, f"The pass key for {names[0]} is {key}. "))
         question, prefix = f"What is the pass key for {names[0]}?", f"The pass key for {names[0]} is"
     elif task == "vartrack":
