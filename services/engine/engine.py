@@ -82,7 +82,7 @@ class Engine:
         self.ring = RingManager(limits.ring, self.slots, self.pool, runner.host) if limits.ring else None
         self.scheduler = Scheduler(
             self.slots, limits.page_size, limits.prefill_chunk, limits.max_running, limits.model_id,
-            limits.kv_format, self.ring, limits.ring_chunk, self._new_ring if self.ring else None,
+            limits.kv_format, self.ring, limits.ring_chunk, self._new_ring if self.ring else None, self.pool,
         )  # fmt: skip
         self.stats = EngineStats()
         self._eos_ids = frozenset(tokenizer.info.eos_token_ids)

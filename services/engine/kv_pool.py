@@ -63,6 +63,13 @@ class KVPool:
         offsets = torch.arange(self.page_size, device=slot_ids.device)
         return (slot_ids[:, None] * self.page_size + offsets[None, :]).reshape(-1)
 
+    def copy_rows(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        """Copy the first `num_tokens` rows of one slot into another, in every layer."""
+        src, dst = src_slot * self.page_size, dst_slot * self.page_size
+        for i in range(self.num_layers):
+            self.k[i][dst : dst + num_tokens].copy_(self.k[i][src : src + num_tokens])
+            self.v[i][dst : dst + num_tokens].copy_(self.v[i][src : src + num_tokens])
+
     def read_page(self, slot: int) -> torch.Tensor:
         """A copy of one page as [num_layers, 2, page_size, num_kv_heads, head_dim] on the pool's device."""
         lo, hi = slot * self.page_size, (slot + 1) * self.page_size

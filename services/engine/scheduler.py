@@ -19,7 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from services.common.pagehash import chain_hashes
+from services.common.pagehash import chain_hashes, root_hash
+from services.engine.kv_pool import KVPool
 from services.engine.ring import RingExhaustedError, RingManager
 from services.engine.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
 from services.engine.slots import SlotAllocator
@@ -54,7 +55,9 @@ class Scheduler:
         ring: RingManager | None = None,
         ring_chunk: int = 0,
         new_ring: Callable[[Sequence], None] | None = None,
+        pool: KVPool | None = None,
     ) -> None:
+        self.pool = pool  # for copying matched tail pages
         self.slots = slots
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
@@ -205,7 +208,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _release_all(self, seq: Sequence) -> None:
+    def _release_all(self, seq: Sequence, keep_partial: bool = True) -> None:
+        if keep_partial:
+            self._keep_partial(seq)
         for slot in seq.page_table.slot_ids:
             if slot != NOT_RESIDENT:
                 self.slots.release(slot)
@@ -214,6 +219,40 @@ class Scheduler:
         seq.ring = None
 
     # -- prefix cache ----------------------------------------------------------------------------
+
+    def _keep_partial(self, seq: Sequence) -> None:
+        """Offer the computed part of the tail page to later requests (its rows get copied, never shared)."""
+        size = self.page_size
+        table = seq.page_table
+        last, filled = divmod(seq.num_computed, size)
+        if filled == 0 or last >= len(table.slot_ids) or table.slot_ids[last] == NOT_RESIDENT:
+            return
+        if len(table.page_hashes) != last:
+            return  # the hash chain is not complete up to the tail page
+        parent = table.page_hashes[-1] if table.page_hashes else root_hash(seq.namespace)
+        self.slots.register_partial(table.slot_ids[last], parent, tuple(seq.token_ids[last * size : seq.num_computed]))
+
+    def _match_partial(self, seq: Sequence) -> None:
+        """After the full pages, copy the longest matching start of a cached tail page (leaving >= 1 token)."""
+        size = self.page_size
+        table = seq.page_table
+        parent = table.page_hashes[-1] if table.page_hashes else root_hash(seq.namespace)
+        want = seq.token_ids[seq.num_computed : min(seq.num_tokens - 1, seq.num_computed + size)]
+        best_slot, best = -1, 0
+        for slot, tokens in self.slots.lookup_partial(parent):
+            n = 0
+            while n < min(len(tokens), len(want)) and tokens[n] == want[n]:
+                n += 1
+            if n > best:
+                best_slot, best = slot, n
+        if best == 0 or self.slots.num_available() < 2:
+            return
+        self.slots.acquire(best_slot)  # keep it from being the slot we allocate
+        dst = self.slots.allocate()
+        self.pool.copy_rows(best_slot, dst, best)
+        self.slots.release(best_slot)
+        table.slot_ids.append(dst)
+        seq.num_computed += best
 
     def _admit_prefix(self, seq: Sequence) -> None:
         """Give the sequence its ring state and reuse the longest run of cached full pages
@@ -234,6 +273,8 @@ class Scheduler:
             seq.page_table.slot_ids.append(slot)
             seq.page_table.page_hashes.append(page_hash)
         seq.num_computed = len(seq.page_table.slot_ids) * self.page_size
+        if self.pool is not None:
+            self._match_partial(seq)
         if not seq.admitted_once:
             seq.num_cached = seq.num_computed
         if seq.ring is not None and self.ring is not None and seq.page_table.slot_ids:
@@ -241,6 +282,6 @@ class Scheduler:
 
     def _unmatch(self, seq: Sequence) -> None:
         """Give back what _admit_prefix took when the sequence could not be admitted after all."""
-        self._release_all(seq)
+        self._release_all(seq, keep_partial=False)
         if not seq.admitted_once:
             seq.num_cached = 0

@@ -39,6 +39,9 @@ class SlotAllocator:
         self._cached: OrderedDict[int, bytes] = OrderedDict()  # unreferenced slot -> hash, LRU first
         self._hash_to_slot: dict[bytes, int] = {}
         self._slot_to_hash: dict[int, bytes] = {}
+        # partial (tail) pages: never shared, but their rows can be copied into a new slot
+        self._partials: dict[bytes, dict[int, tuple[int, ...]]] = {}  # parent hash -> {slot: tokens}
+        self._slot_to_parent: dict[int, bytes] = {}
 
     def counts(self) -> SlotCounts:
         return SlotCounts(self.num_slots, len(self._free), len(self._refs), len(self._cached))
@@ -53,7 +56,7 @@ class SlotAllocator:
             slot = self._free.pop()
         elif self._cached:
             slot, page_hash = self._cached.popitem(last=False)
-            self._forget_hash(slot, page_hash)
+            self._forget(slot, page_hash)
         else:
             raise PoolExhaustedError(f"all {self.num_slots} slots are owned by live sequences")
         self._refs[slot] = 1
@@ -78,28 +81,47 @@ class SlotAllocator:
         Returns False (and records nothing) when another slot already holds that page.
         """
         assert slot in self._refs, f"slot {slot} is not owned"
-        if page_hash in self._hash_to_slot or slot in self._slot_to_hash:
+        if page_hash in self._hash_to_slot or slot in self._slot_to_hash or slot in self._slot_to_parent:
             return False
         self._hash_to_slot[page_hash] = slot
         self._slot_to_hash[slot] = page_hash
         return True
 
+    def register_partial(self, slot: int, parent_hash: bytes, token_ids: tuple[int, ...]) -> bool:
+        """Record that an owned slot holds the first len(token_ids) tokens of the page after `parent_hash`;
+        False (nothing recorded) when the slot is shared or already holds a registered page."""
+        if self._refs.get(slot) != 1 or slot in self._slot_to_hash or slot in self._slot_to_parent:
+            return False
+        self._partials.setdefault(parent_hash, {})[slot] = token_ids
+        self._slot_to_parent[slot] = parent_hash
+        return True
+
+    def lookup_partial(self, parent_hash: bytes) -> list[tuple[int, tuple[int, ...]]]:
+        """Unreferenced partial pages after `parent_hash`: (slot, the tokens it holds)."""
+        return [(s, t) for s, t in self._partials.get(parent_hash, {}).items() if s in self._cached]
+
     def release(self, slot: int) -> None:
-        """Drop one reference; an unreferenced slot becomes cached (finished page) or free."""
+        """Drop one reference; an unreferenced slot becomes cached (finished or partial page) or free."""
         refs = self._refs[slot] - 1
         if refs > 0:
             self._refs[slot] = refs
             return
         del self._refs[slot]
-        page_hash = self._slot_to_hash.get(slot)
-        if page_hash is None:
+        key = self._slot_to_hash.get(slot) or self._slot_to_parent.get(slot)
+        if key is None:
             self._free.append(slot)
         else:
-            self._cached[slot] = page_hash
+            self._cached[slot] = key
 
-    def _forget_hash(self, slot: int, page_hash: bytes) -> None:
-        del self._hash_to_slot[page_hash]
-        del self._slot_to_hash[slot]
+    def _forget(self, slot: int, key: bytes) -> None:
+        if self._slot_to_hash.get(slot) == key:
+            del self._hash_to_slot[key]
+            del self._slot_to_hash[slot]
+        else:
+            del self._partials[key][slot]
+            if not self._partials[key]:
+                del self._partials[key]
+            del self._slot_to_parent[slot]
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless free + owned + cached == total and the maps agree."""

@@ -135,3 +135,24 @@ def test_bad_requests_raise_typed_errors(model, smol_tokenizer: Tokenizer) -> No
         engine.submit(f"q{i}", [5], greedy(1))
     with pytest.raises(OverloadedError):
         engine.submit("over", [5], greedy(1))
+
+
+def test_tail_page_rows_are_copied_for_the_next_turn(model, smol_tokenizer: Tokenizer) -> None:
+    """Turn 2 resends turn 1 (prompt + answer) and more: every computed token of turn 1 is reused,
+    including the partial tail page, whose rows are copied (never shared) into a new slot."""
+    engine = make_engine(model, smol_tokenizer, num_slots=32)
+    prompt = _prompt(21, 12)
+    first = engine.submit("t1", prompt, greedy(6))
+    run_until_done(engine, [first])
+    answer, _ = drain(events_of(first))
+    turn2 = prompt + answer + [77, 78, 79]
+    second = engine.submit("t2", turn2, greedy(5))
+    run_until_done(engine, [second])
+    tokens, done = drain(events_of(second))
+    assert done.cached_tokens == len(prompt) + len(answer) - 1  # the last answer token was never fed
+    assert tokens == reference_greedy(model, turn2, 5)
+    third = engine.submit("t3", prompt[:10] + [5, 6, 7], greedy(3))  # diverges inside full page 2
+    run_until_done(engine, [third])
+    tokens, done = drain(events_of(third))
+    assert done.cached_tokens == 8  # whole pages only: a full page is not matched partially
+    assert tokens == reference_greedy(model, prompt[:10] + [5, 6, 7], 3)
