@@ -66,10 +66,9 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
     if config.ring_enabled:
         assert write_through is not None  # check_host_capacity refuses a ring without a kvstore
         from services.engine.host_pages import KVStoreHostPages
-        from services.kvstore.client import KVStoreClient
 
         shape = (model_config.num_layers, 2, config.page_size, model_config.num_kv_heads, model_config.head_dim)
-        host = KVStoreHostPages(KVStoreClient(config.kvstore_addrs[0]), write_through, shape, config.kv_dtype)
+        host = KVStoreHostPages(_store_client(config), write_through, shape, config.kv_dtype, config.replica_name)
         logger.info(
             "ring on: budget %d pages per sequence (protect %d, recent %d, skeleton <= %d, evidence <= %d), "
             "chunk %d tokens, default policy %s, retrieval %s",
@@ -126,12 +125,21 @@ def _check_context(config: EngineConfig, model_config: ModelConfig) -> int:
     return config.max_context
 
 
-def _write_through(config: EngineConfig) -> WriteThrough | None:
-    if not config.kvstore_addrs:
-        logger.warning("no kvstore configured: finished pages have no host copy")
-        return None
+def _store_client(config: EngineConfig):  # type: ignore[no-untyped-def]
+    """All replicas registered in redis (consistent hashing) when a redis URL is set, else one kvstore."""
+    if config.redis_url:
+        from services.kvstore.cluster import KVStoreCluster
+
+        return KVStoreCluster(config.redis_url)
     from services.kvstore.client import KVStoreClient
 
-    client = KVStoreClient(config.kvstore_addrs[0])
-    logger.info("writing finished pages through to kvstore %s", config.kvstore_addrs[0])
-    return WriteThrough(client, config.kv_format_name, config.write_through_queue)
+    return KVStoreClient(config.kvstore_addrs[0])
+
+
+def _write_through(config: EngineConfig) -> WriteThrough | None:
+    if not config.has_host_store:
+        logger.warning("no kvstore configured: finished pages have no host copy")
+        return None
+    where = f"the kvstore replicas in {config.redis_url}" if config.redis_url else config.kvstore_addrs[0]
+    logger.info("writing finished pages through to %s", where)
+    return WriteThrough(_store_client(config), config.kv_format_name, config.write_through_queue)

@@ -36,6 +36,7 @@ class EngineConfig:
     max_running: int = 16  # sequences decoded together
     max_waiting: int = 256  # queued requests before RESOURCE_EXHAUSTED
     kvstore_addrs: tuple[str, ...] = ()  # write-through targets; empty: no host copy
+    redis_url: str = ""  # with it, pages go to every kvstore replica registered there (consistent hashing)
     write_through_queue: int = 256  # pages waiting to be written before new ones are dropped
     replica_id: str = ""
     num_threads: int = 0  # torch CPU threads; 0: torch's default
@@ -91,16 +92,20 @@ class EngineConfig:
         return self.num_slots * self.page_size
 
     @property
+    def has_host_store(self) -> bool:
+        return bool(self.kvstore_addrs or self.redis_url)
+
+    @property
     def ring_enabled(self) -> bool:
         """The ring is active only when one sequence's context can outgrow its resident budget."""
         return self.max_context > self.ring_budget_pages * self.page_size
 
     def check_host_capacity(self, page_nbytes: int) -> None:
         """Refuse a ring whose host store cannot hold what the pool cannot (called once the page size is known)."""
-        host_pages = self.host_kv_mib * 2**20 // page_nbytes if self.kvstore_addrs else 0
+        host_pages = self.host_kv_mib * 2**20 // page_nbytes if self.has_host_store else 0
         logical_pages = -(-self.max_context // self.page_size)
         if self.ring_enabled and host_pages + self.num_slots < logical_pages:
-            where = f"kvstore {self.kvstore_addrs[0]}" if self.kvstore_addrs else "no kvstore configured"
+            where = "kvstore configured" if self.has_host_store else "no kvstore configured"
             raise ConfigError(
                 f"host_pages + pool_pages < ceil(max_context / page_size): {host_pages} + {self.num_slots} "
                 f"< {logical_pages} (max_context {self.max_context}, host_kv_mib {self.host_kv_mib}, {where})"
@@ -181,6 +186,11 @@ class EngineConfig:
             default=env("KVMEM_KVSTORE_ADDRS", ""),
             help="comma-separated kvstore addresses for page write-through",
         )
+        p.add_argument(
+            "--redis-url",
+            default=env("KVMEM_REDIS_URL", ""),
+            help="catalog of kvstore replicas; pages are placed across all of them",
+        )
         p.add_argument("--replica-id", default=env("KVMEM_ENGINE_REPLICA_ID", ""))
         p.add_argument("--num-threads", type=int, default=int(env("KVMEM_NUM_THREADS", "0")))
         p.add_argument("--host-kv-mib", type=int, default=int(env("KVMEM_HOST_KV_MIB", "1024")))
@@ -215,6 +225,7 @@ class EngineConfig:
             max_waiting=a.max_waiting,
             kvstore_addrs=tuple(x.strip() for x in a.kvstore.split(",") if x.strip()),
             replica_id=a.replica_id,
+            redis_url=a.redis_url,
             num_threads=a.num_threads,
             host_kv_mib=a.host_kv_mib,
             prefill_policy=a.prefill_policy,

@@ -17,7 +17,7 @@ from services.engine.detokenizer import Detokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.model_runner import ModelRunner
 from services.engine.paged_attention import SeqSpan
-from services.engine.ring import RingLimits, RingManager, SeqRing
+from services.engine.ring import PagesLostError, RingLimits, RingManager, SeqRing
 from services.engine.sampling import InvalidRequestError, SamplingParams, sample_one
 from services.engine.scheduler import Scheduler, Work
 from services.engine.sequence import Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
@@ -203,6 +203,10 @@ class Engine:
         try:
             logits, spans = self.runner.run(works)
             self._postprocess(works, logits, spans)
+        except PagesLostError as exc:  # an exact step streamed host pages that are gone
+            logger.warning("%s; recomputing the %d sequence(s) of this step", exc, len(works))
+            for w in works:
+                self.scheduler.recompute(w.seq)
         except Exception:
             logger.exception("step failed; failing its %d sequences", len(works))
             self.stats.step_failures_total += 1
@@ -286,7 +290,8 @@ class Engine:
             parent = table.page_hashes[-1] if table.page_hashes else root_hash(seq.namespace)
             h = page_hash(parent, seq.token_ids[i * size : (i + 1) * size], self.limits.model_id, self.limits.kv_format)
             table.page_hashes.append(h)
-            if self.slots.register(table.slot_ids[i], h) and self.write_through is not None:
+            self.slots.register(table.slot_ids[i], h)
+            if self.write_through is not None and not self.write_through.is_written(h):
                 self.write_through.submit(h, self.pool.read_page(table.slot_ids[i]), size)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

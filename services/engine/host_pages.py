@@ -1,27 +1,40 @@
-"""KVStoreHostPages: the ring's view of the host KV store (pages written through, read back)."""
+"""KVStoreHostPages: the ring's view of the host KV store (pages written through, pinned, read back)."""
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
+from services.engine.ring import PagesLostError
 from services.engine.write_through import WriteThrough
-from services.kvstore.client import KVStoreClient
+from services.kvstore.client import KVStoreClient, PageNotFoundError
 
 logger = logging.getLogger(__name__)
 
 
 class KVStoreHostPages:
-    """Implements ring.HostPages over a kvstore client and the engine's write-through."""
+    """Implements ring.HostPages over a kvstore client and the engine's write-through.
+
+    Pages a running sequence relies on are pinned under the engine's owner id (the store never
+    evicts a pinned page; pins lapse if the engine dies). Reads are batched: on the same host they
+    are views into the store's arena, copied once into the returned tensors.
+    """
 
     def __init__(
-        self, client: KVStoreClient, write_through: WriteThrough, page_shape: tuple[int, ...], dtype: torch.dtype
+        self,
+        client: KVStoreClient,
+        write_through: WriteThrough,
+        page_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        owner_id: str = "",
     ) -> None:
         self._client = client
         self._write_through = write_through
         self._shape = page_shape  # [num_layers, 2, page_size, Hkv, D]
         self._dtype = dtype
+        self._owner = owner_id
         self.num_fetched = 0
         self.fetched_bytes = 0
 
@@ -32,11 +45,30 @@ class KVStoreHostPages:
         return self._write_through.wait_written(page_hashes, timeout_s)
 
     def fetch(self, page_hashes: list[bytes]) -> list[torch.Tensor]:
-        """Pages as [L, 2, page, Hkv, D] CPU tensors; raises PageNotFoundError when one is gone."""
-        pages = []
-        for h in page_hashes:
-            data = self._client.get_page(h)
-            pages.append(torch.frombuffer(bytearray(data), dtype=self._dtype).view(self._shape))
-            self.fetched_bytes += len(data)
-        self.num_fetched += len(page_hashes)
+        """Pages as [L, 2, page, Hkv, D] CPU tensors, in one batched read; PagesLostError when any is gone."""
+        try:
+            batch = self._client.get_pages(page_hashes)
+        except PageNotFoundError as exc:
+            lost = list(getattr(exc, "page_hashes", None) or page_hashes)
+            self._write_through.forget(lost)
+            raise PagesLostError(lost) from exc
+        with batch:
+            pages = [self._tensor(data) for data in batch]
+        self.num_fetched += len(pages)
+        self.fetched_bytes += sum(p.numel() * p.element_size() for p in pages)
         return pages
+
+    def pin(self, page_hashes: list[bytes]) -> None:
+        if self._owner and page_hashes:
+            self._client.pin(self._owner, page_hashes)
+
+    def unpin(self, page_hashes: list[bytes]) -> None:
+        if self._owner and page_hashes:
+            try:
+                self._client.unpin(self._owner, page_hashes)
+            except Exception as exc:  # pins lapse by themselves; never fail a request over this
+                logger.warning("unpin of %d page(s) failed: %s", len(page_hashes), exc)
+
+    def _tensor(self, data: object) -> torch.Tensor:
+        raw = np.frombuffer(data, dtype=np.uint8)  # type: ignore[call-overload]
+        return torch.from_numpy(raw.copy()).view(self._dtype).view(self._shape)

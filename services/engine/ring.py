@@ -30,6 +30,14 @@ class RingExhaustedError(RuntimeError):
     """Room cannot be made for a sequence's resident pages; maps to RESOURCE_EXHAUSTED (429)."""
 
 
+class PagesLostError(RuntimeError):
+    """Host copies are gone (their store replica went away); the sequence must recompute them."""
+
+    def __init__(self, page_hashes: list[bytes]) -> None:
+        super().__init__(f"{len(page_hashes)} page(s) lost from the host store")
+        self.page_hashes = page_hashes
+
+
 class HostPages(Protocol):
     """Where demoted pages come back from (the kvstore's authoritative copies)."""
 
@@ -42,6 +50,12 @@ class HostPages(Protocol):
     def wait(self, page_hashes: list[bytes], timeout_s: float) -> bool:
         """Block until these pages have a host copy; False on timeout."""
         ...
+
+    def pin(self, page_hashes: list[bytes]) -> None:
+        """Keep these host copies from eviction (one pin each) until unpinned."""
+        ...
+
+    def unpin(self, page_hashes: list[bytes]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -73,7 +87,7 @@ class SeqRing:
     scored_tokens: int = 0
     final_scored: bool = False  # the query has been read and scored (retrieval may run)
     decode_steps: int = 0
-    summary_pending: set[int] = field(default_factory=set)  # reused pages without summaries yet
+    pinned: list[bytes] = field(default_factory=list)  # host pages pinned for this sequence
     num_restores: int = 0
     restored_bytes: int = 0
     num_demotions: int = 0
@@ -140,11 +154,20 @@ class RingManager:
         hashes = [page_hashes[i] for i in victims]
         if not self.host.wait(hashes, timeout_s=30.0):
             raise RingExhaustedError(f"{len(hashes)} page(s) have no host copy yet; cannot demote them")
+        fresh = [h for h in hashes if h not in ring.pinned]
+        self.host.pin(fresh)
+        ring.pinned.extend(fresh)
         for i in victims:
             self.slots.release(slot_ids[i])
-            slot_ids[i] = -1
+            slot_ids[i] = NOT_RESIDENT
         ring.num_demotions += len(victims)
         self.num_demotions += len(victims)
+
+    def release(self, ring: SeqRing) -> None:
+        """The sequence is done with its host pages."""
+        if self.host is not None and ring.pinned:
+            self.host.unpin(ring.pinned)
+            ring.pinned = []
 
     def slots_needed(self, slot_ids: list[int], keep: frozenset[int]) -> int:
         """Pages of `keep` without a slot (new pages and pages to restore)."""

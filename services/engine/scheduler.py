@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from services.common.pagehash import chain_hashes, root_hash
 from services.engine.kv_pool import KVPool
-from services.engine.ring import RingExhaustedError, RingManager
+from services.engine.ring import PagesLostError, RingExhaustedError, RingManager
 from services.engine.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
 from services.engine.slots import SlotAllocator
 
@@ -169,6 +169,10 @@ class Scheduler:
         """Make the step's pages resident, preempting the youngest running sequences if needed."""
         try:
             return self._make_room_or_raise(seq, want)
+        except PagesLostError as exc:
+            logger.warning("%s: %s; recomputing it", seq.request_id, exc)
+            self.recompute(seq)
+            return False
         except RingExhaustedError as exc:
             logger.warning("%s: %s", seq.request_id, exc)
             if seq in self.running:
@@ -200,6 +204,11 @@ class Scheduler:
                 table.slot_ids.append(self.slots.allocate())
         return True
 
+    def recompute(self, seq: Sequence) -> None:
+        """Drop a running sequence's KV (e.g. its host pages were lost) and queue it to be recomputed."""
+        if seq in self.running:
+            self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         logger.info("preempting %s (%d tokens) for lack of slots", seq.request_id, seq.num_tokens)
         self.running.remove(seq)
@@ -214,6 +223,8 @@ class Scheduler:
         for slot in seq.page_table.slot_ids:
             if slot != NOT_RESIDENT:
                 self.slots.release(slot)
+        if seq.ring is not None and self.ring is not None:
+            self.ring.release(seq.ring)
         seq.page_table = PageTable()
         seq.num_computed = 0
         seq.ring = None

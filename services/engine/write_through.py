@@ -32,18 +32,30 @@ class WriteThrough:
         self.num_failed = 0
         self.num_dropped = 0
         self._written: set[bytes] = set()  # pages whose host copy is known to exist
+        self._queued: set[bytes] = set()
         self._written_cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="write-through", daemon=True)
         self._thread.start()
 
     def submit(self, page_hash: bytes, page: torch.Tensor, num_tokens: int, timeout_s: float = 30.0) -> None:
-        """Queue a page; when the writer is behind, wait for room (the ring relies on host copies),
-        and only after `timeout_s` drop it (counted)."""
+        """Queue a page (unless it is written or queued already); when the writer is behind, wait for
+        room (the ring relies on host copies), and only after `timeout_s` drop it (counted)."""
+        with self._written_cond:
+            if page_hash in self._written or page_hash in self._queued:
+                return
+            self._queued.add(page_hash)
         try:
             self._queue.put(PendingPage(page_hash, page.to("cpu", copy=True), num_tokens), timeout=timeout_s)
         except queue.Full:
+            with self._written_cond:
+                self._queued.discard(page_hash)
             self.num_dropped += 1
             logger.error("write-through queue full for %.0f s: page %s dropped", timeout_s, page_hash.hex())
+
+    def forget(self, page_hashes: list[bytes]) -> None:
+        """The store lost these pages (a replica went away): write them again when they are recomputed."""
+        with self._written_cond:
+            self._written.difference_update(page_hashes)
 
     def is_written(self, page_hash: bytes) -> bool:
         return page_hash in self._written
@@ -91,6 +103,9 @@ class WriteThrough:
             with self._written_cond:
                 self._written.add(item.page_hash)
                 self._written_cond.notify_all()
-        except Exception as exc:  # the host copy is best effort here; the pool copy stays valid
+        except Exception as exc:  # the pool copy stays valid; the ring will not demote this page
             self.num_failed += 1
             logger.warning("write-through of page %s failed: %s", item.page_hash.hex(), exc)
+        finally:
+            with self._written_cond:
+                self._queued.discard(item.page_hash)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from services.common.tokenizer import Tokenizer
@@ -59,6 +62,7 @@ def make_engine(
     ring_chunk: int = 0,
     store_address: str = "",
     default_policy: str = "sparse",
+    store_factory: Callable[[], Any] | None = None,
 ) -> Engine:
     """An engine on the CPU; with `ring`, pages go through a real kvstore process at `store_address`."""
     cfg = model.config
@@ -66,10 +70,11 @@ def make_engine(
         cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu")
     )
     write_through = host = None
-    if store_address:
-        write_through = WriteThrough(KVStoreClient(store_address), "fp32", 256)
+    if store_address or store_factory:
+        new_client = store_factory or (lambda: KVStoreClient(store_address))
+        write_through = WriteThrough(new_client(), "fp32", 256)
         shape = (cfg.num_layers, 2, page_size, cfg.num_kv_heads, cfg.head_dim)
-        host = KVStoreHostPages(KVStoreClient(store_address), write_through, shape, torch.float32)
+        host = KVStoreHostPages(new_client(), write_through, shape, torch.float32, "engine-test")
     limits = EngineLimits(
         max_context=max_context,
         page_size=page_size,

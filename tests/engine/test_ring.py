@@ -152,3 +152,34 @@ def test_gemma_exact_ring_matches_the_unlimited_pool(gemma, smol_tokenizer: Toke
     tokens, done = drain(events_of(seq))
     assert tokens == reference_greedy(gemma, prompt, 16)
     assert done.prefill_policy == "exact"
+
+
+def test_losing_a_store_replica_mid_request_recomputes_and_stays_correct(
+    model, smol_tokenizer: Tokenizer, start_store: StartStore, redis_url: str
+) -> None:
+    """Two kvstore replicas behind the redis catalog; one is killed while an exact ring request runs.
+    Its pages are gone: the engine recomputes what it lost and the answer equals the dense reference."""
+    import signal
+    import time
+
+    from services.kvstore.cluster import KVStoreCluster
+
+    prefix = f"kvmem-lose-{random.randrange(1 << 30)}:"
+    stores = [start_store(host_kv_mib=16, prefix=prefix) for _ in range(2)]
+    engine = make_engine(model, smol_tokenizer, num_slots=8, ring=ring_limits(budget_pages=8), ring_chunk=8,
+                         default_policy="exact",
+                         store_factory=lambda: KVStoreCluster(redis_url, prefix, refresh_s=0.2, stale_after_s=1.0))  # fmt: skip
+    prompt = _prompt(90, 21)
+    seq = engine.submit("lose", prompt, greedy(16))
+    engine.poll()
+    for _ in range(6):  # part of the prefill: pages demoted to both replicas
+        engine.step()
+    assert engine.ring.num_demotions > 0
+    stores[1].proc.send_signal(signal.SIGKILL)
+    stores[1].proc.wait()
+    time.sleep(1.5)
+    _run_checking_buckets(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert isinstance(done, Done)
+    assert tokens == reference_greedy(model, prompt, 16)
+    assert engine.scheduler.num_preemptions >= 1  # the recompute
