@@ -256,7 +256,7 @@ class Scheduler:
                 n += 1
             if n > best:
                 best_slot, best = slot, n
-        if best == 0 or self.slots.num_available() < 2:
+        if best == 0 or self.pool is None or self.slots.num_available() < 2:
             return
         self.slots.acquire(best_slot)  # keep it from being the slot we allocate
         dst = self.slots.allocate()
@@ -284,8 +284,7 @@ class Scheduler:
             seq.page_table.slot_ids.append(slot)
             seq.page_table.page_hashes.append(page_hash)
         seq.num_computed = len(seq.page_table.slot_ids) * self.page_size
-        if self.pool is not None:
-            self._match_partial(seq)
+        self._match_partial(seq)
         if not seq.admitted_once:
             seq.num_cached = seq.num_computed
         if seq.ring is not None and self.ring is not None and seq.page_table.slot_ids:

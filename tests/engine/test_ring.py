@@ -166,9 +166,11 @@ def test_losing_a_store_replica_mid_request_recomputes_and_stays_correct(
 
     prefix = f"kvmem-lose-{random.randrange(1 << 30)}:"
     stores = [start_store(host_kv_mib=16, prefix=prefix) for _ in range(2)]
+    def cluster() -> KVStoreCluster:
+        return KVStoreCluster(redis_url, prefix, refresh_s=0.2, stale_after_s=1.0)
+
     engine = make_engine(model, smol_tokenizer, num_slots=8, ring=ring_limits(budget_pages=8), ring_chunk=8,
-                         default_policy="exact",
-                         store_factory=lambda: KVStoreCluster(redis_url, prefix, refresh_s=0.2, stale_after_s=1.0))  # fmt: skip
+                         default_policy="exact", store_factory=cluster)  # fmt: skip
     prompt = _prompt(90, 21)
     seq = engine.submit("lose", prompt, greedy(16))
     engine.poll()
