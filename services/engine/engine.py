@@ -53,6 +53,18 @@ class EngineLimits:
     ring_chunk: int = 0
 
 
+@dataclass(frozen=True)
+class RingSnapshot:
+    """Resident pages of running ring sequences by bucket, taken by the engine thread after each step."""
+
+    protect: int = 0
+    skeleton: int = 0
+    evidence: int = 0
+    recent: int = 0
+    free: int = 0
+    host_only: int = 0  # computed pages of running sequences that live only on the host
+
+
 @dataclass
 class EngineStats:
     requests_total: int = 0
@@ -85,6 +97,7 @@ class Engine:
             limits.kv_format, self.ring, limits.ring_chunk, self._new_ring if self.ring else None, self.pool,
         )  # fmt: skip
         self.stats = EngineStats()
+        self.ring_snapshot = RingSnapshot()
         self._eos_ids = frozenset(tokenizer.info.eos_token_ids)
         self._lock = threading.Condition()
         self._incoming: deque[Sequence] = deque()
@@ -213,6 +226,22 @@ class Engine:
             for w in works:
                 self._fail(w.seq, "internal", "the engine failed while running this request")
         self.stats.steps_total += 1
+        if self.ring is not None:
+            self.ring_snapshot = self._take_ring_snapshot()
+
+    def _take_ring_snapshot(self) -> RingSnapshot:
+        assert self.ring is not None
+        totals = [0] * 6
+        for seq in self.scheduler.running:
+            if seq.ring is None:
+                continue
+            counts = self.ring.counts(seq.ring, max(1, seq.num_computed))
+            for i, n in enumerate(counts):
+                totals[i] += n
+            computed_pages = seq.num_computed // self.limits.page_size
+            resident = set(seq.page_table.resident_pages())
+            totals[5] += sum(1 for p in range(computed_pages) if p not in resident)
+        return RingSnapshot(*totals)
 
     def _postprocess(self, works: list[Work], logits: torch.Tensor, spans: list[SeqSpan]) -> None:
         row = 0

@@ -141,6 +141,16 @@ class EngineServicer(pb_grpc.EngineServicer):
             requests_total=s.requests_total,
             pages_written_through=wt.num_written if wt else 0,
             write_through_failures=(wt.num_failed + wt.num_dropped) if wt else 0,
+            protect_pages=e.ring_snapshot.protect,
+            skeleton_pages=e.ring_snapshot.skeleton,
+            evidence_pages=e.ring_snapshot.evidence,
+            recent_pages=e.ring_snapshot.recent,
+            ring_free_pages=e.ring_snapshot.free,
+            host_only_pages=e.ring_snapshot.host_only,
+            restores_total=e.ring.num_restores if e.ring else 0,
+            restored_bytes_total=e.ring.restored_bytes if e.ring else 0,
+            demotions_total=e.ring.num_demotions if e.ring else 0,
+            preemptions_total=e.scheduler.num_preemptions,
         )
 
 

@@ -54,6 +54,11 @@ def _run_checking_buckets(engine, seqs, max_steps: int = 5000) -> None:
                 assert 0 in resident  # protect
                 last = (s.num_computed - 1) // engine.ring.limits.page_size
                 assert last in resident  # recent
+                snap = engine.ring_snapshot  # what GetStats reports
+                assert snap.protect >= 1 and snap.recent >= 1
+                assert snap.protect + snap.skeleton + snap.evidence + snap.recent + snap.free == sum(
+                    engine.ring.limits.budget_pages for r in engine.scheduler.running if r.ring is not None
+                )
     raise AssertionError("sequences did not finish")
 
 
@@ -166,6 +171,7 @@ def test_losing_a_store_replica_mid_request_recomputes_and_stays_correct(
 
     prefix = f"kvmem-lose-{random.randrange(1 << 30)}:"
     stores = [start_store(host_kv_mib=16, prefix=prefix) for _ in range(2)]
+
     def cluster() -> KVStoreCluster:
         return KVStoreCluster(redis_url, prefix, refresh_s=0.2, stale_after_s=1.0)
 
