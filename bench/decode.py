@@ -99,8 +99,9 @@ def main() -> int:
     for n in lens:
         # a fresh prompt per repeat: the engine's prefix cache must not turn prefill into a lookup
         prompts = [torch.randint(100, info.vocab_size, (n,), generator=gen).tolist() for _ in range(a.repeats)]
-        engine_run(engine, prompts[0][:16], 4)  # warm-up
-        hf_run(hf, prompts[0][:16], 4, device)
+        warm = torch.randint(100, info.vocab_size, (16,), generator=gen).tolist()  # shares no prefix
+        engine_run(engine, warm, 4)
+        hf_run(hf, warm, 4, device)
         e = [engine_run(engine, pr, a.new_tokens) for pr in prompts]
         h = [hf_run(hf, pr, a.new_tokens, device) for pr in prompts]
         ep, ed = statistics.median(x[0] for x in e), statistics.median(x[1] for x in e)
