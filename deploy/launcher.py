@@ -37,12 +37,14 @@ class LaunchConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # the gateway's; internal services take free ports
     num_kvstores: int = 1
+    num_engines: int = 1  # engine replicas behind the cache guard (named engine0.. when more than one)
     redis_url: str = ""  # empty: start a private redis-server
     api_keys: str = ""
     host_kv_mib: int = 1024
     arena_dir: str = "/dev/shm"
     max_context: int = 8192
     kv_capacity: int = 8192
+    chat_template: str = ""  # the cache guard's --chat-template ("": the model's own)
     ready_timeout_s: float = 600.0
 
     @classmethod
@@ -53,27 +55,37 @@ class LaunchConfig:
         p.add_argument("--host", default=env("KVMEM_GATEWAY_HOST", "127.0.0.1"))
         p.add_argument("--port", type=int, default=int(env("KVMEM_GATEWAY_PORT", "8000")))
         p.add_argument("--kvstores", type=int, default=1, help="number of kvstore replicas")
+        p.add_argument("--engines", type=int, default=1, help="number of engine replicas")
         p.add_argument("--redis-url", default=env("KVMEM_REDIS_URL", ""))
         p.add_argument("--api-keys", default=env("KVMEM_API_KEYS", ""))
         p.add_argument("--host-kv-mib", type=int, default=int(env("KVMEM_HOST_KV_MIB", "1024")))
         p.add_argument("--arena-dir", default=env("KVMEM_ARENA_DIR", "/dev/shm"))
         p.add_argument("--max-context", type=int, default=int(env("KVMEM_MAX_CONTEXT", "8192")))
         p.add_argument("--kv-capacity", type=int, default=int(env("KVMEM_KV_CAPACITY", "8192")))
+        p.add_argument(
+            "--chat-template",
+            default=env("KVMEM_CHAT_TEMPLATE", ""),
+            help="Jinja chat template file the cache guard renders with instead of the model's",
+        )
         p.add_argument("--ready-timeout", type=float, default=600.0)
         a = p.parse_args(argv)
         if a.kvstores < 1:
             p.error(f"--kvstores must be >= 1, got {a.kvstores}")
+        if a.engines < 1:
+            p.error(f"--engines must be >= 1, got {a.engines}")
         return cls(
             model=a.model,
             host=a.host,
             port=a.port,
             num_kvstores=a.kvstores,
+            num_engines=a.engines,
             redis_url=a.redis_url,
             api_keys=a.api_keys,
             host_kv_mib=a.host_kv_mib,
             arena_dir=a.arena_dir,
             max_context=a.max_context,
             kv_capacity=a.kv_capacity,
+            chat_template=a.chat_template,
             ready_timeout_s=a.ready_timeout,
         )
 
@@ -93,8 +105,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def engine_names(cfg: LaunchConfig) -> list[str]:
+    """The engine services' names: "engine", or engine0, engine1, ... when there are several."""
+    return ["engine"] if cfg.num_engines == 1 else [f"engine{i}" for i in range(cfg.num_engines)]
+
+
 def service_specs(cfg: LaunchConfig, redis_url: str, ports: dict[str, int]) -> list[ServiceSpec]:
-    """The services in start order. `ports` has kvstore0.., engine, cacheguard."""
+    """The services in start order. `ports` has kvstore0.., the engine_names, cacheguard."""
     kvstore_addrs = [f"127.0.0.1:{ports[f'kvstore{i}']}" for i in range(cfg.num_kvstores)]
     specs = [
         ServiceSpec(
@@ -110,29 +127,32 @@ def service_specs(cfg: LaunchConfig, redis_url: str, ports: dict[str, int]) -> l
         )
         for i, addr in enumerate(kvstore_addrs)
     ]
-    engine_addr = f"127.0.0.1:{ports['engine']}"
+    engine_addrs = [f"127.0.0.1:{ports[name]}" for name in engine_names(cfg)]
     guard_addr = f"127.0.0.1:{ports['cacheguard']}"
-    specs.append(
+    specs += [
         ServiceSpec(
-            "engine",
+            name,
             "services.engine",
             {
-                "KVMEM_ENGINE_ADDR": engine_addr,
+                "KVMEM_ENGINE_ADDR": addr,
                 "KVMEM_MODEL": cfg.model,
                 "KVMEM_KVSTORE_ADDRS": ",".join(kvstore_addrs),
                 "KVMEM_MAX_CONTEXT": str(cfg.max_context),
                 "KVMEM_KV_CAPACITY": str(cfg.kv_capacity),
             },
         )
-    )
+        for name, addr in zip(engine_names(cfg), engine_addrs, strict=True)
+    ]
     specs.append(
         ServiceSpec(
             "cacheguard",
             "services.cacheguard",
             {
                 "KVMEM_CACHEGUARD_ADDR": guard_addr,
-                "KVMEM_ENGINE_ADDRS": engine_addr,
+                "KVMEM_ENGINE_ADDRS": ",".join(engine_addrs),
                 "KVMEM_MODEL": cfg.model,
+                "KVMEM_REDIS_URL": redis_url,
+                "KVMEM_CHAT_TEMPLATE": cfg.chat_template,
             },
         )
     )
@@ -213,7 +233,8 @@ class Stack:
             if not self.redis_url:
                 self.redis_url = self._start_redis()
             self.ports = {f"kvstore{i}": free_port() for i in range(self.cfg.num_kvstores)}
-            self.ports |= {"engine": free_port(), "cacheguard": free_port()}
+            self.ports |= {name: free_port() for name in engine_names(self.cfg)}
+            self.ports |= {"cacheguard": free_port()}
             for spec in service_specs(self.cfg, self.redis_url, self.ports):
                 logger.info("starting %s (python -m %s)", spec.name, spec.module)
                 child = _Child(spec, self.echo)
@@ -268,6 +289,16 @@ class Stack:
             except OSError:
                 time.sleep(0.05)
         raise LaunchError("redis-server did not start within 10 s")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one service (a crash, for tests); the others keep running. Raises KeyError for an unknown name."""
+        child = next((c for c in self.children if c.spec.name == name), None)
+        if child is None:
+            raise KeyError(f"no running service {name!r}: {', '.join(c.spec.name for c in self.children)}")
+        if child.proc.poll() is None:
+            child.proc.kill()
+        child.proc.wait(timeout=30)
+        logger.info("killed %s (exit code %s)", name, child.proc.returncode)
 
     def failed_child(self) -> _Child | None:
         """A service that has exited on its own, if any."""

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from services.cacheguard.config import CacheGuardConfig, ConfigError
+from services.cacheguard.renderer import RenderError
 from services.cacheguard.server import GuardServer
 from services.common import logs
 from services.common.model_files import ModelNotFoundError, resolve_model_path
@@ -27,6 +28,13 @@ async def serve(config: CacheGuardConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    support = server.core.renderer.support
+    logger.info(
+        "normalizations: %s; template renders tools %s, reasoning %s%s; affinity in %s",
+        ",".join(config.normalizations) or "none", support.tools, support.reasoning,
+        f" ({config.chat_template})" if config.chat_template else "",
+        "redis" if config.redis_url else "this process only (no KVMEM_REDIS_URL)",
+    )  # fmt: skip
     logger.info("cacheguard ready on %s (engines %s)", server.addr, ",".join(config.engine_addrs))
     await stop.wait()
     logger.info("cacheguard shutting down")
@@ -43,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(serve(config))
-    except (ModelNotFoundError, OSError) as exc:
+    except (ModelNotFoundError, OSError, RenderError) as exc:
         logger.error("cannot start: %s", exc)
         return 1
     return 0

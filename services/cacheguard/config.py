@@ -7,7 +7,10 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
+
+from services.cacheguard.normalize import NORMALIZATIONS
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -42,6 +45,12 @@ class CacheGuardConfig:
     model: str = "embedded:smollm2"
     max_sessions: int = 10000
     engine_connect_timeout_s: float = 5.0  # how long a request waits for an engine replica to be ready
+    # Session -> engine replica (affinity), shared by every guard process; "" keeps it in this process only.
+    redis_url: str = ""
+    catalog_prefix: str = "kvmem:"  # key prefix in redis (as the kvstore catalog)
+    session_ttl_s: float = 3600.0  # an idle session's affinity is forgotten after this
+    normalizations: tuple[str, ...] = NORMALIZATIONS  # see normalize.py; () turns them all off
+    chat_template: str = ""  # path of a Jinja chat template replacing the model's own; "": the model's
 
     def __post_init__(self) -> None:
         parse_addr(self.listen_addr, "listen_addr", allow_port_zero=True)
@@ -57,6 +66,17 @@ class CacheGuardConfig:
             raise ConfigError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if not self.engine_connect_timeout_s > 0:
             raise ConfigError(f"engine_connect_timeout_s must be > 0, got {self.engine_connect_timeout_s}")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if not self.catalog_prefix:
+            raise ConfigError("catalog_prefix must not be empty")
+        if not self.session_ttl_s > 0:
+            raise ConfigError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+        unknown = [n for n in self.normalizations if n not in NORMALIZATIONS]
+        if unknown:
+            raise ConfigError(f"unknown normalization(s) {','.join(unknown)}; known: {','.join(NORMALIZATIONS)}")
+        if self.chat_template and not Path(self.chat_template).is_file():
+            raise ConfigError(f"chat_template {self.chat_template!r} is not a file")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> CacheGuardConfig:
@@ -75,13 +95,36 @@ class CacheGuardConfig:
             "--engine-connect-timeout-s",
             default=env.get("KVMEM_ENGINE_CONNECT_TIMEOUT_S", str(cls.engine_connect_timeout_s)),
         )
+        p.add_argument(
+            "--redis-url",
+            default=env.get("KVMEM_REDIS_URL", cls.redis_url),
+            help="session affinity catalog; empty: kept in this process only",
+        )
+        p.add_argument("--catalog-prefix", default=env.get("KVMEM_CATALOG_PREFIX", cls.catalog_prefix))
+        p.add_argument("--session-ttl-s", default=env.get("KVMEM_CACHEGUARD_SESSION_TTL_S", str(cls.session_ttl_s)))
+        p.add_argument(
+            "--normalizations",
+            default=env.get("KVMEM_CACHEGUARD_NORMALIZATIONS", ",".join(cls.normalizations)),
+            help=f"comma list of {','.join(NORMALIZATIONS)}, or 'none'",
+        )
+        p.add_argument(
+            "--chat-template",
+            default=env.get("KVMEM_CHAT_TEMPLATE", cls.chat_template),
+            help="Jinja chat template file replacing the model's own",
+        )
         a = p.parse_args(argv)
+        names = a.normalizations.strip()
         return cls(
             listen_addr=a.listen_addr.strip(),
             engine_addrs=tuple(x.strip() for x in a.engine_addrs.split(",") if x.strip()),
             model=a.model.strip(),
             max_sessions=_number(a.max_sessions, int, "max_sessions"),
             engine_connect_timeout_s=_number(a.engine_connect_timeout_s, float, "engine_connect_timeout_s"),
+            redis_url=a.redis_url.strip(),
+            catalog_prefix=a.catalog_prefix,
+            session_ttl_s=_number(a.session_ttl_s, float, "session_ttl_s"),
+            normalizations=() if names == "none" else tuple(x.strip() for x in names.split(",") if x.strip()),
+            chat_template=a.chat_template.strip(),
         )
 
 

@@ -1,5 +1,7 @@
 """The cache guard's core (no grpc): input -> prompt token ids, with a prefix report per session.
 
+0. A chat is normalised with the session's memory (normalize.Normalizer; off per request or by
+   configuration), so that what the session already sent renders the same bytes again.
 1. A chat is rendered with the model's template (renderer.ChatRenderer), which also says where
    each message starts in the text; a text prompt is taken as is; token ids pass through.
 2. The whole text is tokenized once: these are the ids the engine gets (equal to transformers'
@@ -7,24 +9,33 @@
    message's text is tokenized on its own too and matched against the whole: exact whenever the
    pieces tokenize the same as the whole (chat templates put special tokens at message borders);
    from the first piece that does not match on, message ranges are estimates (logged).
-3. The session table compares the ids with what the session sent last (sessions.SessionTable).
+3. The session table compares the ids with what the session sent last (sessions.SessionTable) and
+   keeps the normalisations' memory for the next request.
+A chat without a session id is identified by its opening messages, with the system message's
+date/time lines taken out (a clock in the system prompt does not make every request a new session).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from services.cacheguard.normalize import NORMALIZATIONS, Normalized, Normalizer, SessionMemory, tool_name
 from services.cacheguard.renderer import ChatRenderer
 from services.cacheguard.sessions import (
+    MESSAGE_FIELDS,
     MessageSpan,
     PrefixReport,
     SessionTable,
+    ToolSpec,
     derive_chat_session_id,
     derive_prompt_session_id,
 )
+from services.cacheguard.volatile import split_volatile
 from services.common.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,6 +58,7 @@ class PromptRequest:
     tools: Sequence[Mapping[str, Any]] = field(default_factory=tuple)
     prompt_text: str | None = None
     prompt_token_ids: Sequence[int] | None = None
+    normalizations_off: bool = False
 
 
 class PromptTokens(NamedTuple):
@@ -65,48 +77,81 @@ class Prepared(NamedTuple):
 
 
 class GuardCore:
-    """Renders, tokenizes and tracks sessions; thread-safe (called from worker threads)."""
+    """Normalises, renders, tokenizes and tracks sessions; thread-safe (called from worker threads)."""
 
-    def __init__(self, tokenizer: Tokenizer, max_sessions: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_sessions: int,
+        normalizations: Sequence[str] = NORMALIZATIONS,
+        chat_template: str | None = None,
+    ) -> None:
+        """chat_template: replaces the model's own template (None: the model's)."""
         self.tokenizer = tokenizer
-        self.renderer = ChatRenderer(tokenizer.info)
+        info = tokenizer.info
+        if chat_template is not None:
+            info = dataclasses.replace(info, chat_template=chat_template)
+        self.renderer = ChatRenderer(info)
+        self.normalizer = Normalizer(normalizations, inner_system=self.renderer.support.inner_system)
         self.sessions = SessionTable(max_sessions)
 
     def prepare(self, request: PromptRequest) -> Prepared:
         """Prompt token ids for the engine, the session id, and the prefix report of this request."""
-        prompt = self.tokenize(request)
-        session_id = request.session_id or self._derive_session_id(request, prompt.token_ids)
-        report = self.sessions.observe(session_id, prompt.token_ids, prompt.message_spans, tenant=request.tenant)
-        return Prepared(prompt.token_ids, session_id, report)
+        _check_input(request)
+        session_id = request.session_id
+        if not session_id and request.messages is not None:
+            session_id = self._derive_chat_session_id(request.tenant, request.messages)
+        memory = self.sessions.memory(session_id, request.tenant) if session_id else SessionMemory()
+        prompt, chat = self._prompt(request, memory)
+        session_id = session_id or derive_prompt_session_id(request.tenant, prompt.token_ids)
+        report = self.sessions.observe(
+            session_id,
+            prompt.token_ids,
+            prompt.message_spans,
+            tenant=request.tenant,
+            tools=self._tool_specs(chat.tools) if chat is not None else (),
+            memory=chat.memory if chat is not None and not request.normalizations_off else None,
+        )
+        applied = chat.applied if chat is not None else ()
+        return Prepared(prompt.token_ids, session_id, report._replace(normalizations=applied))
 
     def count_tokens(self, request: PromptRequest) -> int:
-        """Number of prompt tokens `prepare` would send (no session is touched)."""
+        """Number of prompt tokens `prepare` would send now (the session is read, never changed)."""
         return len(self.tokenize(request).token_ids)
 
     def tokenize(self, request: PromptRequest) -> PromptTokens:
-        """Render (chat) and tokenize; raises InvalidRequestError / renderer.RenderError."""
-        kinds = [x is not None for x in (request.messages, request.prompt_text, request.prompt_token_ids)]
-        if sum(kinds) != 1:
-            raise InvalidRequestError(f"exactly one of chat, prompt_text, prompt_tokens must be set, got {sum(kinds)}")
+        """Normalise (chat; with the session's memory when a session id is given), render and tokenize;
+        raises InvalidRequestError / renderer.RenderError."""
+        _check_input(request)
+        memory = self.sessions.memory(request.session_id, request.tenant) if request.session_id else SessionMemory()
+        return self._prompt(request, memory)[0]
+
+    def _prompt(self, request: PromptRequest, memory: SessionMemory) -> tuple[PromptTokens, Normalized | None]:
+        chat = None
         if request.messages is not None:
-            prompt = self._tokenize_chat(request.messages, request.tools)
+            chat = self.normalizer.apply(request.messages, request.tools, memory, off=request.normalizations_off)
+            prompt = self._tokenize_chat(chat.messages, chat.tools, chat.origins)
         elif request.prompt_text is not None:
-            if not request.prompt_text:
-                raise InvalidRequestError("prompt_text is empty")
             prompt = PromptTokens(self.tokenizer.encode(request.prompt_text, add_special_tokens=True), ())
         else:
             assert request.prompt_token_ids is not None
             prompt = PromptTokens(self._checked_token_ids(request.prompt_token_ids), ())
         if not prompt.token_ids:
             raise InvalidRequestError("the prompt has 0 tokens")
-        return prompt
+        return prompt, chat
 
-    def _tokenize_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> PromptTokens:
-        if not messages:
-            raise InvalidRequestError("chat has no messages")
-        for k, message in enumerate(messages):
-            if not message.get("role"):
-                raise InvalidRequestError(f"message {k} has no role")
+    def _tool_specs(self, tools: Sequence[Mapping[str, Any]]) -> tuple[ToolSpec, ...]:
+        """The tools as the session table compares them (none when the template does not render tools)."""
+        if not self.renderer.support.tools:
+            return ()
+        return tuple(ToolSpec(tool_name(t), json.dumps(t, sort_keys=True, ensure_ascii=False)) for t in tools)
+
+    def _tokenize_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        origins: Sequence[int] | None = None,
+    ) -> PromptTokens:
         rendered = self.renderer.render_with_boundaries(messages, tools or None)
         # A template writes its own BOS; the plain fallback format gets the tokenizer's.
         add_special = not self.renderer.has_template
@@ -120,6 +165,8 @@ class GuardCore:
                 str(m.get("content", "")),
                 0 if k == 0 else token_starts[k],
                 token_starts[k + 1],
+                _message_fields(m),
+                origins[k] if origins is not None else None,
             )
             for k, m in enumerate(messages)
         )
@@ -133,11 +180,38 @@ class GuardCore:
         return list(token_ids)
 
     @staticmethod
-    def _derive_session_id(request: PromptRequest, token_ids: Sequence[int]) -> str:
-        if request.messages is not None:
-            opening = [(str(m["role"]), str(m.get("content", ""))) for m in request.messages[:2]]
-            return derive_chat_session_id(request.tenant, opening)
-        return derive_prompt_session_id(request.tenant, token_ids)
+    def _derive_chat_session_id(tenant: str, messages: Sequence[Mapping[str, Any]]) -> str:
+        opening = [(str(m["role"]), str(m.get("content", ""))) for m in messages[:2]]
+        if opening[0][0] == "system":
+            opening[0] = ("system", split_volatile(opening[0][1]).stable)
+        return derive_chat_session_id(tenant, opening)
+
+
+def _check_input(request: PromptRequest) -> None:
+    """Exactly one input kind; a chat has messages, each with a role; a prompt text is not empty."""
+    kinds = [x is not None for x in (request.messages, request.prompt_text, request.prompt_token_ids)]
+    if sum(kinds) != 1:
+        raise InvalidRequestError(f"exactly one of chat, prompt_text, prompt_tokens must be set, got {sum(kinds)}")
+    if request.messages is not None:
+        if not request.messages:
+            raise InvalidRequestError("chat has no messages")
+        for k, message in enumerate(request.messages):
+            if not message.get("role"):
+                raise InvalidRequestError(f"message {k} has no role")
+    if request.prompt_text is not None and not request.prompt_text:
+        raise InvalidRequestError("prompt_text is empty")
+
+
+def _message_fields(message: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The MESSAGE_FIELDS a message sets, as text (tool calls as canonical JSON)."""
+    out = []
+    for name in MESSAGE_FIELDS:
+        value = message.get(name)
+        if not value:
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+        out.append((name, text))
+    return tuple(out)
 
 
 def _token_starts(token_ids: Sequence[int], pieces: Sequence[Sequence[int]], bos_token_id: int | None) -> list[int]:

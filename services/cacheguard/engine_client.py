@@ -1,8 +1,9 @@
 """EnginePool: the engine replicas the guard forwards to (grpc.aio).
 
-For now a request goes to the first replica (in configured order) whose channel is READY; session
-affinity comes later. Engine gRPC status errors come out as EngineCallError with the engine's own
-code and details, so the server can pass them through unchanged.
+The pool knows each replica's channel and asks for health (`ready`: the channel is or becomes
+READY) and load (`load`: Engine.GetStats running + waiting sequences); router.Router decides which
+replica serves a session. Engine gRPC status errors come out as EngineCallError with the engine's
+own code and details, so the server can pass them through unchanged.
 """
 
 from __future__ import annotations
@@ -58,19 +59,67 @@ class EnginePool:
             for addr, channel in ((a, grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)) for a in addrs)
         )
 
+    def connect(self) -> None:
+        """Start connecting every channel now (so the first requests see every live replica READY)."""
+        for replica in self.replicas:
+            replica.channel.get_state(try_to_connect=True)
+
     async def pick(self) -> Replica:
         """The first READY replica in configured order, waiting up to connect_timeout_s for one."""
+        return (await self.ready_replicas())[0]
+
+    async def ready_replicas(self, exclude: frozenset[str] = frozenset()) -> list[Replica]:
+        """The READY replicas (configured order) not in `exclude`, waiting up to connect_timeout_s
+        for at least one; raises EngineUnavailableError when none becomes READY."""
+        candidates = [r for r in self.replicas if r.addr not in exclude]
+        if not candidates:
+            raise EngineUnavailableError(f"no engine replica left to try (tried {', '.join(sorted(exclude))})")
         deadline = time.monotonic() + self.connect_timeout_s
         while True:
-            states = [r.channel.get_state(try_to_connect=True) for r in self.replicas]
-            for replica, state in zip(self.replicas, states, strict=True):
-                if state == grpc.ChannelConnectivity.READY:
-                    return replica
+            states = [r.channel.get_state(try_to_connect=True) for r in candidates]
+            ready = [r for r, s in zip(candidates, states, strict=True) if s == grpc.ChannelConnectivity.READY]
+            if ready:
+                return ready
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                names = ", ".join(f"{r.addr} ({s.name})" for r, s in zip(self.replicas, states, strict=True))
+                names = ", ".join(f"{r.addr} ({s.name})" for r, s in zip(candidates, states, strict=True))
                 raise EngineUnavailableError(f"no engine replica ready after {self.connect_timeout_s:g} s: {names}")
-            await _any_state_change(self.replicas, states, remaining)
+            await _any_state_change(candidates, states, remaining)
+
+    def by_addr(self, addr: str) -> Replica | None:
+        """The replica with this address, or None when it is not configured."""
+        return next((r for r in self.replicas if r.addr == addr), None)
+
+    async def ready(self, replica: Replica, timeout_s: float | None = None) -> bool:
+        """True when the replica's channel is READY or becomes READY within timeout_s (default: the
+        connect timeout). False at once when connecting failed (TRANSIENT_FAILURE: gRPC keeps
+        reconnecting in the background with backoff, and the replica is READY again when it is back)."""
+        deadline = time.monotonic() + (self.connect_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            state = replica.channel.get_state(try_to_connect=True)
+            if state == grpc.ChannelConnectivity.READY:
+                return True
+            if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+                return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(replica.channel.wait_for_state_change(state), remaining)
+            except asyncio.TimeoutError:
+                return False
+
+    async def load(self, replica: Replica, timeout_s: float = 2.0) -> int | None:
+        """Running + waiting sequences of the replica (Engine.GetStats); None when it cannot answer.
+        An engine without GetStats (UNIMPLEMENTED) counts as idle."""
+        try:
+            stats = await replica.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return 0
+            logger.info("engine %s: GetStats failed: %s %s", replica.addr, exc.code().name, exc.details())
+            return None
+        return int(stats.running_sequences + stats.waiting_sequences)
 
     async def generate(
         self, replica: Replica, request: engine_pb2.GenerateRequest

@@ -14,6 +14,15 @@ Models without a chat template use FALLBACK_TEMPLATE, a plain format:
     tool_calls: [<tool calls as JSON>]              the tool_calls line only when set)
 
     assistant:                                     (the generation prompt)
+
+Rendering is deterministic: JSON the client sends as text (tool parameter schemas, tool-call
+arguments) is parsed and its object keys sorted (recursively; arrays keep their order), so a client
+that re-serialises the same schema with another key order renders the same bytes. Key order carries
+no meaning in JSON (RFC 8259), so this never changes what a tool or a call says.
+
+A model's template may also be replaced (CacheGuardConfig.chat_template): e.g. a template that
+renders tools and reasoning for a model whose own template ignores them. `TemplateSupport` says
+what a template renders, probed once at start-up.
 """
 
 from __future__ import annotations
@@ -50,6 +59,14 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 class RenderError(ValueError):
     """The chat template failed on this input (or does not compile); a client error (INVALID_ARGUMENT)."""
+
+
+class TemplateSupport(NamedTuple):
+    """What a chat template renders, found by rendering probe conversations."""
+
+    tools: bool  # tool definitions appear in the text
+    reasoning: bool  # an earlier assistant message's reasoning_content appears in the text
+    inner_system: bool  # a system message after the first renders (and is not refused)
 
 
 class RenderedChat(NamedTuple):
@@ -91,7 +108,7 @@ def tool_call(call_id: str, name: str, arguments_json: str) -> dict[str, Any]:
     """An OpenAI-style tool call; arguments parsed from JSON (kept as the raw string if not JSON)."""
     arguments: Any = arguments_json
     try:
-        arguments = json.loads(arguments_json) if arguments_json else {}
+        arguments = canonical_json(json.loads(arguments_json)) if arguments_json else {}
     except json.JSONDecodeError:
         logger.debug("tool call %r: arguments are not JSON, passed to the template as text", name)
     call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
@@ -115,12 +132,22 @@ def tool_definition(name: str, description: str, parameters_json: str) -> dict[s
             raise RenderError(f"tool {name!r}: parameters are not valid JSON: {exc}") from None
         if not isinstance(parameters, dict):
             raise RenderError(f"tool {name!r}: parameters must be a JSON object, got {type(parameters).__name__}")
+        parameters = canonical_json(parameters)
     else:
         parameters = {"type": "object", "properties": {}}
     return {
         "type": "function",
         "function": {"name": name, "description": description, "parameters": parameters},
     }
+
+
+def canonical_json(value: Any) -> Any:
+    """`value` with every object's keys sorted, recursively (arrays keep their order)."""
+    if isinstance(value, dict):
+        return {k: canonical_json(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [canonical_json(v) for v in value]
+    return value
 
 
 class ChatRenderer:
@@ -137,6 +164,26 @@ class ChatRenderer:
             raise RenderError(f"chat template does not compile: {exc}") from None
         if not self.has_template:
             logger.warning("model has no chat template: using the plain fallback format")
+        self.support = self._probe()
+        if not self.support.tools:
+            logger.warning("the chat template does not render tools: tool definitions will not reach the model")
+
+    def _probe(self) -> TemplateSupport:
+        def renders(marker: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> bool:
+            try:
+                return marker in self.render(messages, tools)
+            except RenderError:
+                return False
+
+        user = chat_message("user", "a")
+        tool = tool_definition("kvmem_probe_tool", "", "")
+        reasoning = chat_message("assistant", "b", reasoning_content="kvmem_probe_reasoning")
+        inner = chat_message("system", "kvmem_probe_system")
+        return TemplateSupport(
+            tools=renders("kvmem_probe_tool", [user], [tool]),
+            reasoning=renders("kvmem_probe_reasoning", [user, reasoning, chat_message("user", "c")]),
+            inner_system=renders("kvmem_probe_system", [user, chat_message("assistant", "b"), inner, user]),
+        )
 
     def render(
         self,

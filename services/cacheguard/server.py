@@ -1,8 +1,10 @@
 """The CacheGuard gRPC servicer (grpc.aio): decode, call the core, forward to an engine, encode.
 
-Generate: prepare (render + tokenize + prefix report) in a worker thread, pick an engine replica,
-relay its chunk/error events in order, and turn its `done` into a GuardDone carrying the prefix
-report and the replica's address. A client that cancels cancels the engine call.
+Generate: prepare (normalise + render + tokenize + prefix report) in a worker thread, route the
+session to an engine replica (router.Router), relay its chunk/error events in order, and turn its
+`done` into a GuardDone carrying the prefix report, the replica's address and the routing decision.
+A replica that is unavailable before its first event is excluded and the request routed again (its
+session moves). A client that cancels cancels the engine call.
 """
 
 from __future__ import annotations
@@ -10,12 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from services.cacheguard.affinity import Affinity, LocalAffinity, RedisAffinity
 from services.cacheguard.config import CHANNEL_OPTIONS, CacheGuardConfig
-from services.cacheguard.core import GuardCore, InvalidRequestError, PromptRequest
+from services.cacheguard.core import GuardCore, InvalidRequestError, Prepared, PromptRequest
 from services.cacheguard.engine_client import (
     EngineCallError,
     EnginePool,
@@ -23,6 +29,7 @@ from services.cacheguard.engine_client import (
     EngineUnavailableError,
 )
 from services.cacheguard.renderer import RenderError, chat_message, tool_call, tool_definition
+from services.cacheguard.router import Route, Router
 from services.cacheguard.sessions import PrefixReport
 from services.common.protos import cacheguard_pb2, cacheguard_pb2_grpc, engine_pb2
 from services.common.tokenizer import Tokenizer
@@ -66,16 +73,17 @@ def decode_request(
 ) -> PromptRequest:
     """A Generate or CountTokens request -> the core's PromptRequest."""
     kind = request.WhichOneof("input")
-    session = {}
-    if isinstance(request, cacheguard_pb2.GuardGenerateRequest):
-        session = {"session_id": request.session_id, "tenant": request.tenant}
+    session = {
+        "session_id": request.session_id,
+        "tenant": request.tenant,
+        "normalizations_off": request.normalizations_off,
+    }
     if kind == "chat":
         messages, tools = decode_chat(request.chat)
         return PromptRequest(messages=messages, tools=tools, **session)
     if kind == "prompt_text":
         return PromptRequest(prompt_text=request.prompt_text, **session)
     if kind == "prompt_tokens":
-        assert isinstance(request, cacheguard_pb2.GuardGenerateRequest)
         return PromptRequest(prompt_token_ids=list(request.prompt_tokens.token_ids), **session)
     raise InvalidRequestError("request has no input (chat, prompt_text or prompt_tokens)")
 
@@ -84,12 +92,33 @@ def encode_report(report: PrefixReport) -> cacheguard_pb2.PrefixReport:
     return cacheguard_pb2.PrefixReport(**report._asdict())
 
 
-class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
-    """Thin edge over GuardCore and EnginePool."""
+def _log_request(request_id: str, prepared: Prepared, route: Route) -> None:
+    r = prepared.report
+    logger.info(
+        "request %s session %s: %d prompt tokens, common prefix %d of %d%s%s -> %s (%s%s)",
+        request_id, prepared.session_id, len(prepared.token_ids), r.common_prefix_tokens, r.previous_tokens,
+        f", diverged ({r.divergence_field}): {r.divergence_reason}" if r.diverged else "",
+        f", normalised: {','.join(r.normalizations)}" if r.normalizations else "",
+        route.replica.addr, route.decision, f" from {route.moved_from}" if route.moved_from else "",
+    )  # fmt: skip
 
-    def __init__(self, core: GuardCore, pool: EnginePool) -> None:
+
+class _RetryElsewhere(Exception):
+    """The replica was unavailable before it produced anything: the request may go to another one.
+    Carries what the client gets when no other replica is left: the engine's error event or call error."""
+
+    def __init__(self, cause: engine_pb2.GenerateError | EngineCallError) -> None:
+        super().__init__(cause.message if isinstance(cause, engine_pb2.GenerateError) else str(cause))
+        self.cause = cause
+
+
+class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
+    """Thin edge over GuardCore, Router and EnginePool."""
+
+    def __init__(self, core: GuardCore, pool: EnginePool, router: Router) -> None:
         self._core = core
         self._pool = pool
+        self._router = router
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: cacheguard_pb2.GuardGenerateRequest, context: grpc.aio.ServicerContext
@@ -97,43 +126,81 @@ class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
         request_id = request.request_id or f"cg-{uuid.uuid4().hex}"
         try:
             prepared = await asyncio.to_thread(self._core.prepare, decode_request(request))
-            replica = await self._pool.pick()
-            r = prepared.report
-            logger.info(
-                "request %s session %s: %d prompt tokens, common prefix %d of %d%s -> %s",
-                request_id, prepared.session_id, len(prepared.token_ids), r.common_prefix_tokens,
-                r.previous_tokens, f", diverged: {r.divergence_reason}" if r.diverged else "", replica.addr,
-            )  # fmt: skip
             engine_request = engine_pb2.GenerateRequest(
                 request_id=request_id,
                 prompt_token_ids=prepared.token_ids,
                 sampling=request.sampling,
                 namespace=request.tenant,
+                prefill_policy=request.prefill_policy,
             )
-            finished = False
-            async for event in self._pool.generate(replica, engine_request):
-                kind = event.WhichOneof("event")
-                if finished:
-                    logger.warning("request %s: engine %s sent %s after the end", request_id, replica.addr, kind)
-                elif kind == "chunk":
-                    yield cacheguard_pb2.GuardGenerateEvent(chunk=event.chunk)
-                elif kind == "error":
-                    finished = True
-                    yield cacheguard_pb2.GuardGenerateEvent(error=event.error)
-                elif kind == "done":
-                    finished = True
-                    done = cacheguard_pb2.GuardDone(
-                        engine_done=event.done,
-                        prefix=encode_report(prepared.report),
-                        engine_replica=replica.addr,
-                    )
-                    yield cacheguard_pb2.GuardGenerateEvent(done=done)
-            if not finished:
-                raise EngineProtocolError(f"engine {replica.addr} ended request {request_id} without done or error")
+            tried: frozenset[str] = frozenset()
+            retry: _RetryElsewhere | None = None
+            while True:
+                try:
+                    route = await self._router.route(request.tenant, prepared.session_id, tried)
+                except EngineUnavailableError:
+                    if retry is None:
+                        raise
+                    if isinstance(retry.cause, EngineCallError):
+                        raise retry.cause from None
+                    yield cacheguard_pb2.GuardGenerateEvent(error=retry.cause)  # the last replica's own answer
+                    return
+                _log_request(request_id, prepared, route)
+                try:
+                    async for event in self._relay(route, engine_request, prepared.report):
+                        yield event
+                    return
+                except _RetryElsewhere as exc:
+                    logger.warning("request %s: engine %s unavailable (%s); trying another replica",
+                                   request_id, route.replica.addr, exc)  # fmt: skip
+                    retry = exc
+                    tried |= {route.replica.addr}
         except Exception as exc:
             code, details = grpc_status(exc)
             logger.info("request %s: %s %s", request_id, code.name, details)
             await context.abort(code, details)
+
+    async def _relay(
+        self, route: Route, engine_request: engine_pb2.GenerateRequest, report: PrefixReport
+    ) -> AsyncIterator[cacheguard_pb2.GuardGenerateEvent]:
+        """The engine's events as guard events; raises _RetryElsewhere when the replica was
+        unavailable before its first event (nothing has reached the client yet)."""
+        replica = route.replica
+        finished = False
+        started = False
+        try:
+            async with aclosing(self._pool.generate(replica, engine_request)) as events:
+                async for event in events:
+                    kind = event.WhichOneof("event")
+                    if not started and kind == "error" and event.error.code == engine_pb2.ERROR_CODE_UNAVAILABLE:
+                        raise _RetryElsewhere(event.error)
+                    started = True
+                    if finished:
+                        logger.warning("request %s: engine %s sent %s after the end", engine_request.request_id,
+                                       replica.addr, kind)  # fmt: skip
+                    elif kind == "chunk":
+                        yield cacheguard_pb2.GuardGenerateEvent(chunk=event.chunk)
+                    elif kind == "error":
+                        finished = True
+                        yield cacheguard_pb2.GuardGenerateEvent(error=event.error)
+                    elif kind == "done":
+                        finished = True
+                        done = cacheguard_pb2.GuardDone(
+                            engine_done=event.done,
+                            prefix=encode_report(report),
+                            engine_replica=replica.addr,
+                            routing=route.decision,
+                            moved_from=route.moved_from,
+                        )
+                        yield cacheguard_pb2.GuardGenerateEvent(done=done)
+        except EngineCallError as exc:
+            if not started and exc.code == grpc.StatusCode.UNAVAILABLE:
+                raise _RetryElsewhere(exc) from None
+            raise
+        if not finished:
+            raise EngineProtocolError(
+                f"engine {replica.addr} ended request {engine_request.request_id} without done or error"
+            )
 
     async def CountTokens(  # noqa: N802 - gRPC method name
         self, request: cacheguard_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
@@ -157,14 +224,16 @@ class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
 
 
 class GuardServer:
-    """The cache guard's gRPC server and engine pool; start and stop inside one event loop."""
+    """The cache guard's gRPC server, engine pool and router; start and stop inside one event loop."""
 
     def __init__(self, config: CacheGuardConfig, tokenizer: Tokenizer) -> None:
         self.config = config
-        self.core = GuardCore(tokenizer, config.max_sessions)
+        template = Path(config.chat_template).read_text() if config.chat_template else None
+        self.core = GuardCore(tokenizer, config.max_sessions, config.normalizations, chat_template=template)
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._pool: EnginePool | None = None
+        self._affinity: Affinity | None = None
 
     @property
     def addr(self) -> str:
@@ -174,21 +243,33 @@ class GuardServer:
 
     async def start(self) -> None:
         """Bind and start serving; raises OSError when the address cannot be bound."""
-        self._pool = EnginePool(self.config.engine_addrs, self.config.engine_connect_timeout_s)
+        cfg = self.config
+        self._pool = EnginePool(cfg.engine_addrs, cfg.engine_connect_timeout_s)
+        self._pool.connect()
+        if cfg.redis_url:
+            self._affinity = RedisAffinity(cfg.redis_url, cfg.catalog_prefix, cfg.session_ttl_s)
+        else:
+            self._affinity = LocalAffinity(cfg.session_ttl_s)
+        servicer = CacheGuardServicer(self.core, self._pool, Router(self._pool, self._affinity))
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
-        cacheguard_pb2_grpc.add_CacheGuardServicer_to_server(CacheGuardServicer(self.core, self._pool), self._server)
+        cacheguard_pb2_grpc.add_CacheGuardServicer_to_server(servicer, self._server)
         try:
-            self.port = self._server.add_insecure_port(self.config.listen_addr)
+            self.port = self._server.add_insecure_port(cfg.listen_addr)
         except RuntimeError:
             self.port = 0
         if self.port == 0:
-            await self._pool.close()
-            raise OSError(f"cannot listen on {self.config.listen_addr}")
+            await self._close_clients()
+            raise OSError(f"cannot listen on {cfg.listen_addr}")
         await self._server.start()
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting, let running calls finish for grace_s, then cancel them; close engine channels."""
         if self._server is not None:
             await self._server.stop(grace_s)
+        await self._close_clients()
+
+    async def _close_clients(self) -> None:
         if self._pool is not None:
             await self._pool.close()
+        if self._affinity is not None:
+            await self._affinity.close()

@@ -135,14 +135,15 @@ def test_tools_render_with_stable_key_order(hf_tokenizer: Any) -> None:
     messages, tools = tool_conversation()
     renderer = ChatRenderer(info_with(TOOLS_TEMPLATE))
     text = renderer.render(messages, tools)
+    # JSON the client sent as text is rendered with sorted object keys (arrays keep their order).
     expected_tool = (
         '{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & café", '
-        '"parameters": {"type": "object", "properties": {"zeta": {"type": "string"}, '
-        '"alpha": {"type": "integer"}}, "required": ["zeta"]}}}'
+        '"parameters": {"properties": {"alpha": {"type": "integer"}, "zeta": {"type": "string"}}, '
+        '"required": ["zeta"], "type": "object"}}}'
     )
     expected_call = (
         '[{"id": "call_1", "type": "function", "function": {"name": "get_weather", '
-        '"arguments": {"zeta": "Paris", "alpha": 3}}}]'
+        '"arguments": {"alpha": 3, "zeta": "Paris"}}}]'
     )
     assert text == (
         f"{expected_tool}\n"
@@ -154,6 +155,18 @@ def test_tools_render_with_stable_key_order(hf_tokenizer: Any) -> None:
     # Built again from the same JSON text: byte-identical.
     again_messages, again_tools = tool_conversation()
     assert renderer.render(again_messages, again_tools) == text
+    # The same schema and arguments re-serialised with other key orders and spacing: byte-identical.
+    reordered_params = (
+        '{"required": ["zeta"], "properties": {"alpha": {"type": "integer"}, '
+        '"zeta": {"type": "string"}},"type":"object"}'
+    )
+    reserialised_tools = [tool_definition("get_weather", "Weather <now> & café", reordered_params)]
+    reserialised = [
+        again_messages[0],
+        chat_message("assistant", "", tool_calls=[tool_call("call_1", "get_weather", '{ "alpha":3, "zeta":"Paris" }')]),
+        again_messages[2],
+    ]
+    assert renderer.render(reserialised, reserialised_tools) == text
     reference = hf_tokenizer.apply_chat_template(
         messages,
         tools=tools,

@@ -218,6 +218,7 @@ def test_second_turn_reports_the_previous_prompt_as_common_prefix(
         diverged=True,
         divergence_message_index=0,
         divergence_reason="message 0 (system) content changed at char 13",
+        divergence_field="content",
     )
     # "terse." -> "terse!": every token up to and including "terse" is shared.
     assert common_prefix_len(second_ids, third_ids) == len(tokenizer.encode("<|im_start|>system\nYou are terse"))
@@ -259,6 +260,7 @@ def test_prompt_tokens_pass_through(guard: Any, fake: FakeEngine) -> None:
         diverged=True,
         divergence_message_index=-1,
         divergence_reason="prompt changed at token 2",
+        divergence_field="tokens",
     )
 
 

@@ -1,0 +1,35 @@
+"""The launcher's service list: several engine replicas behind the cache guard."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.launcher import LaunchConfig, engine_names, service_specs
+
+PORTS = {"kvstore0": 1, "engine0": 2, "engine1": 3, "cacheguard": 4}
+
+
+def test_two_engines_are_named_and_all_handed_to_the_guard() -> None:
+    cfg = LaunchConfig.from_args(["--engines", "2", "--chat-template", "t.jinja"])
+    assert cfg.num_engines == 2 and engine_names(cfg) == ["engine0", "engine1"]
+    specs = {s.name: s for s in service_specs(cfg, "redis://r:1/0", PORTS)}
+    assert list(specs) == ["kvstore", "engine0", "engine1", "cacheguard", "gateway"]
+    assert specs["engine0"].env["KVMEM_ENGINE_ADDR"] == "127.0.0.1:2"
+    assert specs["engine1"].env["KVMEM_ENGINE_ADDR"] == "127.0.0.1:3"
+    guard = specs["cacheguard"].env
+    assert guard["KVMEM_ENGINE_ADDRS"] == "127.0.0.1:2,127.0.0.1:3"
+    assert guard["KVMEM_REDIS_URL"] == "redis://r:1/0"
+    assert guard["KVMEM_CHAT_TEMPLATE"] == "t.jinja"
+
+
+def test_one_engine_keeps_its_plain_name() -> None:
+    cfg = LaunchConfig()
+    assert engine_names(cfg) == ["engine"]
+    specs = service_specs(cfg, "redis://r:1/0", {"kvstore0": 1, "engine": 2, "cacheguard": 3})
+    assert [s.name for s in specs if s.module == "services.engine"] == ["engine"]
+
+
+def test_zero_engines_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        LaunchConfig.from_args(["--engines", "0"])
+    assert "--engines must be >= 1, got 0" in capsys.readouterr().err
