@@ -74,6 +74,7 @@ class Prepared(NamedTuple):
     token_ids: list[int]
     session_id: str
     report: PrefixReport
+    query_start: int | None = None  # token index where the last user message starts (the ring's query)
 
 
 class GuardCore:
@@ -113,7 +114,9 @@ class GuardCore:
             memory=chat.memory if chat is not None and not request.normalizations_off else None,
         )
         applied = chat.applied if chat is not None else ()
-        return Prepared(prompt.token_ids, session_id, report._replace(normalizations=applied))
+        users = [m for m in prompt.message_spans if m.role == "user"]
+        query_start = users[-1].token_start if users and users[-1].token_start < len(prompt.token_ids) else None
+        return Prepared(prompt.token_ids, session_id, report._replace(normalizations=applied), query_start)
 
     def count_tokens(self, request: PromptRequest) -> int:
         """Number of prompt tokens `prepare` would send now (the session is read, never changed)."""

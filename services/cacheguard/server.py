@@ -132,6 +132,7 @@ class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
                 sampling=request.sampling,
                 namespace=request.tenant,
                 prefill_policy=request.prefill_policy,
+                query_start=prepared.query_start,
             )
             tried: frozenset[str] = frozenset()
             retry: _RetryElsewhere | None = None

@@ -375,3 +375,17 @@ def test_core_message_spans_cover_each_message(tokenizer: Tokenizer) -> None:
     assert tokenizer.decode(prompt.token_ids[: span.token_end]) == SMOL_DEFAULT_SYSTEM + (
         "<|im_start|>user\nHi<|im_end|>\n"
     )
+
+
+def test_query_start_is_the_last_user_message(tokenizer: Tokenizer) -> None:
+    """The engine's ring scores pages against the last user turn: the guard says where it starts."""
+    from services.cacheguard.core import GuardCore, PromptRequest
+    from services.cacheguard.renderer import chat_message
+
+    core = GuardCore(tokenizer, max_sessions=8)
+    msgs = [chat_message("user", "Remember 4417."), chat_message("assistant", "OK."),
+            chat_message("user", "What number?")]  # fmt: skip
+    prepared = core.prepare(PromptRequest(messages=msgs, session_id="q"))
+    assert prepared.query_start is not None
+    tail = core.tokenizer.decode(prepared.token_ids[prepared.query_start :])
+    assert "What number?" in tail and "4417" not in tail
