@@ -153,3 +153,18 @@ def test_engine_pages_are_in_the_kvstore_by_hash(stack: Stack, client: openai.Op
         k_ref, v_ref = kv.layer_kv(layer)  # [Hkv, T, D]
         torch.testing.assert_close(stored[layer, 0], k_ref[:, 128:192].transpose(0, 1), atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(stored[layer, 1], v_ref[:, 128:192].transpose(0, 1), atol=2e-3, rtol=2e-3)
+
+
+def test_multi_turn_chat_reuses_at_least_99_percent_of_the_previous_turn(client: openai.OpenAI) -> None:
+    """A chat that re-sends its history: turn k+1 reuses the KV of turn k's prompt and answer
+    (whole pages by hash, the tail page's rows copied), >= 99% of turn k's tokens."""
+    system = "You answer in one short sentence. " + " ".join(f"Fact {i}: item {i} is blue." for i in range(60))
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "What colour is item 3?"}]
+    previous = None
+    for follow_up in ("And item 7?", "And item 11?"):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=16)
+        if previous is not None:
+            previous_tokens = previous.usage.prompt_tokens + previous.usage.completion_tokens
+            assert r.usage.prompt_tokens_details.cached_tokens >= 0.99 * previous_tokens, (r.usage, previous.usage)
+        previous = r
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": follow_up}]
