@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.protos import cacheguard_pb2
-from services.gateway import convert
+from services.gateway import convert, planning
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import (
     GatewayError,
@@ -45,6 +45,8 @@ from services.gateway.errors import (
     map_validation_errors,
 )
 from services.gateway.guard_client import GuardClient
+from services.gateway.planner.plan import Level, PlanRequest
+from services.gateway.planner.planner import Planner
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelList
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,13 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 MAX_SESSION_ID_CHARS = 256
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _CLIENT_CLOSED = 499  # nginx's "client closed request", for metrics and logs only
+# Label values the cache guard reports (cacheguard.proto); anything else is counted as "other".
+_PREFIX_FIELDS = frozenset(
+    "content role name tool_call_id reasoning_content tool_calls tools volatile messages rendering "
+    "generation_prompt tokens".split()
+)
+_NORMALIZATIONS = frozenset({"tool_order", "volatile_lines", "reasoning"})
+_ROUTING = frozenset({"affinity", "least_loaded", "moved"})
 
 
 # ---------------------------------------------------------------- metrics
@@ -88,12 +97,42 @@ class GatewayMetrics:
             registry=r,
         )
         self.in_flight = Gauge("kvmem_gateway_requests_in_flight", "Requests in progress", ["route"], registry=r)
+        # From the cache guard's prefix report and routing decision (GuardDone).
+        self.prefix_requests = Counter(
+            "kvmem_guard_prefix_requests", "Requests by prefix outcome (new_session, extended, diverged)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.prefix_divergences = Counter(
+            "kvmem_guard_prefix_divergences", "Diverged prompts by the field that changed", ["field"], registry=r
+        )
+        self.prefix_lost_tokens = Counter(
+            "kvmem_guard_prefix_lost_tokens", "Tokens of a session's previous prompt not kept as prefix", registry=r
+        )
+        self.normalizations = Counter(
+            "kvmem_guard_normalizations", "Requests changed by a cache-guard normalisation", ["name"], registry=r
+        )
+        self.routing = Counter("kvmem_guard_routing", "Engine replica choices", ["decision"], registry=r)
 
     def record_done(self, done: cacheguard_pb2.GuardDone) -> None:
         u = done.engine_done.usage
         self.prompt_tokens.inc(u.prompt_tokens)
         self.completion_tokens.inc(u.completion_tokens)
         self.cached_tokens.inc(u.cached_tokens)
+        p = done.prefix
+        self.prefix_requests.labels(
+            "new_session" if p.previous_tokens == 0 else "diverged" if p.diverged else "extended"
+        ).inc()
+        if p.diverged:
+            self.prefix_divergences.labels(_known(p.divergence_field, _PREFIX_FIELDS)).inc()
+            self.prefix_lost_tokens.inc(max(0, p.previous_tokens - p.common_prefix_tokens))
+        for name in p.normalizations:
+            self.normalizations.labels(_known(name, _NORMALIZATIONS)).inc()
+        if done.routing:
+            self.routing.labels(_known(done.routing, _ROUTING)).inc()
+
+
+def _known(value: str, known: frozenset[str]) -> str:
+    return value if value in known else "other"
 
 
 def route_label(path: str) -> str:
@@ -338,12 +377,53 @@ async def _generate(
     *,
     stream: bool,
     include_usage: bool,
+    plan: PlanRequest,
 ) -> Response:
     guard = _guard(request)
+    # X-KVMem-Normalize: off renders the messages exactly as sent (the prefix-stability control).
+    greq.normalizations_off = request.headers.get("x-kvmem-normalize", "").strip().lower() == "off"
+    # The segment planner picks the level: L1 goes on below as one call; L2/L2z/L3 are planned answers.
+    planned = await _until_disconnect(request, planning.decide(guard, request.app.state.config, greq, plan))
+    if planned is None:
+        return Response(status_code=_CLIENT_CLOSED)
+    planner, decision = planned
+    if decision.level is not Level.L1:
+        return await _planned(request, planner, decision, builder, greq, stream=stream, include_usage=include_usage)
+    greq.prefill_policy = convert.prefill_policy(decision.prefill_policy)
+    builder.plan = decision.report
     gen = _Generation(request, builder, guard.generate(greq), request.app.state.metrics)
     logger.info("request %s: tenant=%r session=%r stream=%s", greq.request_id, greq.tenant, greq.session_id, stream)
     response = await _until_disconnect(request, gen.stream(include_usage) if stream else gen.collect())
     return response if response is not None else Response(status_code=_CLIENT_CLOSED)
+
+
+async def _planned(
+    request: Request,
+    planner: Planner,
+    decision: planning.Decision,
+    builder: convert.ResponseBuilder,
+    greq: cacheguard_pb2.GuardGenerateRequest,
+    *,
+    stream: bool,
+    include_usage: bool,
+) -> Response:
+    """An answer of the segment planner (L2, L2z, L3): one JSON body, or SSE with progress chunks."""
+    metrics: GatewayMetrics = request.app.state.metrics
+    route = route_label(request.url.path)
+    headers = {"X-Request-Id": builder.id}
+    if stream:
+        body = planning.sse_body(
+            planner, decision, builder, greq.session_id, include_usage,
+            on_done=metrics.record_done, on_error=lambda kind: metrics.stream_errors.labels(route, kind).inc(),
+        )  # fmt: skip
+        headers |= {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return _SSEResponse(body, media_type="text/event-stream", headers=headers)
+    result = await _until_disconnect(request, planning.whole(planner, decision, builder, greq.session_id))
+    if result is None:
+        return Response(status_code=_CLIENT_CLOSED)
+    response, done = result
+    metrics.record_done(done)
+    return _json(response, {**headers, "X-Session-Id": greq.session_id})
 
 
 # ---------------------------------------------------------------- routes
@@ -357,7 +437,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     )
     model = await _served_model(_guard(request), body.model)
     builder = convert.ChatBuilder(response_id, int(time.time()), model)
-    return await _generate(request, greq, builder, stream=body.stream, include_usage=body.include_usage)
+    plan = convert.plan_request(body, request.app.state.config.planner)
+    return await _generate(request, greq, builder, stream=body.stream, include_usage=body.include_usage, plan=plan)
 
 
 async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -368,7 +449,8 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     )
     model = await _served_model(_guard(request), body.model)
     builder = convert.CompletionBuilder(response_id, int(time.time()), model)
-    return await _generate(request, greq, builder, stream=body.stream, include_usage=body.include_usage)
+    plan = convert.plan_request(body, request.app.state.config.planner)
+    return await _generate(request, greq, builder, stream=body.stream, include_usage=body.include_usage, plan=plan)
 
 
 async def list_models(request: Request) -> JSONResponse:

@@ -8,6 +8,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from services.gateway.planner.plan import OVER_POOL_POLICIES, PlannerSettings
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,6 +73,12 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # gRPC deadline of one Generate call
     model_info_ttl_s: float = 5.0  # how long a GetModelInfo answer is reused
     health_timeout_s: float = 2.0  # deadline of the GetModelInfo call behind /health
+    # segment planner (DESIGN.md §5): what happens to a prompt over the device pool
+    over_pool_policy: str = "shard"  # shard, sparse, exact, refuse; a request's kvmem.over_pool_policy wins
+    planner_max_calls: int = 32  # model calls per request; a request's kvmem.max_calls wins
+    planner_map_concurrency: int = 4  # map calls in flight per request
+    planner_answer_reserve: int = 128  # tokens kept for the answer when a request sets no max_tokens
+    planner_map_max_tokens: int = 48  # answer length of one map call
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -81,6 +89,29 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.model_info_ttl_s < 0:
             raise ConfigError(f"model_info_ttl_s must be >= 0, got {self.model_info_ttl_s}")
+        if self.over_pool_policy not in OVER_POOL_POLICIES:
+            raise ConfigError(
+                f"over_pool_policy must be one of {', '.join(OVER_POOL_POLICIES)}, got {self.over_pool_policy!r}"
+            )
+        for name in (
+            "planner_max_calls",
+            "planner_map_concurrency",
+            "planner_answer_reserve",
+            "planner_map_max_tokens",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def planner(self) -> PlannerSettings:
+        """The planner's server-side defaults."""
+        return PlannerSettings(
+            over_pool_policy=self.over_pool_policy,
+            max_calls=self.planner_max_calls,
+            map_concurrency=self.planner_map_concurrency,
+            answer_reserve=self.planner_answer_reserve,
+            map_max_tokens=self.planner_map_max_tokens,
+        )
 
     @property
     def auth_enabled(self) -> bool:
@@ -119,6 +150,29 @@ class GatewayConfig:
             type=float,
             default=_env_float("KVMEM_GATEWAY_HEALTH_TIMEOUT_S", cls.health_timeout_s),
         )
+        p.add_argument(
+            "--over-pool-policy",
+            default=env.get("KVMEM_OVER_POOL_POLICY", cls.over_pool_policy),
+            help="what to do with a prompt over the device pool: shard, sparse, exact or refuse",
+        )
+        p.add_argument(
+            "--planner-max-calls", type=int, default=_env_int("KVMEM_PLANNER_MAX_CALLS", cls.planner_max_calls)
+        )
+        p.add_argument(
+            "--planner-map-concurrency",
+            type=int,
+            default=_env_int("KVMEM_PLANNER_MAP_CONCURRENCY", cls.planner_map_concurrency),
+        )
+        p.add_argument(
+            "--planner-answer-reserve",
+            type=int,
+            default=_env_int("KVMEM_PLANNER_ANSWER_RESERVE", cls.planner_answer_reserve),
+        )
+        p.add_argument(
+            "--planner-map-max-tokens",
+            type=int,
+            default=_env_int("KVMEM_PLANNER_MAP_MAX_TOKENS", cls.planner_map_max_tokens),
+        )
         a = p.parse_args(argv)
         return cls(
             host=a.host,
@@ -128,6 +182,11 @@ class GatewayConfig:
             request_timeout_s=a.request_timeout_s,
             model_info_ttl_s=a.model_info_ttl_s,
             health_timeout_s=a.health_timeout_s,
+            over_pool_policy=a.over_pool_policy,
+            planner_max_calls=a.planner_max_calls,
+            planner_map_concurrency=a.planner_map_concurrency,
+            planner_answer_reserve=a.planner_answer_reserve,
+            planner_map_max_tokens=a.planner_map_max_tokens,
         )
 
 

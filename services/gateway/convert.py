@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
+from typing import Any
 
 from pydantic import BaseModel
 
 from services.common.protos import cacheguard_pb2, engine_pb2
 from services.gateway import schemas
 from services.gateway.errors import invalid_request
+from services.gateway.planner.plan import Level, PlannedAnswer, PlannerSettings, PlanReport, PlanRequest, Progress
+from services.gateway.planner.task import Message
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +26,11 @@ FINISH_REASONS: dict[int, str] = {
     engine_pb2.FINISH_REASON_STOP: "stop",
     engine_pb2.FINISH_REASON_LENGTH: "length",
     engine_pb2.FINISH_REASON_ABORT: "abort",
+}
+PREFILL_POLICIES: dict[str, int] = {
+    "": engine_pb2.PREFILL_POLICY_UNSPECIFIED,
+    "exact": engine_pb2.PREFILL_POLICY_EXACT,
+    "sparse": engine_pb2.PREFILL_POLICY_SPARSE,
 }
 
 # ---------------------------------------------------------------- requests
@@ -116,6 +125,50 @@ def completion_request(
     return out
 
 
+def plan_request(
+    req: schemas.ChatCompletionRequest | schemas.CompletionRequest, settings: PlannerSettings
+) -> PlanRequest:
+    """The request as the segment planner sees it, with the server defaults filled in."""
+    options = req.kvmem or schemas.KvmemOptions()
+    common: dict[str, Any] = {
+        "policy": options.over_pool_policy or settings.over_pool_policy,
+        "max_calls": options.max_calls or settings.max_calls,
+        "max_tokens": req.max_new_tokens,
+    }
+    if isinstance(req, schemas.ChatCompletionRequest):
+        calls = [c for m in req.messages for c in m.tool_calls or []]
+        common["has_tools"] = bool(req.tools or calls)
+        common["extra_chars"] = (
+            len(json.dumps([t.model_dump() for t in req.tools or []]).encode())
+            + sum(len(c.function.name) + len(c.function.arguments.encode()) + 32 for c in calls)
+            + sum(len((m.reasoning_content or "").encode()) + len((m.name or "").encode()) for m in req.messages)
+        )
+        messages = tuple(Message(m.role if m.role != "developer" else "system", m.content or "") for m in req.messages)
+        return PlanRequest(messages=messages, **common)
+    if isinstance(req.prompt, str):
+        return PlanRequest(prompt_text=req.prompt, **common)
+    return PlanRequest(num_prompt_token_ids=len(req.prompt), **common)
+
+
+def count_request(greq: cacheguard_pb2.GuardGenerateRequest) -> cacheguard_pb2.CountTokensRequest:
+    """The CountTokens request of a Generate request's input."""
+    out = cacheguard_pb2.CountTokensRequest()
+    kind = greq.WhichOneof("input")
+    if kind == "chat":
+        out.chat.CopyFrom(greq.chat)
+    elif kind == "prompt_text":
+        out.prompt_text = greq.prompt_text
+    elif kind == "prompt_tokens":
+        out.prompt_tokens.CopyFrom(greq.prompt_tokens)
+    out.session_id, out.tenant, out.normalizations_off = greq.session_id, greq.tenant, greq.normalizations_off
+    return out
+
+
+def prefill_policy(name: str) -> int:
+    """The engine's PrefillPolicy of a planner decision ("" = the engine's default)."""
+    return PREFILL_POLICIES[name]
+
+
 # ---------------------------------------------------------------- responses
 
 
@@ -134,12 +187,60 @@ def usage_of(u: engine_pb2.Usage) -> schemas.Usage:
     )
 
 
-def kvmem_info(done: cacheguard_pb2.GuardDone) -> schemas.KvmemInfo:
-    """The `kvmem` extension object: the guard's prefix report and the engine replica."""
+def plan_info(report: PlanReport, done: cacheguard_pb2.GuardDone) -> schemas.PlanInfo:
+    """The `kvmem.plan` object; an L1 report is completed from the engine's done."""
+    if report.level is Level.L1:  # the one call is the client's own: the engine's done says how it went
+        d = done.engine_done
+        report = dataclasses.replace(report, num_calls=1, unverified=list(report.unverified))
+        report.prompt_tokens = report.prompt_tokens or d.usage.prompt_tokens
+        report.note_policy(d.prefill_policy or "resident", d.unverified)
+    return schemas.PlanInfo(
+        level=report.level.value,
+        over_pool_policy=report.over_pool_policy,
+        over_pool=report.over_pool,
+        prompt_tokens=report.prompt_tokens,
+        pool_tokens=report.pool_tokens,
+        answer_reserve_tokens=report.answer_reserve_tokens,
+        prefill_policy=report.prefill_policy,
+        unverified=list(report.unverified),
+        num_shards=report.num_shards,
+        shard_tokens=report.shard_tokens,
+        num_calls=report.num_calls,
+        max_calls=report.max_calls,
+        map=report.map,
+        reduce=report.reduce,
+        num_rounds=report.num_rounds,
+        num_dropped=report.num_dropped,
+        evidence=[schemas.PlanEvidence(shard=e.shard, quote=e.quote) for e in report.evidence],
+        aggregate=report.aggregate,
+        refusal=schemas.PlanRefusal(reason=report.refusal.value, message=report.refusal_message)
+        if report.refusal
+        else None,
+    )
+
+
+def planned_done(answer: PlannedAnswer, session_id: str) -> cacheguard_pb2.GuardDone:
+    """A GuardDone standing for a planned answer: usage summed over its calls, no prefix report."""
+    u = answer.usage
+    engine_done = engine_pb2.GenerateDone(
+        finish_reason=engine_pb2.FINISH_REASON_STOP,
+        usage=engine_pb2.Usage(
+            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens
+        ),
+        prefill_policy=answer.report.prefill_policy,
+        unverified=bool(answer.report.unverified),
+    )
+    prefix = cacheguard_pb2.PrefixReport(session_id=session_id, divergence_message_index=-1)
+    return cacheguard_pb2.GuardDone(engine_done=engine_done, prefix=prefix, engine_replica=answer.engine_replica)
+
+
+def kvmem_info(done: cacheguard_pb2.GuardDone, plan: PlanReport | None = None) -> schemas.KvmemInfo:
+    """The `kvmem` extension object: the guard's prefix report, the engine replica, the plan."""
     p = done.prefix
     return schemas.KvmemInfo(
         engine_replica=done.engine_replica,
         matched_stop=done.engine_done.matched_stop,
+        plan=plan_info(plan, done) if plan is not None else None,
         prefix=schemas.PrefixInfo(
             session_id=p.session_id,
             previous_tokens=p.previous_tokens,
@@ -147,7 +248,11 @@ def kvmem_info(done: cacheguard_pb2.GuardDone) -> schemas.KvmemInfo:
             diverged=p.diverged,
             divergence_message_index=p.divergence_message_index,
             divergence_reason=p.divergence_reason,
+            divergence_field=p.divergence_field,
+            normalizations=list(p.normalizations),
         ),
+        routing=done.routing,
+        moved_from=done.moved_from,
     )
 
 
@@ -172,6 +277,20 @@ class ResponseBuilder:
         self.id = response_id
         self.created = created
         self.model = model
+        self.plan: PlanReport | None = None  # set by the planner; sent as kvmem.plan
+
+    def progress(self, progress: Progress) -> dict[str, Any]:
+        """A streamed chunk with no choices carrying the planner's progress under kvmem.progress."""
+        return {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "kvmem": {"progress": progress._asdict()},
+        }
+
+    chunk_object = ""
 
     def opening(self) -> BaseModel | None:
         """The chunk sent before any text (chat: the role), or None."""
@@ -197,6 +316,8 @@ class ResponseBuilder:
 class ChatBuilder(ResponseBuilder):
     """chat.completion and chat.completion.chunk objects."""
 
+    chunk_object = "chat.completion.chunk"
+
     def _chunk(
         self, delta: schemas.Delta, reason: str | None = None, kvmem: schemas.KvmemInfo | None = None
     ) -> BaseModel:
@@ -213,7 +334,7 @@ class ChatBuilder(ResponseBuilder):
 
     def closing(self, done: cacheguard_pb2.GuardDone) -> BaseModel:
         reason = finish_reason(done.engine_done.finish_reason)
-        return self._chunk(schemas.Delta(), reason, kvmem=kvmem_info(done))
+        return self._chunk(schemas.Delta(), reason, kvmem=kvmem_info(done, self.plan))
 
     def usage_chunk(self, done: cacheguard_pb2.GuardDone) -> BaseModel:
         return schemas.ChatCompletionChunk(
@@ -235,12 +356,14 @@ class ChatBuilder(ResponseBuilder):
             model=self.model,
             choices=[choice],
             usage=usage_of(done.engine_done.usage),
-            kvmem=kvmem_info(done),
+            kvmem=kvmem_info(done, self.plan),
         )
 
 
 class CompletionBuilder(ResponseBuilder):
     """text_completion objects (streamed chunks have the same shape)."""
+
+    chunk_object = "text_completion"
 
     def _completion(
         self,
@@ -257,11 +380,11 @@ class CompletionBuilder(ResponseBuilder):
 
     def closing(self, done: cacheguard_pb2.GuardDone) -> BaseModel:
         choice = schemas.CompletionChoice(text="", finish_reason=finish_reason(done.engine_done.finish_reason))
-        return self._completion([choice], kvmem=kvmem_info(done))
+        return self._completion([choice], kvmem=kvmem_info(done, self.plan))
 
     def usage_chunk(self, done: cacheguard_pb2.GuardDone) -> BaseModel:
         return self._completion([], usage=usage_of(done.engine_done.usage))
 
     def whole(self, text: str, done: cacheguard_pb2.GuardDone) -> BaseModel:
         choice = schemas.CompletionChoice(text=text, finish_reason=finish_reason(done.engine_done.finish_reason))
-        return self._completion([choice], usage=usage_of(done.engine_done.usage), kvmem=kvmem_info(done))
+        return self._completion([choice], usage=usage_of(done.engine_done.usage), kvmem=kvmem_info(done, self.plan))

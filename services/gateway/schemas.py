@@ -84,6 +84,15 @@ class ResponseFormat(_Request):
     type: str
 
 
+class KvmemOptions(_Request):
+    """Extension `kvmem` of a request: how a prompt over the device pool is handled."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")  # a misspelt option is a 400, not ignored
+
+    over_pool_policy: Literal["shard", "sparse", "exact", "refuse"] | None = None
+    max_calls: int | None = Field(default=None, ge=1, le=1024)  # model calls the planner may make
+
+
 class _SamplingRequest(_Request):
     """Fields shared by chat and completions requests."""
 
@@ -104,6 +113,7 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = None
     logprobs: bool | int | None = None
     ignore_eos: bool = False  # extension
+    kvmem: KvmemOptions | None = None  # extension
 
     @field_validator("n")
     @classmethod
@@ -266,6 +276,42 @@ class PrefixInfo(_Response):
     diverged: bool
     divergence_message_index: int
     divergence_reason: str
+    divergence_field: str = ""  # content, role, reasoning_content, tool_calls, tools, volatile, ...
+    normalizations: list[str] = []  # cache-guard normalisations that changed this request
+
+
+class PlanEvidence(_Response):
+    shard: int  # 0-based index of the shard the quote comes from
+    quote: str
+
+
+class PlanRefusal(_Response):
+    reason: str  # over_pool, not_splittable, frame_too_large, no_evidence, disagreement, budget_exhausted, ...
+    message: str
+
+
+class PlanInfo(_Response):
+    """How the segment planner produced the answer (DESIGN.md §5)."""
+
+    level: str  # L1 (one engine call), L2 (shards, reduced), L2z (reduce re-sharded), L3 (refused)
+    over_pool_policy: str  # shard, sparse, exact, refuse
+    over_pool: bool  # the prompt plus the answer's reserve is over the device pool
+    prompt_tokens: int
+    pool_tokens: int
+    answer_reserve_tokens: int
+    prefill_policy: str  # resident, sparse, exact (as the engine reported); "" when no call was made
+    unverified: list[str]  # why the answer is not verified (sparse_prefill, free_text, model_reduce, ...)
+    num_shards: int
+    shard_tokens: int
+    num_calls: int  # model calls made
+    max_calls: int
+    map: str  # model, extract, literal ("" at L1)
+    reduce: str  # single, agreement, model, count, sum, list, min, max
+    num_rounds: int
+    num_dropped: int  # partial answers the shard text did not bear out
+    evidence: list[PlanEvidence]
+    aggregate: dict[str, str | int] | None = None
+    refusal: PlanRefusal | None = None
 
 
 class KvmemInfo(_Response):
@@ -274,6 +320,9 @@ class KvmemInfo(_Response):
     engine_replica: str
     prefix: PrefixInfo
     matched_stop: str = ""
+    plan: PlanInfo | None = None
+    routing: str = ""  # affinity, least_loaded, moved
+    moved_from: str = ""  # the engine replica the session left (routing "moved")
 
 
 class AssistantMessage(_Response):

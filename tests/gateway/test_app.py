@@ -62,8 +62,12 @@ def _done(req: cacheguard_pb2.GuardGenerateRequest, reason: int) -> cacheguard_p
         diverged=True,
         divergence_message_index=2,
         divergence_reason="message 2 changed",
+        divergence_field="content",
+        normalizations=["tool_order"],
     )
-    done = cacheguard_pb2.GuardDone(engine_done=engine_done, prefix=prefix, engine_replica="engine-0")
+    done = cacheguard_pb2.GuardDone(
+        engine_done=engine_done, prefix=prefix, engine_replica="engine-0", routing="affinity"
+    )
     return cacheguard_pb2.GuardGenerateEvent(done=done)
 
 
@@ -244,6 +248,8 @@ async def test_chat_non_stream(client: httpx.AsyncClient, fake: FakeGuard) -> No
         "total_tokens": 16,
         "prompt_tokens_details": {"cached_tokens": 8},
     }
+    plan = body["kvmem"].pop("plan")  # the segment planner's report (more in test_planning.py)
+    assert (plan["level"], plan["over_pool"], plan["num_calls"], plan["prompt_tokens"]) == ("L1", False, 1, 12)
     assert body["kvmem"] == {
         "engine_replica": "engine-0",
         "matched_stop": "",
@@ -254,7 +260,11 @@ async def test_chat_non_stream(client: httpx.AsyncClient, fake: FakeGuard) -> No
             "diverged": True,
             "divergence_message_index": 2,
             "divergence_reason": "message 2 changed",
+            "divergence_field": "content",
+            "normalizations": ["tool_order"],
         },
+        "routing": "affinity",
+        "moved_from": "",
     }
     assert r.headers["x-session-id"] == "s-1"
     (sent,) = fake.requests
@@ -752,3 +762,26 @@ def test_main_refuses_bad_config() -> None:
     result = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "cacheguard_addr must be host:port" in result.stderr
+
+
+# ---------------------------------------------------------------- cache guard reports
+
+
+async def test_metrics_count_prefix_reports_normalisations_and_routing(client: httpx.AsyncClient) -> None:
+    await client.post("/v1/chat/completions", json=_chat("hi"))
+    await client.post("/v1/chat/completions", json=_chat("hi", stream=True))
+    await client.post("/v1/chat/completions", json=_chat("midstream-error", stream=True))  # no done: not counted
+    lines = set((await client.get("/metrics")).text.splitlines())
+    assert 'kvmem_guard_prefix_requests_total{outcome="diverged"} 2.0' in lines
+    assert 'kvmem_guard_prefix_divergences_total{field="content"} 2.0' in lines
+    assert "kvmem_guard_prefix_lost_tokens_total 8.0" in lines  # (64 previous - 60 common) x 2
+    assert 'kvmem_guard_normalizations_total{name="tool_order"} 2.0' in lines
+    assert 'kvmem_guard_routing_total{decision="affinity"} 2.0' in lines
+
+
+async def test_normalize_header_turns_the_guard_normalisations_off(client: httpx.AsyncClient, fake: FakeGuard) -> None:
+    await client.post("/v1/chat/completions", json=_chat("hi"))
+    await client.post("/v1/chat/completions", json=_chat("hi"), headers={"X-KVMem-Normalize": "off"})
+    await client.post("/v1/completions", json={"model": "m", "prompt": "hi"}, headers={"X-KVMem-Normalize": "OFF"})
+    await client.post("/v1/chat/completions", json=_chat("hi"), headers={"X-KVMem-Normalize": "on"})
+    assert [r.normalizations_off for r in fake.requests] == [False, True, True, False]

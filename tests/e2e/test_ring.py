@@ -1,0 +1,51 @@
+"""The ring end to end: a passkey prompt four times the device pool, through the gateway, cache guard,
+engine (1,024-token pool, 4,096-token context) and kvstore, answered under `exact` and `sparse`; the
+response says which prefill policy was used and flags the sparse answer."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from bench.needle import make_case
+from deploy.launcher import LaunchConfig, Stack
+from services.cacheguard.renderer import ChatRenderer
+from services.common.model_files import resolve_model_path
+from services.common.tokenizer import load_tokenizer
+from tests.conftest import free_port
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def ring_stack(redis_url: str) -> Iterator[Stack]:
+    cfg = LaunchConfig(port=free_port(), redis_url=redis_url, host_kv_mib=512, max_context=4096, kv_capacity=1024,
+                       ready_timeout_s=300)  # fmt: skip
+    stack = Stack(cfg, echo=False)
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def passkey() -> tuple[str, str]:
+    tok = load_tokenizer(resolve_model_path("embedded:smollm2"))
+    case = make_case("passkey", 4000, 0.35, random.Random(3), tok, ChatRenderer(tok.info).render, "raw")
+    assert len(tok.encode(case.prompt_text)) > 4 * 900  # about four times the 1,024-token pool
+    return case.prompt_text, case.answer
+
+
+@pytest.mark.parametrize("policy", ["exact", "sparse"])
+def test_passkey_four_times_the_pool(ring_stack: Stack, passkey: tuple[str, str], policy: str) -> None:
+    prompt, key = passkey
+    client = openai.OpenAI(base_url=f"{ring_stack.url}/v1", api_key="none", max_retries=0, timeout=600)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"kvmem": {"over_pool_policy": policy}})  # fmt: skip
+    assert key in r.choices[0].text
+    plan = r.model_extra["kvmem"]["plan"]
+    assert plan["prefill_policy"] == policy
+    assert bool(plan["unverified"]) is (policy == "sparse")
+    assert r.usage.prompt_tokens > 4 * 900
