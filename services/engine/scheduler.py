@@ -129,7 +129,16 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         limit = self.ring_chunk if seq.ring is not None else budget
-        return min(seq.num_uncomputed, budget, limit)
+        want = min(seq.num_uncomputed, budget, limit)
+        if seq.ring is not None and self.ring is not None and seq.in_prefill:
+            # end a chunk where the query starts, so the last chunk holds the whole query and the
+            # scoring pass reads all of it (a query split across chunks would be scored in part)
+            prompt_len = len(seq.prompt_ids)
+            query_from = max(seq.ring.query_start, prompt_len - self.ring.limits.max_query)
+            end = seq.num_computed + want
+            if seq.num_computed < query_from < end < prompt_len and prompt_len - query_from <= limit:
+                want = query_from - seq.num_computed
+        return want
 
     def _work(self, seq: Sequence, want: int) -> Work:
         ring = seq.ring
@@ -137,8 +146,8 @@ class Scheduler:
             return Work(seq, seq.num_computed, want)
         lim = self.ring.limits
         end = seq.num_computed + want
-        if not seq.in_prefill:
-            return Work(seq, seq.num_computed, want, score_tokens=1)
+        if not seq.in_prefill:  # decode: score only when a re-selection will use it
+            return Work(seq, seq.num_computed, want, score_tokens=1 if lim.rescore_interval else 0)
         if end == len(seq.prompt_ids):
             if ring.final_scored or not lim.retrieval:
                 return Work(seq, seq.num_computed, want)

@@ -3,8 +3,11 @@
 For every page of a sequence, resident or not, and every KV-bearing layer and KV head, we keep the
 element-wise min and max of the page's keys (Quest's bound) and their mean. Keys are summarised in
 the frame attention uses (after RoPE): `q . k <= sum_d max(q_d * kmin_d, q_d * kmax_d)` then bounds
-the real attention logit of every key in the page, whatever its position. bench/needle.py measures
-this against the pre-RoPE (content-frame) mean key.
+the real attention logit of every key in the page, whatever its position. bench/summary_frame.py
+measures the frames (bench/RESULTS.md): post-RoPE Quest ranks the needle page like the real attention
+mass does (recall@8 1.00); the post-RoPE mean key loses content to the rotation (recall@8 0.53); the
+pre-RoPE bound ranks a little better still but would put the rotary tables into scoring. The mean key
+is kept for that comparison; scoring uses the bound.
 
 Scoring turns the per-(layer, query token, query head) bounds into a distribution over pages
 (softmax of bound * scale), so every query token spreads one unit of mass over the pages; summed

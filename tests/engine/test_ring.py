@@ -191,3 +191,18 @@ def test_losing_a_store_replica_mid_request_recomputes_and_stays_correct(
     assert isinstance(done, Done)
     assert tokens == reference_greedy(model, prompt, 16)
     assert engine.scheduler.num_preemptions >= 1  # the recompute
+
+
+def test_last_chunk_holds_the_whole_query(model, smol_tokenizer: Tokenizer, store_address: str) -> None:
+    """Chunks are cut where the query starts, so the scoring pass reads the whole last user turn."""
+    engine = make_engine(model, smol_tokenizer, num_slots=8, ring=ring_limits(budget_pages=8), ring_chunk=8,
+                         store_address=store_address)  # fmt: skip
+    seen = []
+    run = engine.runner.run
+    engine.runner.run = lambda works: (seen.extend(works), run(works))[1]  # type: ignore[method-assign]
+    prompt = _prompt(61, 31)
+    seq = engine.submit("q", prompt, greedy(2), query_start=55)  # a boundary of 8 would split it at 56
+    _run_checking_buckets(engine, [seq])
+    scoring = [w for w in seen if w.score_only]
+    assert len(scoring) == 1
+    assert (scoring[0].start, scoring[0].num_new, scoring[0].score_tokens) == (55, 6, 6)
