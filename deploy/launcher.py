@@ -137,6 +137,8 @@ def service_specs(cfg: LaunchConfig, redis_url: str, ports: dict[str, int]) -> l
                 "KVMEM_ENGINE_ADDR": addr,
                 "KVMEM_MODEL": cfg.model,
                 "KVMEM_KVSTORE_ADDRS": ",".join(kvstore_addrs),
+                "KVMEM_REDIS_URL": redis_url,  # pages spread over every kvstore replica registered there
+                "KVMEM_HOST_KV_MIB": str(cfg.host_kv_mib * cfg.num_kvstores),
                 "KVMEM_MAX_CONTEXT": str(cfg.max_context),
                 "KVMEM_KV_CAPACITY": str(cfg.kv_capacity),
             },
