@@ -326,7 +326,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         matched = seq.detokenizer.matched_stop or ""
         ring = seq.ring
-        policy = ring.policy if ring is not None and ring.num_demotions else "resident"
+        policy = ring.policy if ring is not None and ring.outgrew_device else "resident"
         unverified = ring is not None and ring.unverified
         if unverified:
             logger.warning(

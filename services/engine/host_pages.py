@@ -44,6 +44,18 @@ class KVStoreHostPages:
     def wait(self, page_hashes: list[bytes], timeout_s: float) -> bool:
         return self._write_through.wait_written(page_hashes, timeout_s)
 
+    def leading_present(self, page_hashes: list[bytes]) -> int:
+        """How many leading pages of a hash chain the store holds (they count as written through)."""
+        if not page_hashes:
+            return 0
+        found = 0
+        for loc in self._client.lookup(page_hashes):
+            if not loc.found:
+                break
+            found += 1
+        self._write_through.mark_written(page_hashes[:found])
+        return found
+
     def fetch(self, page_hashes: list[bytes]) -> list[torch.Tensor]:
         """Pages as [L, 2, page, Hkv, D] CPU tensors, in one batched read; PagesLostError when any is gone."""
         try:

@@ -55,6 +55,10 @@ class HostPages(Protocol):
         """Keep these host copies from eviction (one pin each) until unpinned."""
         ...
 
+    def leading_present(self, page_hashes: list[bytes]) -> int:
+        """How many leading pages of a hash chain have a host copy."""
+        ...
+
     def unpin(self, page_hashes: list[bytes]) -> None: ...
 
 
@@ -91,7 +95,13 @@ class SeqRing:
     num_restores: int = 0
     restored_bytes: int = 0
     num_demotions: int = 0
+    num_adopted: int = 0  # prefix pages taken from the host store (never resident before)
     hidden_pages: int = 0  # pages a sparse step could not see (over the whole request)
+
+    @property
+    def outgrew_device(self) -> bool:
+        """Some of the context lived only on the host at some point (the prefill policy applied)."""
+        return self.num_demotions > 0 or self.num_adopted > 0
 
     @property
     def unverified(self) -> bool:
@@ -141,6 +151,34 @@ class RingManager:
         for layer in range(self.pool.num_layers):
             keys = self.pool.k[layer].index_select(0, rows).view(len(pages), size, *self.pool.k[layer].shape[1:])
             ring.summaries.update(layer, page_t, keys, valid)
+
+    def adopt_host_prefix(
+        self, ring: SeqRing, page_table: list[int], page_hashes: list[bytes], chain: list[bytes]
+    ) -> int:
+        """Extend a sequence's cached prefix with the pages of `chain` the host store holds (after the
+        ones found on the device): they join the page table as not resident (materialised lazily, when
+        the plan wants them) and their summaries are computed from the host bytes. Returns pages adopted."""
+        if self.host is None or not chain:
+            return 0
+        count = self.host.leading_present(chain)
+        if count == 0:
+            return 0
+        adopted = chain[:count]
+        first = len(page_hashes)
+        pages = self.host.fetch(adopted)  # summaries need the keys; the pages do not stay on the device
+        size = self.limits.page_size
+        device = ring.summaries.kmin.device
+        ids = torch.arange(first, first + count, device=device)
+        valid = torch.ones(count, size, dtype=torch.bool, device=device)
+        for layer in range(ring.summaries.kmin.shape[0]):
+            keys = torch.stack([p[layer, 0] for p in pages]).to(device)  # [count, page, Hkv, D]
+            ring.summaries.update(layer, ids, keys, valid)
+        page_table.extend([NOT_RESIDENT] * count)
+        page_hashes.extend(adopted)
+        self.host.pin(adopted)
+        ring.pinned.extend(adopted)
+        ring.num_adopted += count
+        return count
 
     # -- residency (scheduler, before a step) ----------------------------------------------------
 

@@ -292,12 +292,16 @@ class Scheduler:
             self.slots.acquire(slot)
             seq.page_table.slot_ids.append(slot)
             seq.page_table.page_hashes.append(page_hash)
+        if seq.ring is not None and self.ring is not None:  # then the host store, materialised lazily
+            device_pages = len(seq.page_table.slot_ids)
+            self.ring.summarize(seq.ring, seq.page_table.slot_ids, range(device_pages))
+            self.ring.adopt_host_prefix(
+                seq.ring, seq.page_table.slot_ids, seq.page_table.page_hashes, hashes[device_pages:]
+            )
         seq.num_computed = len(seq.page_table.slot_ids) * self.page_size
         self._match_partial(seq)
         if not seq.admitted_once:
             seq.num_cached = seq.num_computed
-        if seq.ring is not None and self.ring is not None and seq.page_table.slot_ids:
-            self.ring.summarize(seq.ring, seq.page_table.slot_ids, range(len(seq.page_table.slot_ids)))
 
     def _unmatch(self, seq: Sequence) -> None:
         """Give back what _admit_prefix took when the sequence could not be admitted after all."""

@@ -52,6 +52,12 @@ class WriteThrough:
             self.num_dropped += 1
             logger.error("write-through queue full for %.0f s: page %s dropped", timeout_s, page_hash.hex())
 
+    def mark_written(self, page_hashes: list[bytes]) -> None:
+        """Pages found in the store already (e.g. written by another engine)."""
+        with self._written_cond:
+            self._written.update(page_hashes)
+            self._written_cond.notify_all()
+
     def forget(self, page_hashes: list[bytes]) -> None:
         """The store lost these pages (a replica went away): write them again when they are recomputed."""
         with self._written_cond:

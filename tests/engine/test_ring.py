@@ -206,3 +206,26 @@ def test_last_chunk_holds_the_whole_query(model, smol_tokenizer: Tokenizer, stor
     scoring = [w for w in seen if w.score_only]
     assert len(scoring) == 1
     assert (scoring[0].start, scoring[0].num_new, scoring[0].score_tokens) == (55, 6, 6)
+
+
+def test_prefix_found_only_in_the_host_store_is_adopted_lazily(
+    model, smol_tokenizer: Tokenizer, store_address: str
+) -> None:
+    """A second engine (empty device cache) sharing the kvstore reuses the first engine's pages:
+    they join its page table as not resident, only the planned ones are restored, and the answer
+    equals the dense reference."""
+    first = make_engine(model, smol_tokenizer, num_slots=8, ring=ring_limits(budget_pages=8), ring_chunk=8,
+                        store_address=store_address, default_policy="exact")  # fmt: skip
+    prompt = _prompt(70, 41)
+    seq = first.submit("turn1", prompt, greedy(4))
+    _run_checking_buckets(first, [seq])
+    first.write_through.flush()
+    second = make_engine(model, smol_tokenizer, num_slots=8, ring=ring_limits(budget_pages=8), ring_chunk=8,
+                         store_address=store_address, default_policy="exact")  # fmt: skip
+    turn2 = prompt + [901, 902, 903]
+    seq2 = second.submit("turn2", turn2, greedy(8))
+    _run_checking_buckets(second, [seq2])
+    tokens, done = drain(events_of(seq2))
+    assert done.cached_tokens == 68  # the 17 whole prompt pages of 4, from the host store
+    assert tokens == reference_greedy(model, turn2, 8)
+    assert second.ring.num_restores < 17  # lazily: only what the plan wanted came to the device
