@@ -320,7 +320,7 @@ class Engine:
             h = page_hash(parent, seq.token_ids[i * size : (i + 1) * size], self.limits.model_id, self.limits.kv_format)
             table.page_hashes.append(h)
             self.slots.register(table.slot_ids[i], h)
-            if self.write_through is not None and not self.write_through.is_written(h):
+            if self.write_through is not None and self.write_through.wants(h):
                 self.write_through.submit(h, self.pool.read_page(table.slot_ids[i]), size)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

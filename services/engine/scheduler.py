@@ -100,6 +100,8 @@ class Scheduler:
             if not decoding:
                 budget -= want
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            if self.slots.num_available() == 0:
+                break  # nothing could be admitted: skip the prefix match (it may read the host store)
             seq = self.waiting[0]
             self._admit_prefix(seq)
             want = self._chunk(seq, budget)

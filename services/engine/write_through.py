@@ -63,6 +63,10 @@ class WriteThrough:
         with self._written_cond:
             self._written.difference_update(page_hashes)
 
+    def wants(self, page_hash: bytes) -> bool:
+        """True unless the page is written or queued already (saves copying it out of the pool)."""
+        return page_hash not in self._written and page_hash not in self._queued
+
     def is_written(self, page_hash: bytes) -> bool:
         return page_hash in self._written
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from services.engine.attention import AttentionBackend
 from services.engine.models.config import ModelConfig
-from services.engine.models.llama import RotaryEmbedding, apply_rope
+from services.engine.models.llama import MLP, RotaryEmbedding, apply_rope
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +76,8 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out.reshape(n, -1))
 
 
-class GeluMLP(nn.Module):
-    """GELU (tanh approximation) gated MLP with a fused gate/up projection."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+def gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -99,7 +90,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, layer_idx)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.mlp = GeluMLP(config)
+        self.mlp = MLP(config, activation=gelu_tanh)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
