@@ -67,8 +67,7 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
         assert write_through is not None  # check_host_capacity refuses a ring without a kvstore
         from services.engine.host_pages import KVStoreHostPages
 
-        shape = (model_config.num_layers, 2, config.page_size, model_config.num_kv_heads, model_config.head_dim)
-        host = KVStoreHostPages(_store_client(config), write_through, shape, config.kv_dtype, config.replica_name)
+        host = KVStoreHostPages(_store_client(config), write_through, pool.page_nbytes, config.replica_name)
         logger.info(
             "ring on: budget %d pages per sequence (protect %d, recent %d, skeleton <= %d, evidence <= %d), "
             "chunk %d tokens, default policy %s, retrieval %s",

@@ -53,6 +53,9 @@ class EngineConfig:
     rescore_interval: int = 16  # decode steps between re-selections (0: select at prefill only)
     retrieval: bool = True  # False: the negative control (evidence stays empty)
     audit_dir: str = ""  # write per-selection scores and choices here
+    # -- GPU execution --
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
+    kernels: str = "auto"  # page kernel set: auto (from the device capability), triton, cupy, torch
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -79,6 +82,8 @@ class EngineConfig:
             raise ConfigError(f"max_running {self.max_running} and max_waiting {self.max_waiting} must be >= 1")
         if self.dtype not in ("auto", *_KV_FORMATS):
             raise ConfigError(f"dtype {self.dtype!r} not in auto, {', '.join(_KV_FORMATS)}")
+        if self.kernels not in ("auto", "triton", "cupy", "torch"):
+            raise ConfigError(f"kernels {self.kernels!r} not in auto, triton, cupy, torch")
         if self.kv_format not in ("auto", *_KV_FORMATS):
             raise ConfigError(f"kv_format {self.kv_format!r} not in auto, {', '.join(_KV_FORMATS)}")
 
@@ -209,6 +214,13 @@ class EngineConfig:
             help="negative control: the ring keeps no evidence pages",
         )
         p.add_argument("--audit-dir", default=env("KVMEM_RING_AUDIT_DIR", ""))
+        p.add_argument(
+            "--no-cuda-graphs",
+            action="store_true",
+            default=env("KVMEM_CUDA_GRAPHS", "1") == "0",
+            help="run decode steps eagerly (no CUDA graph capture)",
+        )
+        p.add_argument("--kernels", default=env("KVMEM_KERNELS", "auto"), help="auto, triton, cupy or torch")
         a = p.parse_args(argv)
         return cls(
             listen_addr=a.listen,
@@ -238,4 +250,6 @@ class EngineConfig:
             rescore_interval=a.rescore_interval,
             retrieval=not a.no_retrieval,
             audit_dir=a.audit_dir,
+            cuda_graphs=not a.no_cuda_graphs,
+            kernels=a.kernels,
         )

@@ -26,14 +26,12 @@ class KVStoreHostPages:
         self,
         client: KVStoreClient,
         write_through: WriteThrough,
-        page_shape: tuple[int, ...],
-        dtype: torch.dtype,
+        page_nbytes: int,
         owner_id: str = "",
     ) -> None:
         self._client = client
         self._write_through = write_through
-        self._shape = page_shape  # [num_layers, 2, page_size, Hkv, D]
-        self._dtype = dtype
+        self._page_nbytes = page_nbytes  # KVPool.page_nbytes: pages travel as bytes in their stored format
         self._owner = owner_id
         self.num_fetched = 0
         self.fetched_bytes = 0
@@ -57,7 +55,7 @@ class KVStoreHostPages:
         return found
 
     def fetch(self, page_hashes: list[bytes]) -> list[torch.Tensor]:
-        """Pages as [L, 2, page, Hkv, D] CPU tensors, in one batched read; PagesLostError when any is gone."""
+        """Pages as uint8 [page_nbytes] CPU tensors (KVPool.read_page's layout), in one batched read; PagesLostError when any is gone."""
         try:
             batch = self._client.get_pages(page_hashes)
         except PageNotFoundError as exc:
@@ -66,6 +64,11 @@ class KVStoreHostPages:
             raise PagesLostError(lost) from exc
         with batch:
             pages = [self._tensor(data) for data in batch]
+        wrong = [h for h, p in zip(page_hashes, pages, strict=True) if p.numel() != self._page_nbytes]
+        if wrong:  # another KV format or model under the same hash: unusable here, recompute
+            logger.error("%d host page(s) are not %d bytes; treating them as lost", len(wrong), self._page_nbytes)
+            self._write_through.forget(wrong)
+            raise PagesLostError(wrong)
         self.num_fetched += len(pages)
         self.fetched_bytes += sum(p.numel() * p.element_size() for p in pages)
         return pages
@@ -83,4 +86,4 @@ class KVStoreHostPages:
 
     def _tensor(self, data: object) -> torch.Tensor:
         raw = np.frombuffer(data, dtype=np.uint8)  # type: ignore[call-overload]
-        return torch.from_numpy(raw.copy()).view(self._dtype).view(self._shape)
+        return torch.from_numpy(raw.copy())

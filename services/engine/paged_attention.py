@@ -33,7 +33,7 @@ class SeqSpan:
     touched_valid: torch.Tensor | None = None  # [P, page_size] real tokens
     score_tokens: int = 0  # trailing new tokens whose queries score pages
     score_pages: int = 0  # pages [0, score_pages) are scored
-    host_pages: list[torch.Tensor] = field(default_factory=list)  # exact: [L, 2, page, Hkv, D] each
+    host_pages: list[torch.Tensor] = field(default_factory=list)  # exact: uint8 [page_nbytes] each (KVPool.read_page)
     host_page_ids: list[int] = field(default_factory=list)  # their logical page indices
     scores: torch.Tensor | None = None  # accumulated [score_pages] after the forward
 
@@ -65,9 +65,7 @@ class StepAttention:
         window: int | None = None,
     ) -> torch.Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]; `window`: sliding-window layer (keys > pos - window)."""
-        k_pool, v_pool = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        k_pool.index_copy_(0, self.write_rows, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, self.write_rows, v.to(v_pool.dtype))
+        self.pool.write(layer_idx, self.write_rows, k, v)
         outs = []
         start = 0
         for i, span in enumerate(self.spans):
@@ -77,8 +75,8 @@ class StepAttention:
                 self._summarize(layer_idx, span)
                 if span.score_tokens:
                     self._score(layer_idx, span, q_s, scale)
-            k_s = k_pool.index_select(0, span.read_rows).transpose(0, 1).to(q.dtype)  # [Hkv, T, D]
-            v_s = v_pool.index_select(0, span.read_rows).transpose(0, 1).to(q.dtype)
+            k_s, v_s = self.pool.gather(layer_idx, span.read_rows, q.dtype)
+            k_s, v_s = k_s.transpose(0, 1), v_s.transpose(0, 1)  # [Hkv, T, D]
             if span.host_pages:
                 outs.append(self._exact(layer_idx, span, q_s, k_s, v_s, mask, scale, window).to(q.dtype))
             else:
@@ -95,8 +93,8 @@ class StepAttention:
     def _summarize(self, layer_idx: int, span: SeqSpan) -> None:
         assert span.summaries is not None and span.touched_rows is not None
         assert span.touched_pages is not None and span.touched_valid is not None
-        k_pool = self.pool.k[layer_idx]
-        keys = k_pool.index_select(0, span.touched_rows).view(span.touched_pages.shape[0], -1, *k_pool.shape[1:])
+        keys = self.pool.gather_keys(layer_idx, span.touched_rows)
+        keys = keys.view(span.touched_pages.shape[0], -1, *keys.shape[1:])
         span.summaries.update(layer_idx, span.touched_pages, keys, span.touched_valid)
 
     def _score(self, layer_idx: int, span: SeqSpan, q_s: torch.Tensor, scale: float) -> None:
@@ -131,8 +129,9 @@ class StepAttention:
         for i in range(0, len(pairs), self.staging_pages):
             batch = pairs[i : i + self.staging_pages]
             # staging: [Hkv, B * page, D] of this layer, moved to the pool's device
-            k_h = torch.cat([t[layer_idx, 0] for _, t in batch]).to(self.pool.device).transpose(0, 1)
-            v_h = torch.cat([t[layer_idx, 1] for _, t in batch]).to(self.pool.device).transpose(0, 1)
+            kv = [self.pool.page_kv(t.to(self.pool.device, non_blocking=True), layer_idx, q_s.dtype) for _, t in batch]
+            k_h = torch.cat([k for k, _ in kv]).transpose(0, 1)
+            v_h = torch.cat([v for _, v in kv]).transpose(0, 1)
             host_mask = None
             if window is not None:
                 key_pos = torch.cat([p * size + offsets for p, _ in batch])

@@ -149,7 +149,8 @@ class RingManager:
         rows = self.pool.rows(torch.tensor([slot_ids[p] for p in pages], dtype=torch.long, device=self.pool.device))
         valid = torch.ones(len(pages), size, dtype=torch.bool, device=self.pool.device)
         for layer in range(self.pool.num_layers):
-            keys = self.pool.k[layer].index_select(0, rows).view(len(pages), size, *self.pool.k[layer].shape[1:])
+            keys = self.pool.gather_keys(layer, rows)
+            keys = keys.view(len(pages), size, *keys.shape[1:])
             ring.summaries.update(layer, page_t, keys, valid)
 
     def adopt_host_prefix(
@@ -171,7 +172,7 @@ class RingManager:
         ids = torch.arange(first, first + count, device=device)
         valid = torch.ones(count, size, dtype=torch.bool, device=device)
         for layer in range(ring.summaries.kmin.shape[0]):
-            keys = torch.stack([p[layer, 0] for p in pages]).to(device)  # [count, page, Hkv, D]
+            keys = torch.stack([self.pool.page_kv(p, layer, torch.float32)[0] for p in pages]).to(device)
             ring.summaries.update(layer, ids, keys, valid)
         page_table.extend([NOT_RESIDENT] * count)
         page_hashes.extend(adopted)
@@ -234,9 +235,9 @@ class RingManager:
     def _restore(self, slot_ids: list[int], page_hashes: list[bytes], pages: list[int], ring: SeqRing) -> None:
         assert self.host is not None
         data = self.host.fetch([page_hashes[p] for p in pages])  # one batched transfer
-        for p, page in zip(pages, data, strict=True):
-            slot = self.slots.allocate()
-            self.pool.write_page(slot, page)
+        slots = [self.slots.allocate() for _ in pages]
+        self.pool.write_pages(slots, torch.stack(data))
+        for p, slot in zip(pages, slots, strict=True):
             self.slots.register(slot, page_hashes[p])
             slot_ids[p] = slot
         nbytes = len(pages) * self.pool.page_nbytes

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 class PendingPage(NamedTuple):
     page_hash: bytes
-    data: torch.Tensor  # [layers, 2, page_size, H, D] on the CPU, already copied out of the pool
+    data: torch.Tensor  # uint8 [page_nbytes] on the CPU (KVPool.read_page), already copied out of the pool
     num_tokens: int
 
 

@@ -73,8 +73,7 @@ def make_engine(
     if store_address or store_factory:
         new_client = store_factory or (lambda: KVStoreClient(store_address))
         write_through = WriteThrough(new_client(), "fp32", 256)
-        shape = (cfg.num_layers, 2, page_size, cfg.num_kv_heads, cfg.head_dim)
-        host = KVStoreHostPages(new_client(), write_through, shape, torch.float32, "engine-test")
+        host = KVStoreHostPages(new_client(), write_through, pool.page_nbytes, "engine-test")
     limits = EngineLimits(
         max_context=max_context,
         page_size=page_size,

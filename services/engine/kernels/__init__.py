@@ -1,0 +1,74 @@
+"""Page kernels and their routing: one implementation per kernel, chosen once from the device.
+
+`select_tier` picks the kernel set at start-up from the device's compute capability (logged, and
+overridable with EngineConfig.kernels / KVMEM_KERNELS): Triton on CUDA devices of capability 8.0 and
+newer, CuPy RawKernels on older CUDA devices, torch everywhere else. Every kernel keeps a torch
+reference that the tests compare it with; on the CPU, Triton kernels run under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("triton", "cupy", "torch")
+
+
+class KernelUnavailableError(RuntimeError):
+    """The requested kernel set cannot run on this device (missing package or capability)."""
+
+
+@dataclass(frozen=True)
+class KernelTier:
+    """The kernel set of one device: which backend runs the page kernels, and what the card offers."""
+
+    backend: str  # triton, cupy or torch
+    device: str  # e.g. "cuda:0 NVIDIA H200 (sm_90)" or "cpu"
+    capability: tuple[int, int] | None  # CUDA compute capability; None on the CPU
+    native_fp8: bool  # fp8 e4m3 conversions in hardware (sm_89 and newer)
+
+    @property
+    def interpreted(self) -> bool:
+        """Triton on the CPU: the interpreter (tests only; slow)."""
+        return self.backend == "triton" and self.capability is None
+
+
+def _available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def select_tier(device: torch.device, requested: str = "auto") -> KernelTier:
+    """The kernel set for `device`; `requested` forces one (KernelUnavailableError when it cannot run)."""
+    if requested not in ("auto", *BACKENDS):
+        raise KernelUnavailableError(f"kernel set {requested!r} not in auto, {', '.join(BACKENDS)}")
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        name = f"{device} {torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]})"
+        native_fp8 = cap >= (8, 9)
+        if requested == "auto":
+            if cap >= (8, 0) and _available("triton"):
+                backend = "triton"
+            elif _available("cupy"):
+                backend = "cupy"
+            else:
+                backend = "torch"
+        else:
+            backend = requested
+    else:
+        cap, name, native_fp8 = None, str(device), False
+        backend = "torch" if requested == "auto" else requested
+        if backend == "cupy":
+            raise KernelUnavailableError("cupy kernels need a CUDA device")
+        if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise KernelUnavailableError("triton kernels on the CPU need TRITON_INTERPRET=1 (tests only)")
+    if backend in ("triton", "cupy") and not _available(backend):
+        raise KernelUnavailableError(f"kernel set {backend!r} requested but the package is not installed")
+    tier = KernelTier(backend, name, cap, native_fp8)
+    logger.info("page kernels: %s on %s (requested %s)", backend, name, requested)
+    return tier
