@@ -80,6 +80,7 @@ class ModelRunner:
             hidden = [p for p in range(first_page) if table.slot_ids[p] == NOT_RESIDENT]
             if hidden:
                 assert self.host is not None, "exact attention over host pages needs a host store"
-                span.host_pages = self.host.fetch([table.page_hashes[p] for p in hidden])
+                fetched = self.host.fetch([table.page_hashes[p] for p in hidden])
+                span.host_pages = list(torch.stack(fetched).to(self.device, non_blocking=True))  # one copy
                 span.host_page_ids = hidden
         return span

@@ -33,7 +33,7 @@ class SeqSpan:
     touched_valid: torch.Tensor | None = None  # [P, page_size] real tokens
     score_tokens: int = 0  # trailing new tokens whose queries score pages
     score_pages: int = 0  # pages [0, score_pages) are scored
-    host_pages: list[torch.Tensor] = field(default_factory=list)  # exact: uint8 [page_nbytes] each (KVPool.read_page)
+    host_pages: list[torch.Tensor] = field(default_factory=list)  # exact: uint8 [page_nbytes] each, on the device
     host_page_ids: list[int] = field(default_factory=list)  # their logical page indices
     scores: torch.Tensor | None = None  # accumulated [score_pages] after the forward
 
@@ -129,7 +129,7 @@ class StepAttention:
         for i in range(0, len(pairs), self.staging_pages):
             batch = pairs[i : i + self.staging_pages]
             # staging: [Hkv, B * page, D] of this layer, moved to the pool's device
-            kv = [self.pool.page_kv(t.to(self.pool.device, non_blocking=True), layer_idx, q_s.dtype) for _, t in batch]
+            kv = [self.pool.page_kv(t, layer_idx, q_s.dtype) for _, t in batch]
             k_h = torch.cat([k for k, _ in kv]).transpose(0, 1)
             v_h = torch.cat([v for _, v in kv]).transpose(0, 1)
             host_mask = None
