@@ -12,6 +12,7 @@ from services.common.model_files import default_model_id, resolve_model_path
 from services.common.tokenizer import load_tokenizer
 from services.engine.config import ConfigError, EngineConfig
 from services.engine.engine import Engine, EngineLimits
+from services.engine.kernels import select_tier, use_tier
 from services.engine.kv_pool import KVPool
 from services.engine.model_runner import ModelRunner
 from services.engine.models.config import ModelConfig
@@ -50,6 +51,7 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
     model_config, model = load_model(path, device, config.torch_dtype)
     logger.info("model loaded in %.1f s", time.monotonic() - t0)
     max_context = _check_context(config, model_config)
+    use_tier(select_tier(device, config.kernels))
     model_id = config.model_id or default_model_id(path)
     pool = KVPool(
         model_config.num_layers,

@@ -72,3 +72,18 @@ def select_tier(device: torch.device, requested: str = "auto") -> KernelTier:
     tier = KernelTier(backend, name, cap, native_fp8)
     logger.info("page kernels: %s on %s (requested %s)", backend, name, requested)
     return tier
+
+
+_CPU_TIER = KernelTier("torch", "cpu", None, False)
+_active: KernelTier = _CPU_TIER
+
+
+def use_tier(tier: KernelTier) -> None:
+    """Make `tier` the process's kernel set (the builder calls this once at start-up; tests may too)."""
+    global _active
+    _active = tier
+
+
+def active_tier() -> KernelTier:
+    """The process's kernel set: torch until the engine chose one at start-up."""
+    return _active
