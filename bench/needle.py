@@ -93,11 +93,20 @@ def make_case(
     return Case(task, length, depth, prompt, question, key)
 
 
-def run_case(engine, tok: Tokenizer, case: Case, max_new: int) -> tuple[bool, str, float, dict]:
-    ids = tok.encode(case.prompt_text)
+def digit_bias(tok: Tokenizer) -> dict[int, float]:
+    """logit_bias that confines greedy decoding to the digit tokens (MODELS.md: Gemma 3 base completes
+    "The pass key is" with words unless decoding is restricted; whenever it emits a number it is right)."""
+    ids = {tok.encode(d)[-1] for d in "0123456789"}
+    return {i: 100.0 for i in sorted(ids)}
+
+
+def run_case(
+    engine, tok: Tokenizer, case: Case, max_new: int, bias: dict[int, float] | None = None
+) -> tuple[bool, str, float, dict]:
+    ids = tok.encode(case.prompt_text, add_special_tokens=True)  # BOS where the model wants it (Gemma)
     q_at = case.prompt_text.rfind(case.question_text)
-    query_start = min(len(ids) - 1, len(tok.encode(case.prompt_text[:q_at])))
-    params = SamplingParams(temperature=0.0, max_tokens=max_new)
+    query_start = min(len(ids) - 1, len(tok.encode(case.prompt_text[:q_at], add_special_tokens=True)))
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, logit_bias=dict(bias or {}))
     t0 = time.perf_counter()
     seq = engine.submit(f"{case.task}-{case.length}-{case.depth:.2f}", ids, params, query_start=query_start)
     text, done = "", None
@@ -164,6 +173,8 @@ def main() -> int:
     p.add_argument("--max-new", type=int, default=12)
     p.add_argument("--out", default="")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--digits", action="store_true", help="decode digits only (logit_bias; for base models)")
+    p.add_argument("--max-cases", default="", help="cap per config, e.g. exact=12 (cases spread over the cells)")
     p.add_argument(
         "--format",
         default="raw",
@@ -210,6 +221,7 @@ def _bench(a: argparse.Namespace, lengths: list[int], tasks: list[str], store: s
         if ":" in name:
             kind, share = name.split(":")
             configs[name] = replace(configs[kind], retrieval_share=float(share))
+    caps = {k: int(v) for k, v in (x.split("=") for x in a.max_cases.split(",") if x)}
     results: dict[str, list[dict]] = {}
     cases: list[Case] | None = None
     tok = None
@@ -224,8 +236,9 @@ def _bench(a: argparse.Namespace, lengths: list[int], tasks: list[str], store: s
                 for length in lengths for task in tasks for i in range(a.cases)
             ]  # fmt: skip
         rows = []
-        for case in cases:
-            ok, text, secs, meta = run_case(engine, tok, case, a.max_new)
+        bias = digit_bias(tok) if a.digits else None
+        for case in _subset(cases, caps.get(name.split(":")[0])):
+            ok, text, secs, meta = run_case(engine, tok, case, a.max_new, bias)
             rows.append({"task": case.task, "length": case.length, "depth": case.depth, "ok": ok, "text": text,
                          "seconds": secs, **meta})  # fmt: skip
         results[name] = rows
@@ -239,9 +252,18 @@ def _bench(a: argparse.Namespace, lengths: list[int], tasks: list[str], store: s
     return 0
 
 
+def _subset(cases: list[Case], cap: int | None) -> list[Case]:
+    """At most `cap` cases, taken evenly across the list (so every task and length keeps some)."""
+    if cap is None or cap >= len(cases):
+        return cases
+    step = len(cases) / cap
+    return [cases[int(i * step)] for i in range(cap)]
+
+
 def _print_table(results: dict[str, list[dict]], lengths: list[int], tasks: list[str], a: argparse.Namespace) -> None:
     names = list(results)
-    print(f"\nmodel {a.model}, device {a.device}, ring pool {a.pool} tokens, {a.cases} cases per cell, greedy")
+    decoding = "greedy, digits only" if a.digits else "greedy"
+    print(f"\nmodel {a.model}, device {a.device}, ring pool {a.pool} tokens, {a.cases} cases per cell, {decoding}")
     print(f"{'task':<10} {'length':>7} | " + " | ".join(f"{n:>11}" for n in names))
     for task in tasks:
         for length in lengths:
