@@ -3,6 +3,8 @@
 A page's identity is `hash(parent_hash, token_ids, model_id, kv_format)`. The chain starts from a
 root derived from the namespace (tenant), so two namespaces never share a page unless they share
 the namespace string. Only full pages get a hash: the partial tail page is never shared.
+`kv_format` is the engine's canonical per-layer format spec (EngineConfig.kv_format_name, e.g. `bf16`,
+`fp8+h`, `fp8,global=bf16`): an engine never adopts pages stored in another format.
 """
 
 from __future__ import annotations

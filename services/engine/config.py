@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.model_files import DEFAULT_MODEL
+from services.engine.kv_formats import KVFormatError, KVSpec, parse_spec
 
 
 class ConfigError(ValueError):
@@ -28,7 +29,7 @@ class EngineConfig:
     model_id: str = ""  # served name; empty: derived from the model file
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     dtype: str = "auto"  # compute dtype: auto (fp32 on cpu, bf16 on cuda), fp32, bf16, fp16
-    kv_format: str = "auto"  # KV page format: auto (= compute dtype), fp32, bf16, fp16
+    kv_format: str = "auto"  # KV page format per layer (kv_formats.py): e.g. auto, bf16, fp8, nvfp4+h, fp8,global=bf16
     page_size: int = 64
     max_context: int = 8192  # logical context of one sequence (tokens)
     kv_capacity: int = 8192  # device pool (tokens); rounded up to whole pages
@@ -84,8 +85,7 @@ class EngineConfig:
             raise ConfigError(f"dtype {self.dtype!r} not in auto, {', '.join(_KV_FORMATS)}")
         if self.kernels not in ("auto", "triton", "cupy", "torch"):
             raise ConfigError(f"kernels {self.kernels!r} not in auto, triton, cupy, torch")
-        if self.kv_format not in ("auto", *_KV_FORMATS):
-            raise ConfigError(f"kv_format {self.kv_format!r} not in auto, {', '.join(_KV_FORMATS)}")
+        self.kv_spec  # noqa: B018 -- parses and validates the spec (ConfigError naming the bad part)
 
     @property
     def num_slots(self) -> int:
@@ -157,12 +157,24 @@ class EngineConfig:
         return _KV_FORMATS[self.dtype]
 
     @property
+    def kv_spec(self) -> KVSpec:
+        """The parsed per-layer KV format spec (`auto` = the compute dtype); resolved per layer by the builder."""
+        auto = {v: k for k, v in _KV_FORMATS.items()}[self.torch_dtype]
+        try:
+            return parse_spec(self.kv_format, auto)
+        except KVFormatError as exc:
+            raise ConfigError(str(exc)) from None
+
+    @property
     def kv_dtype(self) -> torch.dtype:
-        return self.torch_dtype if self.kv_format == "auto" else _KV_FORMATS[self.kv_format]
+        """The plain dtype of a uniform plain spec; otherwise the compute dtype (what gathers return)."""
+        uniform = self.kv_spec.uniform
+        return uniform.dtype if uniform is not None and uniform.plain else self.torch_dtype
 
     @property
     def kv_format_name(self) -> str:
-        return {v: k for k, v in _KV_FORMATS.items()}[self.kv_dtype]
+        """The canonical spec: the page format label (page hashes, write-through, model info)."""
+        return self.kv_spec.name
 
     @property
     def replica_name(self) -> str:

@@ -1,18 +1,33 @@
-"""KVPool: the device tensors that hold K and V for every slot of every KV-bearing layer."""
+"""KVPool: the device tensors that hold K and V for every slot of every KV-bearing layer.
+
+Each layer keeps its own format (services/engine/kv_formats.py): plain formats as tensors of their
+dtype (the fast path, unchanged), quantised ones as packed uint8 rows with their scales. Tokens are
+quantised when written and dequantised when gathered (the attention window, page summaries); whole
+pages move as bytes in the stored format. Quantised layers use the Triton kernels when the process's
+kernel tier is Triton, else the torch reference.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
+from services.engine.kernels import active_tier
+from services.engine.kv_formats import KVFormat, fp4_table, hadamard, hadamard_matrix
+
 logger = logging.getLogger(__name__)
+
+_PLAIN_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class KVPool:
-    """Per layer, K and V as [num_slots * page_size, num_kv_heads, head_dim] (token-major rows).
+    """Per layer, K and V as [num_slots * page_size, num_kv_heads, W] (token-major rows): W = head_dim
+    values of a plain dtype, or W = row_bytes uint8 of a quantised format (formats[layer]).
 
     Row `slot * page_size + offset` holds the token at `offset` inside the page stored in `slot`.
+    `formats` (one per layer) defaults to the plain format of `dtype` in every layer.
     """
 
     def __init__(
@@ -24,18 +39,39 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        formats: Sequence[KVFormat] | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.dtype = dtype  # the plain dtype of a pool built without `formats`
         self.device = device
+        self.formats = tuple(formats) if formats is not None else (KVFormat(_PLAIN_NAMES[dtype]),) * num_layers
+        assert len(self.formats) == num_layers, f"{len(self.formats)} formats for {num_layers} layers"
+        indexed = torch.empty(0, device=device).device  # cuda -> cuda:N, the device tensors report
+        for fmt in set(self.formats):
+            fmt.check_head_dim(head_dim)
+            if fmt.hadamard:  # constants made now, not inside a captured CUDA graph
+                hadamard_matrix(head_dim, indexed)
+            if fmt.base == "nvfp4":
+                fp4_table(indexed)
+        # per layer: the plain dtype (the fast path) or None (quantised rows), and the stored row width
+        self._plain = [fmt.dtype if fmt.plain else None for fmt in self.formats]
+        self._uniform_plain = len(set(self.formats)) == 1 and self.formats[0].plain
+        self._row_nbytes = [fmt.row_bytes(head_dim) for fmt in self.formats]
+        self._layer_offsets = [0]  # byte offset of each layer's K inside a page
+        for nb in self._row_nbytes:
+            self._layer_offsets.append(self._layer_offsets[-1] + 2 * page_size * num_kv_heads * nb)
         rows = num_slots * page_size
-        shape = (rows, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for fmt in self.formats:
+            width = head_dim if fmt.plain else fmt.row_bytes(head_dim)
+            shape = (rows, num_kv_heads, width)
+            self.k.append(torch.zeros(shape, dtype=fmt.dtype, device=device))
+            self.v.append(torch.zeros(shape, dtype=fmt.dtype, device=device))
         logger.info(
             "KV pool: %d slots x %d tokens, %d layers, %d kv heads x %d, %s on %s: %.1f MiB",
             num_slots,
@@ -43,16 +79,23 @@ class KVPool:
             num_layers,
             num_kv_heads,
             head_dim,
-            dtype,
+            self.format_summary,
             device,
             self.nbytes / 2**20,
         )
 
     @property
+    def format_summary(self) -> str:
+        """e.g. `fp8 x 15, bf16 x 3` (formats and their layer counts, in order of first use)."""
+        counts: dict[str, int] = {}
+        for fmt in self.formats:
+            counts[fmt.name] = counts.get(fmt.name, 0) + 1
+        return ", ".join(f"{name} x {n}" for name, n in counts.items())
+
+    @property
     def page_nbytes(self) -> int:
         """Bytes of one page in its stored format: K and V of every layer (the host copy's size)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * elem
+        return self._layer_offsets[-1]
 
     @property
     def nbytes(self) -> int:
@@ -67,16 +110,36 @@ class KVPool:
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the K/V of new tokens: rows [N] pool rows; k, v [N, Hkv, D] in the compute dtype."""
-        self.k[layer].index_copy_(0, rows, k.to(self.dtype))
-        self.v[layer].index_copy_(0, rows, v.to(self.dtype))
+        dtype = self._plain[layer]
+        if dtype is not None:
+            self.k[layer].index_copy_(0, rows, k.to(dtype))
+            self.v[layer].index_copy_(0, rows, v.to(dtype))
+            return
+        fmt = self.formats[layer]
+        self._quantize_into(fmt, self.k[layer], rows, hadamard(k) if fmt.hadamard else k)
+        self._quantize_into(fmt, self.v[layer], rows, v)
 
     def gather(self, layer: int, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `rows` [T] as [T, Hkv, D] each in `dtype` (the attention window, dequantised)."""
-        return self.k[layer].index_select(0, rows).to(dtype), self.v[layer].index_select(0, rows).to(dtype)
+        if self._plain[layer] is not None:
+            return self.k[layer].index_select(0, rows).to(dtype), self.v[layer].index_select(0, rows).to(dtype)
+        return self.gather_keys(layer, rows, dtype), self._dequantize_rows(
+            self.formats[layer], self.v[layer], rows, dtype
+        )
+
+    def plain_keys(self, layer: int) -> torch.Tensor | None:
+        """The layer's key rows [R, Hkv, D] when stored in a plain float dtype (summary kernels read them
+        in place); None for a quantised layer (use gather_keys)."""
+        return self.k[layer] if self._plain[layer] is not None else None
 
     def gather_keys(self, layer: int, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Only the keys of `rows` [T] -> [T, Hkv, D] in `dtype` (page summaries)."""
-        return self.k[layer].index_select(0, rows).to(dtype)
+        if self._plain[layer] is not None:
+            return self.k[layer].index_select(0, rows).to(dtype)
+        fmt = self.formats[layer]
+        if fmt.hadamard:
+            return hadamard(self._dequantize_rows(fmt, self.k[layer], rows, torch.float32)).to(dtype)
+        return self._dequantize_rows(fmt, self.k[layer], rows, dtype)
 
     def copy_rows(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` rows of one slot into another, in every layer."""
@@ -85,25 +148,59 @@ class KVPool:
             self.k[i][dst : dst + num_tokens].copy_(self.k[i][src : src + num_tokens])
             self.v[i][dst : dst + num_tokens].copy_(self.v[i][src : src + num_tokens])
 
+    def _quantize_into(self, fmt: KVFormat, store: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+        kernels = self._kernels(fmt)
+        if kernels is not None:
+            kernels.quantize_scatter(fmt, x, rows, store)
+        else:
+            store.index_copy_(0, rows, fmt.quantize(x))
+
+    def _dequantize_rows(
+        self, fmt: KVFormat, store: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        kernels = self._kernels(fmt)
+        if kernels is not None:
+            return kernels.gather_dequantize(fmt, store, rows, self.head_dim, dtype)
+        return fmt.dequantize(store.index_select(0, rows), dtype)
+
+    def _kernels(self, fmt: KVFormat):  # type: ignore[no-untyped-def]
+        """The Triton kernel module when the process's tier is Triton on this pool's device, else None."""
+        tier = active_tier()
+        if tier.backend != "triton" or (tier.capability is None) != (self.device.type == "cpu"):
+            return None
+        from services.engine.kernels import kv_triton
+
+        return kv_triton if kv_triton.supported(fmt, self.head_dim) else None
+
     # -- whole pages (write-through, restore): flat bytes in the stored format -----------------------
 
     def read_page(self, slot: int) -> torch.Tensor:
         """A copy of one page as uint8 [page_nbytes] on the pool's device: layer by layer, K then V,
-        each [page_size, Hkv, D] in the stored format (the bytes the host store keeps)."""
+        each [page_size, Hkv, W] in the layer's stored format (the bytes the host store keeps)."""
         lo, hi = slot * self.page_size, (slot + 1) * self.page_size
         parts = [t[lo:hi].reshape(-1) for i in range(self.num_layers) for t in (self.k[i], self.v[i])]
-        return torch.cat(parts).view(torch.uint8)
+        if self._uniform_plain:
+            return torch.cat(parts).view(torch.uint8)
+        return torch.cat([p.view(torch.uint8) for p in parts])
 
     def write_pages(self, slots: list[int], pages: torch.Tensor) -> None:
         """Inverse of read_page for a batch: pages uint8 [P, page_nbytes] (any device) into `slots`."""
         if not slots:
             return
-        data = pages.to(self.device, non_blocking=True).view(self.dtype)
-        data = data.view(len(slots), self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
         rows = self.rows(torch.tensor(slots, dtype=torch.long, device=self.device))
+        h, d = self.num_kv_heads, self.head_dim
+        if self._uniform_plain:
+            data = pages.to(self.device, non_blocking=True).view(self.k[0].dtype)
+            data = data.view(len(slots), self.num_layers, 2, self.page_size, h, d)
+            for i in range(self.num_layers):
+                self.k[i].index_copy_(0, rows, data[:, i, 0].reshape(-1, h, d))
+                self.v[i].index_copy_(0, rows, data[:, i, 1].reshape(-1, h, d))
+            return
+        data = pages.to(self.device, non_blocking=True).reshape(len(slots), self.page_nbytes)
         for i in range(self.num_layers):
-            self.k[i].index_copy_(0, rows, data[:, i, 0].reshape(-1, self.num_kv_heads, self.head_dim))
-            self.v[i].index_copy_(0, rows, data[:, i, 1].reshape(-1, self.num_kv_heads, self.head_dim))
+            k_bytes, v_bytes = self._layer_bytes(data, i)
+            self.k[i].index_copy_(0, rows, self._rows_of(i, k_bytes))
+            self.v[i].index_copy_(0, rows, self._rows_of(i, v_bytes))
 
     def write_page(self, slot: int, page: torch.Tensor) -> None:
         """One page (uint8 [page_nbytes]) into `slot`."""
@@ -112,5 +209,24 @@ class KVPool:
     def page_kv(self, page: torch.Tensor, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer of a page held as bytes (a host page): [page_size, Hkv, D] each in `dtype`,
         on the page's device."""
-        data = page.view(self.dtype).view(self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
-        return data[layer, 0].to(dtype), data[layer, 1].to(dtype)
+        if self._uniform_plain:
+            data = page.view(self.k[0].dtype)
+            data = data.view(self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
+            return data[layer, 0].to(dtype), data[layer, 1].to(dtype)
+        fmt = self.formats[layer]
+        k_bytes, v_bytes = self._layer_bytes(page.reshape(1, -1), layer)
+        k_rows, v_rows = self._rows_of(layer, k_bytes), self._rows_of(layer, v_bytes)
+        if fmt.hadamard:
+            return hadamard(fmt.dequantize(k_rows, torch.float32)).to(dtype), fmt.dequantize(v_rows, dtype)
+        return fmt.dequantize(k_rows, dtype), fmt.dequantize(v_rows, dtype)
+
+    def _layer_bytes(self, data: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V bytes of one layer from pages uint8 [P, page_nbytes]: [P, n] each."""
+        lo, hi = self._layer_offsets[layer], self._layer_offsets[layer + 1]
+        mid = (lo + hi) // 2
+        return data[:, lo:mid], data[:, mid:hi]
+
+    def _rows_of(self, layer: int, data: torch.Tensor) -> torch.Tensor:
+        """Bytes [P, page_size * Hkv * row_nbytes] -> stored rows [P * page_size, Hkv, W] of that layer."""
+        store = self.k[layer]
+        return data.contiguous().view(store.dtype).view(-1, self.num_kv_heads, store.shape[-1])

@@ -25,8 +25,20 @@ logger = logging.getLogger(__name__)
 MAGIC = b"KVZ1"
 _HEADER = struct.Struct("<4sB3xQ")  # magic, num_planes, raw nbytes
 _FRAME_LEN = struct.Struct("<I")
-# Bytes per element of each page format; unknown formats are compressed without shuffling.
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+# Bytes per element of each page format; unknown formats (mixed per-layer specs such as
+# "fp8,global=bf16") are compressed without shuffling. Quantised rows (services/engine/kv_formats.py)
+# mix 1-byte values with their scales: one plane.
+ELEMENT_BYTES = {
+    "fp32": 4,
+    "bf16": 2,
+    "fp16": 2,
+    "fp8": 1,
+    "fp8+h": 1,
+    "int8": 1,
+    "int8+h": 1,
+    "nvfp4": 1,
+    "nvfp4+h": 1,
+}
 _WORD = {2: np.uint16, 4: np.uint32}
 
 

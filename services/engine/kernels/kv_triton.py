@@ -1,0 +1,235 @@
+"""Triton kernels of the quantised KV formats: fused quantise + scatter (write) and gather + dequantise.
+
+One program per (token, KV head) row. The arithmetic is that of the torch reference in
+services/engine/kv_formats.py (e4m3 by integer operations on the fp32 bits, E2M1 by thresholds,
+int8 rounding half away from zero), so both produce the same bytes; only fp32 division may round
+differently on a GPU (a rare one-code difference). The Hadamard rotation of `+h` formats stays in
+torch around these kernels (a [D, D] matmul). Shapes: store uint8 [R, Hkv, row_bytes], x [N, Hkv, D],
+rows int64 [N].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.kv_formats import NVFP4_GROUP, KVFormat, int8_group
+
+
+def supported(fmt: KVFormat, head_dim: int) -> bool:
+    """Whether these kernels handle `fmt` at `head_dim` (block shapes must be powers of two)."""
+    if fmt.base not in ("fp8", "int8", "nvfp4") or head_dim & (head_dim - 1):
+        return False
+    return head_dim >= {"fp8": 16, "int8": 16, "nvfp4": NVFP4_GROUP}[fmt.base]
+
+
+@triton.jit
+def _e4m3_encode(y):
+    """Non-negative fp32 (clamped to 448) -> e4m3fn code as int32 (RNE for normals, half-up below 2^-6)."""
+    y = tl.minimum(y, 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    r = bits + 0x7FFFF + ((bits >> 20) & 1)
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    sub = (y * 512.0 + 0.5).to(tl.int32)
+    return tl.minimum(tl.where(y < 0.015625, sub, normal), 126)
+
+
+@triton.jit
+def _e4m3_decode(c):
+    """e4m3fn code (int32, sign bit 0x80) -> fp32."""
+    e = (c >> 3) & 15
+    m = c & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((c & 128) != 0, -val, val)
+
+
+# -- fp8: [fp32 scale][D e4m3 bytes] ------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_write(x_ptr, rows_ptr, u8_ptr, f32_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr):
+    pid = tl.program_id(0)
+    t, h = pid // H, pid % H
+    row = tl.load(rows_ptr + t)
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + pid * D + d).to(tl.float32)
+    amax = tl.max(tl.abs(x), 0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    y = x / scale
+    code = _e4m3_encode(tl.abs(y)) | tl.where(y < 0, 128, 0)
+    base = (row * H + h) * RB
+    tl.store(f32_ptr + base // 4, scale)
+    tl.store(u8_ptr + base + 4 + d, code.to(tl.uint8))
+
+
+@triton.jit
+def _fp8_read(out_ptr, rows_ptr, u8_ptr, f32_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr):
+    pid = tl.program_id(0)
+    t, h = pid // H, pid % H
+    row = tl.load(rows_ptr + t)
+    d = tl.arange(0, D)
+    base = (row * H + h) * RB
+    scale = tl.load(f32_ptr + base // 4)
+    code = tl.load(u8_ptr + base + 4 + d).to(tl.int32)
+    val = _e4m3_decode(code) * scale
+    tl.store(out_ptr + pid * D + d, val.to(out_ptr.dtype.element_ty))
+
+
+# -- int8: [G fp16 scales, padded to 4 bytes][D int8] --------------------------------------------------
+
+
+@triton.jit
+def _int8_write(
+    x_ptr, rows_ptr, u8_ptr, f16_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, S0: tl.constexpr,
+    GS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    t, h = pid // H, pid % H
+    row = tl.load(rows_ptr + t)
+    g = tl.arange(0, D // GS)
+    k = tl.arange(0, GS)
+    offs = g[:, None] * GS + k[None, :]  # [G, GS]
+    x = tl.load(x_ptr + pid * D + offs).to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)  # [G]
+    scale16 = tl.maximum(amax / 127.0, 5.960464477539063e-08).to(tl.float16)
+    scale = scale16.to(tl.float32)
+    v = x / scale[:, None]
+    q = (v + tl.where(v < 0, -0.5, 0.5)).to(tl.int32)
+    q = tl.minimum(tl.maximum(q, -127), 127)
+    base = (row * H + h) * RB
+    tl.store(f16_ptr + base // 2 + g, scale16)
+    tl.store(u8_ptr + base + S0 + offs, (q & 255).to(tl.uint8))
+
+
+@triton.jit
+def _int8_read(
+    out_ptr, rows_ptr, u8_ptr, f16_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, S0: tl.constexpr,
+    GS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    t, h = pid // H, pid % H
+    row = tl.load(rows_ptr + t)
+    g = tl.arange(0, D // GS)
+    k = tl.arange(0, GS)
+    offs = g[:, None] * GS + k[None, :]
+    base = (row * H + h) * RB
+    scale = tl.load(f16_ptr + base // 2 + g).to(tl.float32)
+    b = tl.load(u8_ptr + base + S0 + offs).to(tl.int32)
+    q = tl.where(b >= 128, b - 256, b).to(tl.float32)
+    tl.store(out_ptr + pid * D + offs, (q * scale[:, None]).to(out_ptr.dtype.element_ty))
+
+
+# -- nvfp4: [fp32 row scale][G e4m3 block scales, padded][D/2 bytes of E2M1 pairs] ---------------------
+
+
+@triton.jit
+def _fp4_code(v):
+    """|value| / block scale -> E2M1 magnitude code 0..7 (thresholds halfway, ties down)."""
+    c = (v > 0.25).to(tl.int32) + (v > 0.75).to(tl.int32) + (v > 1.25).to(tl.int32) + (v > 1.75).to(tl.int32)
+    return c + (v > 2.5).to(tl.int32) + (v > 3.5).to(tl.int32) + (v > 5.0).to(tl.int32)
+
+
+@triton.jit
+def _fp4_value(c):
+    """E2M1 code (with sign bit 8) -> fp32."""
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    pow2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
+    val = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)
+    return tl.where((c & 8) != 0, -val, val)
+
+
+@triton.jit
+def _nvfp4_write(
+    x_ptr, rows_ptr, u8_ptr, f32_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, S0: tl.constexpr,
+    GS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    t, h = pid // H, pid % H
+    row = tl.load(rows_ptr + t)
+    g = tl.arange(0, D // GS)
+    j = tl.arange(0, GS // 2)
+    even = g[:, None] * GS + 2 * j[None, :]  # [G, GS / 2]
+    xe = tl.load(x_ptr + pid * D + even).to(tl.float32)
+    xo = tl.load(x_ptr + pid * D + even + 1).to(tl.float32)
+    bmax = tl.maximum(tl.max(tl.abs(xe), 1), tl.max(tl.abs(xo), 1))  # [G]
+    amax = tl.max(bmax, 0)
+    row_scale = tl.where(amax > 0, amax / 2688.0, 1.0)
+    bcode = _e4m3_encode(bmax / (6.0 * row_scale))
+    bscale = _e4m3_decode(bcode) * row_scale
+    inv = tl.where(bscale > 0, bscale, 1.0)[:, None]
+    ce = _fp4_code(tl.abs(xe) / inv) | tl.where(xe < 0, 8, 0)
+    co = _fp4_code(tl.abs(xo) / inv) | tl.where(xo < 0, 8, 0)
+    base = (row * H + h) * RB
+    tl.store(f32_ptr + base // 4, row_scale)
+    tl.store(u8_ptr + base + 4 + g, bcode.to(tl.uint8))
+    pair = g[:, None] * (GS // 2) + j[None, :]
+    tl.store(u8_ptr + base + S0 + pair, (ce | (co << 4)).to(tl.uint8))
+
+
+@triton.jit
+def _nvfp4_read(
+    out_ptr, rows_ptr, u8_ptr, f32_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, S0: tl.constexpr,
+    GS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    t, h = pid // H, pid % H
+    row = tl.load(rows_ptr + t)
+    g = tl.arange(0, D // GS)
+    j = tl.arange(0, GS // 2)
+    base = (row * H + h) * RB
+    row_scale = tl.load(f32_ptr + base // 4)
+    bscale = _e4m3_decode(tl.load(u8_ptr + base + 4 + g).to(tl.int32)) * row_scale  # [G]
+    pair = g[:, None] * (GS // 2) + j[None, :]
+    b = tl.load(u8_ptr + base + S0 + pair).to(tl.int32)
+    even = g[:, None] * GS + 2 * j[None, :]
+    ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + pid * D + even, (_fp4_value(b & 15) * bscale[:, None]).to(ty))
+    tl.store(out_ptr + pid * D + even + 1, (_fp4_value(b >> 4) * bscale[:, None]).to(ty))
+
+
+# -- wrappers ------------------------------------------------------------------------------------------
+
+
+def _views(fmt: KVFormat, store: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    assert store.dtype == torch.uint8 and store.is_contiguous() and store.shape[-1] % 4 == 0
+    return store, store.view(torch.float16 if fmt.base == "int8" else torch.float32)
+
+
+def quantize_scatter(fmt: KVFormat, x: torch.Tensor, rows: torch.Tensor, store: torch.Tensor) -> None:
+    """Quantise x [N, Hkv, D] and write the packed rows into store[rows] (uint8 [R, Hkv, row_bytes])."""
+    n, h, d = x.shape
+    rb = fmt.row_bytes(d)
+    assert store.shape[1:] == (h, rb), f"store {tuple(store.shape)} vs rows of {h} x {rb} bytes"
+    if n == 0:
+        return
+    x, rows = x.contiguous(), rows.contiguous()
+    u8, wide = _views(fmt, store)
+    if fmt.base == "fp8":
+        _fp8_write[(n * h,)](x, rows, u8, wide, h, d, rb)
+    elif fmt.base == "int8":
+        _int8_write[(n * h,)](x, rows, u8, wide, h, d, rb, fmt.scale_bytes(d), int8_group(d))
+    else:
+        _nvfp4_write[(n * h,)](x, rows, u8, wide, h, d, rb, fmt.scale_bytes(d), NVFP4_GROUP)
+
+
+def gather_dequantize(
+    fmt: KVFormat, store: torch.Tensor, rows: torch.Tensor, head_dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """store[rows] dequantised: [T, Hkv, head_dim] in `dtype`."""
+    t, h = rows.shape[0], store.shape[1]
+    out = torch.empty(t, h, head_dim, dtype=dtype, device=store.device)
+    if t == 0:
+        return out
+    rb = store.shape[-1]
+    rows = rows.contiguous()
+    u8, wide = _views(fmt, store)
+    if fmt.base == "fp8":
+        _fp8_read[(t * h,)](out, rows, u8, wide, h, head_dim, rb)
+    elif fmt.base == "int8":
+        _int8_read[(t * h,)](out, rows, u8, wide, h, head_dim, rb, fmt.scale_bytes(head_dim), int8_group(head_dim))
+    else:
+        _nvfp4_read[(t * h,)](out, rows, u8, wide, h, head_dim, rb, fmt.scale_bytes(head_dim), NVFP4_GROUP)
+    return out

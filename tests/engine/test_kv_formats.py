@@ -1,0 +1,433 @@
+"""KV formats (services/engine/kv_formats.py) in the pool: round-trip error bounds, Triton kernels equal
+to the torch reference (interpreter on the CPU), page bytes, per-layer specs, and engines on tiny models
+with quantised pools (teacher-forced logits near the fp32 pool, a ring whose restored pages are exact)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on the CPU
+
+import importlib.util  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from services.common.pagehash import chain_hashes  # noqa: E402
+from services.common.tokenizer import Tokenizer  # noqa: E402
+from services.engine.config import ConfigError, EngineConfig  # noqa: E402
+from services.engine.engine import Engine, EngineLimits  # noqa: E402
+from services.engine.host_pages import KVStoreHostPages  # noqa: E402
+from services.engine.kernels import KernelTier, active_tier, use_tier  # noqa: E402
+from services.engine.kv_formats import (  # noqa: E402
+    KVFormat,
+    KVFormatError,
+    e4m3_encode,
+    hadamard,
+    parse_format,
+    parse_spec,
+    resolve_formats,
+)
+from services.engine.kv_pool import KVPool  # noqa: E402
+from services.engine.model_runner import ModelRunner  # noqa: E402
+from services.engine.paged_attention import SeqSpan, StepAttention  # noqa: E402
+from services.engine.ring import RingLimits  # noqa: E402
+from services.engine.write_through import WriteThrough  # noqa: E402
+from services.kvstore.client import KVStoreClient  # noqa: E402
+from tests.conftest import StartStore  # noqa: E402
+from tests.engine.helpers import drain, events_of, greedy, ring_limits, run_until_done, tiny_gemma, tiny_model  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+QUANTISED = ["fp8", "int8", "nvfp4"]
+ALL = ["fp32", "bf16", "fp16", "fp8", "fp8+h", "int8", "int8+h", "nvfp4", "nvfp4+h"]
+VOCAB = 49152
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def triton_tier() -> Iterator[None]:
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    before = active_tier()
+    use_tier(KernelTier("triton", "cpu", None, False))
+    yield
+    use_tier(before)
+
+
+def _rows(n: int, h: int, d: int, seed: int = 0) -> torch.Tensor:
+    """[n, h, d] values with per-row magnitudes over four decades and a few outlier channels."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, d, generator=g) * torch.logspace(-2, 2, n)[:, None, None]
+    x[:, :, 3] *= 8.0
+    x[0, 0] = 0.0  # an all-zero row
+    return x
+
+
+# -- round trips ----------------------------------------------------------------------------------------
+
+
+def test_fp8_round_trip_within_half_a_step_of_the_row_max() -> None:
+    x = _rows(32, 2, 64)
+    fmt = parse_format("fp8")
+    y = fmt.dequantize(fmt.quantize(x), torch.float32)
+    amax = x.abs().amax(-1, keepdim=True)
+    # e4m3: 3 mantissa bits -> relative half step 2^-4; below 2^-6 * scale steps are 2^-9 * scale
+    bound = x.abs() * 2.0**-4 + amax / 448 * 2.0**-10 + 1e-30
+    assert ((y - x).abs() <= bound).all()
+    assert torch.equal(y[0, 0], torch.zeros(64))
+    assert (y - x).abs().max() > 0  # it does quantise
+
+
+def test_int8_round_trip_within_half_a_step_of_the_group_max() -> None:
+    x = _rows(32, 2, 64)
+    fmt = parse_format("int8")
+    y = fmt.dequantize(fmt.quantize(x), torch.float32)
+    gmax = x.view(32, 2, 2, 32).abs().amax(-1, keepdim=True)
+    err = (y - x).view(32, 2, 2, 32).abs()
+    assert (err <= gmax / 254 * 1.002 + 1e-7).all()  # half a step, the step's fp16 rounding
+    assert (err.amax(-1, keepdim=True) > gmax / 2000).any()
+
+
+def test_nvfp4_round_trip_within_the_e2m1_step_of_the_block_max() -> None:
+    x = _rows(32, 2, 64)
+    fmt = parse_format("nvfp4")
+    y = fmt.dequantize(fmt.quantize(x), torch.float32)
+    bmax = x.view(32, 2, 4, 16).abs().amax(-1, keepdim=True)
+    err = (y - x).view(32, 2, 4, 16).abs()
+    # E2M1 steps are at most 2 (4 -> 6) in units of the block scale ~ bmax / 6 (e4m3-rounded: +/- 2^-4)
+    assert (err <= bmax / 6 * 1.0625 + 1e-7).all()
+    levels = (y.view(32, 2, 4, 16).abs() / (bmax / 6)).flatten()
+    assert levels.unique().numel() > 8  # many blocks, each on its own scale
+
+
+def test_e4m3_encoding_equals_the_torch_cast_on_normal_values() -> None:
+    y = torch.cat([torch.rand(50_000) * 448, torch.tensor([0.0, 2.0**-6, 448.0, 447.0, 1.0625, 1.1875])])
+    assert torch.equal(e4m3_encode(y), y.to(torch.float8_e4m3fn).view(torch.uint8).int())
+
+
+@pytest.mark.parametrize("base", QUANTISED)
+def test_hadamard_keys_are_rotated_back(base: str) -> None:
+    """+h keys come back as ordinary keys (a missing inverse rotation would give an error near 1.4).
+    On keys whose channels differ in scale (log-normal, as after RoPE) the rotation helps the int8 grid
+    (2x less error measured); fp8 (a float grid) and nvfp4 (16-value blocks) do not gain on this data."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(256, 2, 64, generator=g) * torch.exp(torch.randn(64, generator=g))
+    assert torch.allclose(hadamard(hadamard(x)), x, atol=1e-4)
+    errs = {}
+    for name in (base, base + "+h"):
+        pool = KVPool(1, 4, 64, 2, 64, torch.float32, CPU, [parse_format(name)])
+        pool.write(0, torch.arange(256), x, x)
+        k, v = pool.gather(0, torch.arange(256), torch.float32)
+        assert torch.equal(pool.gather_keys(0, torch.arange(256)), k)
+        errs[name] = ((k - x).norm() / x.norm()).item()
+        assert torch.equal(v, parse_format(base).dequantize(parse_format(base).quantize(x), torch.float32))
+    assert errs[base + "+h"] < {"fp8": 0.04, "int8": 0.008, "nvfp4": 0.15}[base]
+    if base == "int8":
+        assert errs["int8+h"] < errs["int8"] / 1.5
+
+
+# -- Triton kernels against the torch reference -----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8", "nvfp4", "nvfp4+h"])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_triton_kernels_write_the_reference_bytes(triton_tier: None, name: str, head_dim: int) -> None:
+    from services.engine.kernels import kv_triton
+
+    fmt = parse_format(name)
+    assert kv_triton.supported(fmt, head_dim)
+    x = _rows(9, 2, head_dim, seed=head_dim)
+    rows = torch.tensor([7, 0, 12, 3, 4, 15, 1, 9, 2])
+    store = torch.zeros(16, 2, fmt.row_bytes(head_dim), dtype=torch.uint8)
+    kv_triton.quantize_scatter(fmt, x, rows, store)
+    assert torch.equal(store[rows], fmt.quantize(x))
+    out = kv_triton.gather_dequantize(fmt, store, rows.flip(0), head_dim, torch.float32)
+    assert torch.equal(out, fmt.dequantize(store[rows.flip(0)], torch.float32))
+
+
+@pytest.mark.parametrize("name", ["fp8+h", "int8", "nvfp4"])
+def test_pool_on_the_triton_tier_equals_the_torch_pool(triton_tier: None, name: str) -> None:
+    x, v = _rows(12, 2, 32, seed=1), _rows(12, 2, 32, seed=2)
+    rows = torch.randperm(16)[:12]
+    pools = []
+    for tier in ("triton", "torch"):
+        use_tier(KernelTier(tier, "cpu", None, False))
+        pool = KVPool(1, 4, 4, 2, 32, torch.float32, CPU, [parse_format(name)])
+        pool.write(0, rows, x, v)
+        pools.append((pool, pool.gather(0, rows, torch.float32), pool.gather(0, rows, torch.bfloat16)))
+    (a, ga, ha), (b, gb, hb) = pools
+    assert torch.equal(a.k[0], b.k[0]) and torch.equal(a.v[0], b.v[0])
+    assert torch.equal(ga[0], gb[0]) and torch.equal(ga[1], gb[1])
+    # bf16 out: the interpreter's fp32 -> bf16 cast may round differently (one bf16 step at most)
+    for x16, y16 in zip(ha, hb, strict=True):
+        assert x16.dtype == torch.bfloat16
+        torch.testing.assert_close(x16.float(), y16.float(), rtol=2**-7, atol=1e-30)
+
+
+# -- pages as bytes -------------------------------------------------------------------------------------
+
+
+def _mixed_pool(formats: Sequence[str], num_slots: int = 4) -> KVPool:
+    return KVPool(len(formats), num_slots, 8, 2, 32, torch.float32, CPU, [parse_format(f) for f in formats])
+
+
+def test_page_bytes_round_trip_exactly_through_a_mixed_pool() -> None:
+    names = ["fp8", "bf16", "nvfp4+h", "int8", "fp32"]
+    src = _mixed_pool(names)
+    for layer in range(len(names)):
+        src.write(layer, torch.arange(32), _rows(32, 2, 32, seed=layer), _rows(32, 2, 32, seed=10 + layer))
+    expected = sum(2 * 8 * 2 * parse_format(f).row_bytes(32) for f in names)
+    assert src.page_nbytes == expected == 2 * 8 * 2 * (36 + 64 + 24 + 36 + 128)
+    pages = torch.stack([src.read_page(s) for s in (1, 3)])
+    assert pages.dtype == torch.uint8 and pages.shape == (2, src.page_nbytes)
+    dst = _mixed_pool(names)
+    dst.write_pages([2, 0], pages)
+    assert torch.equal(dst.read_page(2), pages[0]) and torch.equal(dst.read_page(0), pages[1])
+    rows_src, rows_dst = src.rows(torch.tensor([1])), dst.rows(torch.tensor([2]))
+    for layer in range(len(names)):
+        k_ref, v_ref = src.gather(layer, rows_src, torch.float32)
+        assert torch.equal(dst.gather(layer, rows_dst, torch.float32)[0], k_ref)
+        k_page, v_page = src.page_kv(pages[0], layer, torch.float32)  # a host page, dequantised
+        assert torch.equal(k_page, k_ref) and torch.equal(v_page, v_ref)
+
+
+def test_copy_rows_moves_quantised_rows() -> None:
+    pool = _mixed_pool(["nvfp4", "fp8"])
+    for layer in range(2):
+        pool.write(layer, torch.arange(8), _rows(8, 2, 32), _rows(8, 2, 32, seed=3))
+    pool.copy_rows(0, 2, 5)
+    for layer in range(2):
+        a = pool.gather(layer, torch.arange(5), torch.float32)
+        b = pool.gather(layer, torch.arange(16, 21), torch.float32)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_plain_pool_layout_is_unchanged() -> None:
+    pool = KVPool(2, 2, 4, 2, 8, torch.bfloat16, CPU)
+    pool.write(1, torch.tensor([5]), torch.ones(1, 2, 8), torch.full((1, 2, 8), 2.0))
+    assert pool.k[1].dtype == torch.bfloat16 and pool.k[1].shape == (8, 2, 8)
+    assert pool.page_nbytes == 2 * 2 * 4 * 2 * 8 * 2
+    page = pool.read_page(1).view(torch.bfloat16).view(2, 2, 4, 2, 8)  # layer, K/V, token, head, dim
+    assert page[1, 0, 1].eq(1).all() and page[1, 1, 1].eq(2).all() and page[0].eq(0).all()
+
+
+# -- specs ------------------------------------------------------------------------------------------------
+
+
+GEMMA_WINDOWS = (8, None, 8, 8, None, 8)
+
+
+def test_spec_parsing_resolution_and_canonical_names() -> None:
+    spec = parse_spec(" FP8 , global=bf16 ", auto="fp32")
+    assert spec.name == "fp8,global=bf16"
+    assert [f.name for f in spec.resolve(GEMMA_WINDOWS)] == ["fp8", "bf16", "fp8", "fp8", "bf16", "fp8"]
+    spec = parse_spec("int8+h,0-1=auto,5=nvfp4,local=fp16,0=fp8", auto="bf16")
+    assert spec.name == "int8+h,0-1=bf16,5=nvfp4,local=fp16,0=fp8"  # later parts override earlier ones
+    assert [f.name for f in spec.resolve(GEMMA_WINDOWS)] == ["fp8", "bf16", "fp16", "fp16", "int8+h", "fp16"]
+    assert parse_spec("auto", auto="bf16").name == "bf16" and parse_spec("global=fp8", auto="fp32").name == (
+        "fp32,global=fp8"
+    )
+    assert parse_spec("nvfp4+h", "bf16").uniform == KVFormat("nvfp4", True)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("fp9", "kv format 'fp9' unknown"),
+        ("bf16+h", "+h (Hadamard keys) only applies"),
+        ("fp8+x", "kv format 'fp8+x' unknown"),
+        ("fp8,,bf16", "has an empty part"),
+        ("fp8,bf16", "two default formats ('fp8' and 'bf16')"),
+        ("fp8,globals=bf16", "selector 'globals' is not global, local, N or N-M"),
+        ("fp8,3-1=bf16", "empty layer range 3-1"),
+        ("fp8,1-2=int4", "kv format 'int4' unknown"),
+        ("fp8," + ",".join(f"{i}=bf16" for i in range(20)), "the page label allows 64"),
+    ],
+)
+def test_bad_specs_are_refused_naming_the_part(text: str, message: str) -> None:
+    with pytest.raises(KVFormatError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        parse_spec(text, auto="bf16")
+    with pytest.raises(ConfigError, match="kv format"):
+        EngineConfig(kv_format=text, device="cpu")
+
+
+def test_resolution_refusals_name_the_layer_and_head_dim() -> None:
+    with pytest.raises(KVFormatError, match="layer 6 out of range, the model has 6 layers"):
+        resolve_formats("fp8,6=bf16", "bf16", GEMMA_WINDOWS, 64)
+    with pytest.raises(KVFormatError, match="int8 needs head_dim divisible by 32, got 48"):
+        resolve_formats("int8", "bf16", GEMMA_WINDOWS, 48)
+    with pytest.raises(KVFormatError, match="fp8\\+h needs a power-of-two head_dim, got 48"):
+        resolve_formats("fp8+h", "bf16", GEMMA_WINDOWS, 48)
+
+
+def test_engine_config_names_and_page_hashes_separate_formats() -> None:
+    cfg = EngineConfig(kv_format="nvfp4+h,global=bf16", device="cpu")
+    assert cfg.kv_format_name == "nvfp4+h,global=bf16" and cfg.kv_dtype == torch.float32
+    assert EngineConfig(device="cpu").kv_format_name == "fp32"
+    assert EngineConfig(kv_format="bf16", device="cpu").kv_dtype == torch.bfloat16
+    tokens = list(range(128))
+    by_format = {f: chain_hashes(tokens, 64, "m", f) for f in ("bf16", "fp8", "fp8+h", "fp8,global=bf16")}
+    assert len({h for hashes in by_format.values() for h in hashes}) == 8  # no page shared across formats
+
+
+# -- engines on tiny models -----------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def _teacher_forced_logits(model: torch.nn.Module, pool: KVPool, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits [T, V] of every position, prefilled in chunks through StepAttention over `pool`."""
+    cfg = model.config
+    out = []
+    for start in range(0, len(ids), chunk):
+        n = min(chunk, len(ids) - start)
+        span = SeqSpan(start, n, torch.arange(start, start + n), torch.arange(start + n), None)
+        attn = StepAttention(pool, [span], cfg.num_heads // cfg.num_kv_heads, torch.float32)
+        hidden = model(torch.tensor(ids[start : start + n]), torch.arange(start, start + n), attn)
+        out.append(model.logits(hidden).float())
+    return torch.cat(out)
+
+
+# Mean |logit - fp32-pool logit| over 48 teacher-forced positions, measured on these tiny random models
+# (logit std ~2; the std-0.5 random llama amplifies KV error far more than a trained model):
+#   llama: bf16 0.011, int8 0.034 (+h 0.031), fp8 0.162 (+h 0.160), nvfp4 0.589 (+h 0.563)
+#   gemma: bf16 0.005, int8 0.014 (+h 0.012), fp8 0.062 (+h 0.059), nvfp4 0.272 (+h 0.258)
+# The bounds leave 1.5x room; max errors are 6-15x the means (llama nvfp4: 8.9).
+MEAN_LOGIT_ERROR = {
+    "llama": {"bf16": 0.017, "int8": 0.05, "fp8": 0.25, "nvfp4": 0.9},
+    "gemma": {"bf16": 0.008, "int8": 0.021, "fp8": 0.095, "nvfp4": 0.41},
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_quantised_pools_keep_logits_near_the_fp32_pool(arch: str) -> None:
+    model = tiny_model(VOCAB, seed=3) if arch == "llama" else tiny_gemma(VOCAB, seed=3)
+    cfg = model.config
+    ids = [int(i) for i in torch.randint(100, VOCAB, (48,), generator=torch.Generator().manual_seed(0))]
+
+    def logits(name: str) -> torch.Tensor:
+        pool = KVPool(cfg.num_layers, 12, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU,
+                      [parse_format(name)] * cfg.num_layers)  # fmt: skip
+        return _teacher_forced_logits(model, pool, ids, chunk=16)
+
+    ref = logits("fp32")
+    means = {}
+    for name in ("bf16", "int8", "int8+h", "fp8", "fp8+h", "nvfp4", "nvfp4+h"):
+        means[name] = (logits(name) - ref).abs().mean().item()
+        bound = MEAN_LOGIT_ERROR[arch][name.removesuffix("+h")]
+        assert 0 < means[name] <= bound, f"{arch} {name}: mean logit error {means[name]:.4f} > {bound}"
+    assert means["bf16"] < means["int8"] < means["fp8"] < means["nvfp4"]
+
+
+def _engine(
+    model: torch.nn.Module, tokenizer: Tokenizer, kv_format: str, num_slots: int, page_size: int = 4,
+    ring: RingLimits | None = None, store_address: str = "", policy: str = "exact",
+) -> Engine:  # fmt: skip
+    """helpers.make_engine with a pool in `kv_format` (one format for every layer)."""
+    cfg = model.config
+    fmt = parse_format(kv_format)
+    pool = KVPool(cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU,
+                  [fmt] * cfg.num_layers)  # fmt: skip
+    write_through = host = None
+    if store_address:
+        write_through = WriteThrough(KVStoreClient(store_address), fmt.name, 256)
+        host = KVStoreHostPages(KVStoreClient(store_address), write_through, pool.page_nbytes, "engine-test")
+    limits = EngineLimits(
+        max_context=256, page_size=page_size, prefill_chunk=16, max_running=8, max_waiting=64,
+        vocab_size=cfg.vocab_size, model_id="tiny", kv_format=fmt.name, default_policy=policy, ring=ring,
+        ring_chunk=8 if ring else 0,
+    )  # fmt: skip
+    return Engine(limits, ModelRunner(model, pool, CPU, host), tokenizer, write_through)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "int8", "nvfp4+h"])
+def test_engine_generates_with_a_quantised_pool(smol_tokenizer: Tokenizer, kv_format: str) -> None:
+    """Greedy tokens from the engine equal a one-sequence teacher-forced pass over the same format."""
+    model = tiny_model(VOCAB, seed=4)
+    engine = _engine(model, smol_tokenizer, kv_format, num_slots=32)
+    prompt = [int(i) for i in torch.randint(100, VOCAB, (21,), generator=torch.Generator().manual_seed(1))]
+    seq = engine.submit("q", prompt, greedy(8))
+    run_until_done(engine, [seq])
+    tokens, _ = drain(events_of(seq))
+    assert len(tokens) == 8
+    cfg = model.config
+    pool = KVPool(cfg.num_layers, 32, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU,
+                  [parse_format(kv_format)] * cfg.num_layers)  # fmt: skip
+    forced = _teacher_forced_logits(model, pool, prompt + tokens, chunk=16)
+    assert forced[len(prompt) - 1 :].argmax(-1).tolist()[:8] == tokens
+
+
+def test_ring_restores_quantised_pages_byte_for_byte(smol_tokenizer: Tokenizer, start_store: StartStore) -> None:
+    """A second fp8+h ring engine adopts the first one's pages from the kvstore and restores them: every
+    resident page equals its host copy byte for byte, and its tokens equal an unlimited fp8+h pool's."""
+    address = start_store(host_kv_mib=32).address
+    model = tiny_model(VOCAB, seed=11)
+    prompt = [int(i) for i in torch.randint(100, VOCAB, (70,), generator=torch.Generator().manual_seed(2))]
+    engines = []
+    for name in ("first", "second"):
+        engine = _engine(model, smol_tokenizer, "fp8+h", num_slots=8, ring=ring_limits(budget_pages=8),
+                         store_address=address)  # fmt: skip
+        seq = engine.submit(name, prompt if name == "first" else prompt + [901, 902, 903], greedy(6))
+        run_until_done(engine, [seq])
+        engine.write_through.flush()
+        engines.append((engine, seq))
+    second, seq = engines[1]
+    tokens, done = drain(events_of(seq))
+    assert done.cached_tokens == 68 and second.ring.num_restores > 0  # 17 pages from the host store
+    checked = 0
+    with KVStoreClient(address) as reader:
+        for h in chain_hashes(seq.token_ids, 4, "tiny", "fp8+h"):
+            slot = second.slots.lookup(h)
+            if slot is not None:
+                assert reader.get_page(h) == second.pool.read_page(slot).numpy().tobytes()
+                checked += 1
+    assert checked >= 3
+    dense = _engine(model, smol_tokenizer, "fp8+h", num_slots=32)
+    seq2 = dense.submit("dense", prompt + [901, 902, 903], greedy(6))
+    run_until_done(dense, [seq2])
+    assert drain(events_of(seq2))[0] == tokens
+    for engine, _ in engines:
+        engine.write_through.close()
+
+
+# -- GPU ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp8", "int8", "nvfp4", "fp8+h", "nvfp4+h"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_cuda_triton_kernels_match_the_reference(name: str, head_dim: int) -> None:
+    """On the GPU: the kernels write the reference's bytes (fp32 division may move a rare value by one
+    code) and dequantise exactly what the reference dequantises from the same bytes."""
+    if not torch.cuda.is_available() or not HAS_TRITON:
+        pytest.skip("needs CUDA and triton")
+    from services.engine.kernels import kv_triton
+
+    dev = torch.device("cuda")
+    fmt = parse_format(name)
+    x = _rows(3000, 3, head_dim, seed=7).to(dev, torch.bfloat16)
+    rows = torch.randperm(4096, device=dev)[:3000]
+    store = torch.zeros(4096, 3, fmt.row_bytes(head_dim), dtype=torch.uint8, device=dev)
+    kv_triton.quantize_scatter(fmt, x, rows, store)
+    ref = fmt.quantize(x)
+    differ = (store[rows] != ref).float().mean().item()
+    assert differ < 1e-3, f"{differ:.2e} of the bytes differ"
+    for dtype in (torch.float32, torch.bfloat16):
+        out = kv_triton.gather_dequantize(fmt, store, rows, head_dim, dtype)
+        assert torch.equal(out, fmt.dequantize(store[rows], dtype))
+    before = active_tier()
+    try:
+        use_tier(KernelTier("triton", "cuda", (9, 0), True))
+        pool = KVPool(2, 64, 64, 3, head_dim, torch.bfloat16, dev, [fmt, parse_format("bf16")])
+        pool.write(0, rows[:500], x[:500], x[:500])
+        k, v = pool.gather(0, rows[:500], torch.float32)
+        slot = int(rows[0]) // 64
+        page = pool.read_page(slot)
+        assert page.numel() == pool.page_nbytes
+        k_page, _ = pool.page_kv(page, 0, torch.float32)  # the torch reference over the page's bytes
+        k_rows = pool.gather_keys(0, pool.rows(torch.tensor([slot], device=dev)))
+        torch.testing.assert_close(k_page, k_rows, rtol=1e-5, atol=1e-6)  # +h: two fp32 matmuls
+        err = (v - x[:500].float()).abs().max() / x[:500].float().abs().max()
+        assert err < {"fp8": 0.07, "int8": 0.01, "nvfp4": 0.2}[fmt.base]
+    finally:
+        use_tier(before)
