@@ -13,11 +13,45 @@ Scoring turns the per-(layer, query token, query head) bounds into a distributio
 (softmax of bound * scale), so every query token spreads one unit of mass over the pages; summed
 over layers, heads and tokens this is the page score (Σ scores == query tokens x heads x layers
 before normalisation, a built-in check).
+
+Both run on the active kernel tier (services.engine.kernels.active_tier): Triton
+(kernels/summaries_triton.py) or CuPy RawKernels (kernels/summaries_cupy.py) on CUDA, these torch
+functions otherwise. `summary_update_reference` and `page_scores_reference` are the references the
+kernels are tested against (tests/engine/test_kernels_summaries.py); bench/kernels.py times them.
+`PageSummaries.update_rows` summarises straight from a pool layer's rows (no [P, page, Hkv, D]
+copy in fp32) where the pool stores a plain float dtype.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
+from types import ModuleType
+from typing import TYPE_CHECKING
+
 import torch
+
+from services.engine.kernels import active_tier
+
+if TYPE_CHECKING:
+    from services.engine.kv_pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+_KERNEL_MODULES = {
+    "triton": "services.engine.kernels.summaries_triton",
+    "cupy": "services.engine.kernels.summaries_cupy",
+}
+
+
+def _kernels(device: torch.device) -> ModuleType | None:
+    """The kernel module of the active tier for tensors on `device`; None: the torch reference.
+
+    CUDA tensors take the tier's backend; CPU tensors take Triton only under the interpreter (tests)."""
+    tier = active_tier()
+    if tier.backend == "torch" or (device.type != "cuda" and not tier.interpreted):
+        return None
+    return importlib.import_module(_KERNEL_MODULES[tier.backend])
 
 
 class PageSummaries:
@@ -32,18 +66,61 @@ class PageSummaries:
 
     def update(self, layer_idx: int, page_ids: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> None:
         """keys: [P, page_size, Hkv, D] of pages `page_ids` [P]; valid: [P, page_size] bool (real tokens)."""
-        k = keys.float()
-        v = valid[:, :, None, None]
-        kmin = torch.where(v, k, torch.inf).amin(dim=1)
-        kmax = torch.where(v, k, -torch.inf).amax(dim=1)
-        count = valid.sum(dim=1).clamp(min=1)[:, None, None]
-        kmean = torch.where(v, k, 0.0).sum(dim=1) / count
-        self.kmin[layer_idx].index_copy_(0, page_ids, kmin)
-        self.kmax[layer_idx].index_copy_(0, page_ids, kmax)
-        self.kmean[layer_idx].index_copy_(0, page_ids, kmean)
+        tables = self.kmin[layer_idx], self.kmax[layer_idx], self.kmean[layer_idx]
+        kernels = _kernels(keys.device)
+        if kernels is None:
+            summary_update_reference(*tables, page_ids, keys, valid)
+        else:
+            kernels.summary_update(*tables, page_ids, keys.reshape(-1, *keys.shape[2:]), valid)
+
+    def update_from_pool(
+        self, layer_idx: int, page_ids: torch.Tensor, pool: KVPool, rows: torch.Tensor, valid: torch.Tensor
+    ) -> None:
+        """Summaries of pages `page_ids` [P] whose pool rows are `rows` [P * page_size] (valid
+        [P, page_size]): read in place for a plain layer, dequantised through the pool otherwise."""
+        src = pool.plain_keys(layer_idx)
+        if src is not None:
+            self.update_rows(layer_idx, page_ids, src, rows, valid)
+            return
+        keys = pool.gather_keys(layer_idx, rows)
+        self.update(layer_idx, page_ids, keys.view(*valid.shape, *keys.shape[1:]), valid)
+
+    def update_rows(
+        self, layer_idx: int, page_ids: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor
+    ) -> None:
+        """The same from token rows without a gathered copy: src [R, Hkv, D] (a pool layer's keys in a
+        plain float dtype), rows [P * page_size] the pages' rows in token order; valid [P, page_size]."""
+        tables = self.kmin[layer_idx], self.kmax[layer_idx], self.kmean[layer_idx]
+        kernels = _kernels(src.device)
+        if kernels is None:
+            keys = src.index_select(0, rows.reshape(-1)).view(*valid.shape, *src.shape[1:])
+            summary_update_reference(*tables, page_ids, keys, valid)
+        else:
+            kernels.summary_update(*tables, page_ids, src, valid, rows=rows)
 
     def nbytes(self) -> int:
         return 3 * self.kmin.numel() * 4
+
+
+def summary_update_reference(
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    kmean: torch.Tensor,
+    page_ids: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+) -> None:
+    """Torch reference of the summary update for one layer.
+
+    kmin, kmax, kmean: [max_pages, Hkv, D] fp32; page_ids: [P]; keys: [P, page_size, Hkv, D];
+    valid: [P, page_size] bool. A page without a valid token gets kmin +inf, kmax -inf, kmean 0.
+    """
+    k = keys.float()
+    v = valid[:, :, None, None]
+    count = valid.sum(dim=1).clamp(min=1)[:, None, None]
+    kmin.index_copy_(0, page_ids, torch.where(v, k, torch.inf).amin(dim=1))
+    kmax.index_copy_(0, page_ids, torch.where(v, k, -torch.inf).amax(dim=1))
+    kmean.index_copy_(0, page_ids, torch.where(v, k, 0.0).sum(dim=1) / count)
 
 
 def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -66,7 +143,16 @@ def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
-    """Unit mass per (query token, head) spread over pages: [T, Hq, D] x [Np, ...] -> [Np] (sums to T*Hq)."""
+    """Unit mass per (query token, head) spread over pages: [T, Hq, D] x [Np, Hkv, D] -> [Np] fp32
+    (sums to T*Hq), on the active kernel tier."""
+    kernels = _kernels(q.device)
+    if kernels is None:
+        return page_scores_reference(q, kmin, kmax, scale)
+    return kernels.page_scores(q, kmin, kmax, scale)
+
+
+def page_scores_reference(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch reference of page_scores: materialises the [T, Hq, Np] bounds."""
     bound = page_bounds(q, kmin, kmax) * scale  # [T, Hq, Np]
     return torch.softmax(bound, dim=-1).sum(dim=(0, 1))
 
