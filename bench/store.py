@@ -2,20 +2,28 @@
 into a torch tensor, and the cold tier (ratio per dtype and restore speed) on real SmolLM2 KV.
 
     .venv/bin/python bench/store.py                   # CPU
-    .venv/bin/python bench/store.py --device cuda     # also restore into GPU memory by DMA from the
-                                                      # registered arena, vs a pinned-tensor H2D copy
-                                                      # of the same pages measured in the same run
+    python bench/store.py --device cuda --repeat 5    # GPU: restore into GPU memory, first without a
+                                                      # store (arena-shaped memory), then through one
 
 Starts its own redis-server and kvstore processes (real gRPC, real shared-memory arena). Paths:
 `shm` = same host (Reserve/Commit into the mapped arena; GetPages returns pinned views),
 `grpc` = bytes in the messages (PutPages, GetPagesStream), as for a store on another host.
-Prints markdown tables (bench/RESULTS.md keeps the numbers).
+
+`--device cuda` first measures, in one run and without any store, host memory laid out like an
+arena (4 KiB-aligned slots in a /dev/shm file) registered with cudaHostRegister, pages of SmolLM2
+(1.47 MB) and Gemma 3 270M (1.18 MB) in batches of 8/32/128: one pinned H2D copy (the limit),
+pageable H2D, the batched restore (kernels/restore.py: `copies` and `triton`, pages consecutive in
+the arena or scattered), and the engine's old path (a copy per page, stack, pageable H2D), each in
+GB/s and as a ratio to the pinned copy. Then, when redis-server is here, KVStoreHostPages.fetch_to
+end to end (GetPages + copies + Unpin) on both paths. Prints markdown tables (bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import mmap
 import os
 import shutil
 import socket
@@ -26,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,10 +42,22 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from services.kvstore.client import KVStoreClient, PageMeta  # noqa: E402
-from services.kvstore.codec import PageCodec  # noqa: E402
+from services.engine.kernels.restore import (  # noqa: E402
+    host_tensor,
+    register_host,
+    restore_pages,
+    restore_reference,
+    unregister_host,
+)
+from services.kvstore.arena import HEADER_BYTES, MAP_FLAGS, round_up  # noqa: E402
+
+if TYPE_CHECKING:  # the store's client needs redis-py and grpc: imported where used
+    from services.kvstore.client import KVStoreClient, PageMeta
 
 SMOLLM2_BF16_PAGE = 30 * 2 * 64 * 3 * 64 * 2  # layers x K,V x tokens x kv heads x head dim x bytes
+GEMMA3_BF16_PAGE = 18 * 2 * 64 * 256 * 2  # Gemma 3 270M full-attention layers: 18 x K,V x 64 x 1 x 256 x 2
+CUDA = torch.device("cuda")
+RESTORE_PAGES = (("SmolLM2 bf16", SMOLLM2_BF16_PAGE), ("Gemma 3 270M bf16", GEMMA3_BF16_PAGE))
 
 
 def free_port() -> int:
@@ -97,6 +118,8 @@ def timed(fn: Callable[[], object], repeat: int) -> float:
 
 
 def new_pages(n: int, data: list[bytes], kv_format: str) -> list[tuple[PageMeta, bytes]]:
+    from services.kvstore.client import PageMeta
+
     return [(PageMeta(os.urandom(16), kv_format, 64, len(data[i % len(data)])), data[i % len(data)]) for i in range(n)]
 
 
@@ -118,6 +141,8 @@ def restore(client: KVStoreClient, hashes: list[bytes], dst: torch.Tensor, batch
 
 def bench_paths(address: str, args: argparse.Namespace, rows: list[tuple[str, ...]]) -> dict[str, float]:
     """put/get pages/s and restore GB/s on both paths; returns GB/s figures by name."""
+    from services.kvstore.client import KVStoreClient
+
     data = [np.random.default_rng(i).bytes(args.page_bytes) for i in range(4)]
     n, nbytes = args.pages, args.pages * args.page_bytes
     dst = torch.empty(n, args.page_bytes, dtype=torch.uint8)
@@ -139,56 +164,140 @@ def bench_paths(address: str, args: argparse.Namespace, rows: list[tuple[str, ..
                 (path, f"get_pages x{args.batch} -> tensor", f"{n / s_getb:,.0f}", f"{nbytes / s_getb / 1e9:.2f}")
             )
             gbps[f"restore {path}"] = nbytes / s_getb / 1e9
-            if path == "shm" and args.device == "cuda":
-                gbps |= bench_cuda(client, hashes, args)
+            if args.device == "cuda":
+                gbps |= bench_fetch_to(client, path, hashes, args)
     src = np.frombuffer(b"".join(data * (n // len(data) + 1))[:nbytes], dtype=np.uint8).reshape(n, -1)
     s_copy = timed(lambda: dst.numpy().__setitem__(slice(None), src), args.repeat)
     rows.append(("-", "memcpy host->tensor (limit)", f"{n / s_copy:,.0f}", f"{nbytes / s_copy / 1e9:.2f}"))
     return gbps
 
 
-def bench_cuda(client: KVStoreClient, hashes: list[bytes], args: argparse.Namespace) -> dict[str, float]:
-    """Pages from the registered arena to GPU memory (DMA) vs the same copies from a pinned tensor."""
-    mapping = client.arena_mapping()
-    assert mapping is not None
-    cudart = torch.cuda.cudart()
-    rc = cudart.cudaHostRegister(mapping.address, mapping.nbytes, 0)
-    assert int(rc) == 0, f"cudaHostRegister failed: {rc}"
-    arena = torch.frombuffer(mapping.view, dtype=torch.uint8)
-    try:
-        assert arena.is_pinned(), "the registered arena is not seen as pinned memory"
-        n, nbytes = len(hashes), len(hashes) * args.page_bytes
-        gpu = torch.empty(n, args.page_bytes, dtype=torch.uint8, device="cuda")
-        pinned = torch.empty(n, args.page_bytes, dtype=torch.uint8, pin_memory=True)
+def arena_memory(num_pages: int, page_bytes: int) -> tuple[mmap.mmap, int, torch.Tensor, list[int]]:
+    """A /dev/shm file laid out like a kvstore arena (header, then 4 KiB-aligned slots) filled with
+    random bytes, mapped: (mapping, address, uint8 tensor over it, slot offsets)."""
+    stride = round_up(page_bytes)
+    nbytes = HEADER_BYTES + num_pages * stride
+    with tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
+        os.ftruncate(f.fileno(), nbytes)
+        mm = mmap.mmap(f.fileno(), nbytes, flags=MAP_FLAGS)
+    holder = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(holder)
+    del holder
+    arena = host_tensor(address, nbytes)
+    chunk = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for lo in range(0, nbytes, chunk.numel()):
+        arena[lo : lo + chunk.numel()] = chunk[: nbytes - lo]
+    offsets = [HEADER_BYTES + i * stride for i in range(num_pages)]
+    for i, off in enumerate(offsets):  # every page distinct
+        arena[off : off + 8] = torch.tensor(list(i.to_bytes(8, "little")), dtype=torch.uint8)
+    return mm, address, arena, offsets
 
-        def from_arena() -> None:
-            row = 0
-            for chunk in batches(hashes, args.batch):
-                with client.get_pages(chunk) as got:
-                    for loc in got.locations:
-                        gpu[row].copy_(arena[loc.offset : loc.offset + loc.meta.nbytes], non_blocking=True)
-                        row += 1
-                    torch.cuda.synchronize()  # the pins must outlive the copies
 
-        def from_pinned() -> None:
-            for row in range(n):
-                gpu[row].copy_(pinned[row], non_blocking=True)
-            torch.cuda.synchronize()
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-        def one_copy() -> None:
-            gpu.copy_(pinned, non_blocking=True)
-            torch.cuda.synchronize()
 
-        from_arena()  # warm-up
-        out = {
-            "restore shm -> cuda": nbytes / timed(from_arena, args.repeat) / 1e9,
-            "pinned tensor -> cuda, per page (limit)": nbytes / timed(from_pinned, args.repeat) / 1e9,
-            "pinned tensor -> cuda, one copy (limit)": nbytes / timed(one_copy, args.repeat) / 1e9,
-        }
-        return out
-    finally:
-        torch.cuda.synchronize()
-        cudart.cudaHostUnregister(mapping.address)
+def device_timed(fn: Callable[[], object], repeat: int, device: torch.device = CUDA) -> float:
+    """Best wall time of `repeat` runs of fn, each ended by a device synchronize (after one warm-up)."""
+    fn()
+    sync(device)
+
+    def run() -> None:
+        fn()
+        sync(device)
+
+    return timed(run, repeat)
+
+
+def bench_restore_cuda(args: argparse.Namespace, device: torch.device = CUDA) -> list[tuple[str, ...]]:
+    """Host -> GPU restores of batches of pages from registered arena-shaped memory (no store). On a
+    CPU device (a dry run of the bench itself) nothing is registered and only `copies` runs."""
+    cuda = device.type == "cuda"
+    methods = ("copies", "triton") if cuda else ("copies",)
+    rows: list[tuple[str, ...]] = []
+    batches_ = [int(b) for b in args.restore_batches.split(",")]
+    repeat = max(args.repeat, 5)
+    for model, page in RESTORE_PAGES:
+        num_slots = 2 * max(batches_)
+        mm, address, arena, slots = arena_memory(num_slots, page)
+        if cuda:
+            register_host(address, arena.numel())
+        try:
+            assert arena.is_pinned() or not cuda, "the registered arena is not seen as pinned memory"
+            rng = np.random.default_rng(1)
+            for batch in batches_:
+                nbytes = batch * page
+                layouts = {
+                    "consecutive": slots[:batch],
+                    "scattered": [slots[i] for i in rng.permutation(num_slots)[:batch]],
+                }
+                gpu = torch.empty(batch, page, dtype=torch.uint8, device=device)
+                pageable = restore_reference(arena, layouts["consecutive"], page, torch.device("cpu"))
+                pinned = pageable.pin_memory() if cuda else pageable
+                times = {
+                    "pinned H2D, one copy (limit)": device_timed(
+                        lambda g=gpu, s=pinned: g.copy_(s, non_blocking=True), repeat, device
+                    ),
+                    "pageable H2D, one copy": device_timed(lambda g=gpu, s=pageable: g.copy_(s), repeat, device),
+                }
+                for layout, offsets in layouts.items():
+                    expected = restore_reference(arena, offsets, page, device)
+                    for method in methods:
+
+                        def restore(
+                            o: list[int] = offsets, m: str = method, g: torch.Tensor = gpu, a: torch.Tensor = arena
+                        ) -> None:
+                            restore_pages(a, o, g, method=m)
+
+                        try:
+                            times[f"restore {method}, {layout}"] = device_timed(restore, repeat, device)
+                        except Exception as e:  # report it and go on with the other methods
+                            logging.error("restore %s failed: %s: %s", method, type(e).__name__, e)
+                            continue
+                        assert torch.equal(gpu, expected), f"{method} {layout}: bytes differ from the reference"
+                    times[f"old path (copy per page, stack, pageable H2D), {layout}"] = device_timed(
+                        lambda o=offsets, m=mm, n=page: old_path(m, o, n, device), repeat, device
+                    )
+                limit = nbytes / times["pinned H2D, one copy (limit)"] / 1e9
+                for what, seconds in times.items():
+                    gbps = nbytes / seconds / 1e9
+                    rows.append((model, str(batch), what, f"{gbps:.2f}", f"{gbps / limit:.2f}"))
+        finally:
+            sync(device)
+            if cuda:
+                unregister_host(address)
+            del arena
+            mm.close()
+    return rows
+
+
+def old_path(mm: mmap.mmap, offsets: list[int], page: int, device: torch.device) -> torch.Tensor:
+    """What the ring did before fetch_to: a CPU tensor per page (one copy each), stack, .to(cuda)."""
+    view = memoryview(mm)
+    pages = [torch.from_numpy(np.frombuffer(view[o : o + page], dtype=np.uint8).copy()) for o in offsets]
+    return torch.stack(pages).to(device, non_blocking=True)
+
+
+def bench_fetch_to(
+    client: KVStoreClient, path: str, hashes: list[bytes], args: argparse.Namespace, device: torch.device = CUDA
+) -> dict[str, float]:
+    """KVStoreHostPages.fetch_to(cuda) end to end (GetPages, copies, Unpin) vs the old fetch + stack + H2D."""
+    from services.engine.host_pages import KVStoreHostPages
+    from services.engine.write_through import WriteThrough
+
+    host = KVStoreHostPages(client, WriteThrough(client, "bf16", 8), args.page_bytes, restore_method="copies")
+    out: dict[str, float] = {}
+    for batch in (32, 128):
+        chunk = hashes[:batch]
+        nbytes = len(chunk) * args.page_bytes
+        new = device_timed(lambda c=chunk: host.fetch_to(c, device), args.repeat, device)
+        old = device_timed(
+            lambda c=chunk: torch.stack(host.fetch(c)).to(device, non_blocking=True), args.repeat, device
+        )
+        out[f"{path}: fetch_to({device.type}) x{len(chunk)}"] = nbytes / new / 1e9
+        out[f"{path}: old fetch + stack + H2D x{len(chunk)}"] = nbytes / old / 1e9
+    return out
 
 
 def real_kv_pages(num_tokens: int) -> torch.Tensor:
@@ -234,6 +343,8 @@ def bench_codec(kv: torch.Tensor, rows: list[tuple[str, ...]]) -> dict[str, byte
     """Ratio and speed of the cold-tier codec per dtype; returns one dtype's pages for the store run."""
     import zstandard
 
+    from services.kvstore.codec import PageCodec
+
     codec, out = PageCodec(), {}
     for name, dtype, width in (("fp32", torch.float32, 4), ("bf16", torch.bfloat16, 2), ("fp16", torch.float16, 2)):
         pages = [p.to(dtype).contiguous().view(torch.uint8).numpy().reshape(-1) for p in kv]
@@ -253,6 +364,8 @@ def bench_codec(kv: torch.Tensor, rows: list[tuple[str, ...]]) -> dict[str, byte
 
 def bench_cold_store(redis_url: str, kv_bytes: bytes, page_bytes: int, args: argparse.Namespace) -> tuple[float, float]:
     """Real bf16 KV through a store whose pages go cold after 0.5 s: (ratio in the store, restore GB/s)."""
+    from services.kvstore.client import KVStoreClient
+
     data = [kv_bytes[i : i + page_bytes] for i in range(0, len(kv_bytes), page_bytes)]
     n = max(args.pages // 2, len(data))
     mib = max(64, 2 * n * page_bytes >> 20)
@@ -285,9 +398,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--restore-batches", default="8,32,128", help="cuda: pages per restore")
+    p.add_argument("--restore-only", action="store_true", help="cuda: only the restore table (no store)")
     p.add_argument("--kv-tokens", type=int, default=1024, help="tokens of real SmolLM2 KV for the cold tier")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.device == "cuda":
+        print("\nrestore into GPU memory from arena-shaped host memory registered with cudaHostRegister (no store)\n")
+        print(table(("pages", "batch", "transfer", "GB/s", "x pinned"), bench_restore_cuda(args)))
+        if args.restore_only:
+            return
+        if shutil.which("redis-server") is None:
+            print("\nredis-server is not installed here: the store part (and fetch_to end to end) is skipped")
+            return
     mib = (4 * args.pages * args.page_bytes >> 20) + 64
     rows: list[tuple[str, ...]] = []
     with redis_server() as redis_url:
@@ -297,7 +420,11 @@ def main() -> None:
         print(table(("path", "operation", "pages/s", "GB/s"), rows))
         if args.device == "cuda":
             print("\n" + table(("restore", "GB/s"), [(k, f"{v:.2f}") for k, v in gbps.items()]))
-        kv = real_kv_pages(args.kv_tokens)
+        try:
+            kv = real_kv_pages(args.kv_tokens)
+        except Exception as e:  # the embedded SmolLM2 package is not on every machine
+            print(f"\ncold tier skipped: no SmolLM2 KV here ({type(e).__name__}: {e})")
+            return
         codec_rows: list[tuple[str, ...]] = []
         kv_by_dtype = bench_codec(kv, codec_rows)
         print(f"\ncold tier on {kv.shape[0]} real SmolLM2 pages (zstd level 1; MB/s of raw bytes)\n")

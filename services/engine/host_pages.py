@@ -1,25 +1,111 @@
-"""KVStoreHostPages: the ring's view of the host KV store (pages written through, pinned, read back)."""
+"""KVStoreHostPages: the ring's view of the host KV store (pages written through, pinned, read back).
+
+Reads are batched. `fetch_to(page_hashes, device)` returns the pages as one uint8 [P, page_nbytes]
+tensor on `device`:
+- same host: `get_pages` answers views into the store's arena, mapped in this process; on CUDA the
+  arena is registered once as pinned memory (cudaHostRegister, on first use; unregistered before it
+  is unmapped: client close or store restart) and the pages move by DMA straight from the arena,
+  coalesced into a few copies (kernels/restore.py), then the batch's pins are released;
+- another host: the streamed bytes are packed into a pinned staging buffer, then one H2D copy;
+- CPU device: one memcpy per page into the result.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from services.engine.kernels.restore import (
+    RestoreError,
+    host_tensor,
+    register_host,
+    restore_pages,
+    unregister_host,
+)
 from services.engine.ring import PagesLostError
 from services.engine.write_through import WriteThrough
-from services.kvstore.client import KVStoreClient, PageNotFoundError
+from services.kvstore.mapping import ArenaRange, mapped_arena_at, on_unmap
+from services.kvstore.pages import PageBatch, PageNotFoundError
+
+if TYPE_CHECKING:
+    from services.kvstore.client import KVStoreClient
 
 logger = logging.getLogger(__name__)
+
+
+class PinnedArenas:
+    """The kvstore arenas of this process registered with CUDA as pinned memory (process-wide: an
+    address range can be registered once). An arena is registered the first time a page view in it
+    is restored and unregistered just before it is unmapped. Hold `lock` while copies from a
+    registered arena are in flight: an unmap waits for it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._arenas: dict[int, tuple[ArenaRange, torch.Tensor]] = {}  # by address
+        self._failed: set[ArenaRange] = set()
+        self._remove_hook = on_unmap(self._unmapped)
+
+    def find(self, address: int) -> tuple[ArenaRange, torch.Tensor] | None:
+        """The registered arena holding `address` and a uint8 [nbytes] tensor over it (registered now
+        if needed); None when no mapped arena holds it or it cannot be registered."""
+        with self.lock:
+            live = mapped_arena_at(address)
+            if live is None:
+                return None
+            entry = self._arenas.get(live.address)
+            if entry is not None and entry[0] != live:  # unmapped without close, another arena there now
+                self._unmapped(entry[0])
+                entry = None
+            if entry is not None:
+                return entry
+            if live in self._failed:
+                return None
+            try:
+                register_host(live.address, live.nbytes)
+            except RestoreError as e:
+                logger.warning("arena of %s stays pageable (staged copies): %s", live.replica_id, e)
+                self._failed.add(live)
+                return None
+            entry = self._arenas[live.address] = (live, host_tensor(live.address, live.nbytes))
+            return entry
+
+    @property
+    def registered(self) -> list[ArenaRange]:
+        with self.lock:
+            return [arena for arena, _ in self._arenas.values()]
+
+    def _unmapped(self, arena: ArenaRange) -> None:
+        with self.lock:
+            self._failed.discard(arena)
+            entry = self._arenas.pop(arena.address, None)
+            if entry is not None:
+                unregister_host(arena.address)
+                logger.info("unregistered the arena of %s (%d MiB)", arena.replica_id, arena.nbytes >> 20)
+
+
+_pinned: PinnedArenas | None = None
+_pinned_lock = threading.Lock()
+
+
+def pinned_arenas() -> PinnedArenas:
+    """The process's registry of pinned arenas (created on first CUDA restore)."""
+    global _pinned
+    with _pinned_lock:
+        if _pinned is None:
+            _pinned = PinnedArenas()
+        return _pinned
 
 
 class KVStoreHostPages:
     """Implements ring.HostPages over a kvstore client and the engine's write-through.
 
     Pages a running sequence relies on are pinned under the engine's owner id (the store never
-    evicts a pinned page; pins lapse if the engine dies). Reads are batched: on the same host they
-    are views into the store's arena, copied once into the returned tensors.
+    evicts a pinned page; pins lapse if the engine dies). `restore_method` picks the kernels/restore.py
+    method for device restores ("copies" or "triton").
     """
 
     def __init__(
@@ -28,13 +114,17 @@ class KVStoreHostPages:
         write_through: WriteThrough,
         page_nbytes: int,
         owner_id: str = "",
+        restore_method: str = "copies",
     ) -> None:
         self._client = client
         self._write_through = write_through
         self._page_nbytes = page_nbytes  # KVPool.page_nbytes: pages travel as bytes in their stored format
         self._owner = owner_id
+        self._method = restore_method
+        self._staging: torch.Tensor | None = None  # pinned uint8 [>= P * page_nbytes]: streamed pages
         self.num_fetched = 0
         self.fetched_bytes = 0
+        self.num_staged = 0  # pages that reached a device through the staging buffer (not from an arena)
 
     def has(self, page_hash: bytes) -> bool:
         return self._write_through.is_written(page_hash)
@@ -55,23 +145,28 @@ class KVStoreHostPages:
         return found
 
     def fetch(self, page_hashes: list[bytes]) -> list[torch.Tensor]:
-        """Pages as uint8 [page_nbytes] CPU tensors (KVPool.read_page's layout), in one batched read; PagesLostError when any is gone."""
+        """Pages as uint8 [page_nbytes] CPU tensors (KVPool.read_page's layout; rows of one tensor), in one
+        batched read; PagesLostError when any is gone."""
+        return list(self.fetch_to(page_hashes, torch.device("cpu")))
+
+    def fetch_to(self, page_hashes: list[bytes], device: torch.device) -> torch.Tensor:
+        """Pages as one uint8 [P, page_nbytes] tensor on `device` (rows in request order; KVPool.read_page's
+        layout), in one batched read; PagesLostError when any is gone. On CUDA the copies are done on return."""
+        device = torch.device(device)
+        batch = self._get(page_hashes)
         try:
-            batch = self._client.get_pages(page_hashes)
-        except PageNotFoundError as exc:
-            lost = list(getattr(exc, "page_hashes", None) or page_hashes)
-            self._write_through.forget(lost)
-            raise PagesLostError(lost) from exc
-        with batch:
-            pages = [self._tensor(data) for data in batch]
-        wrong = [h for h, p in zip(page_hashes, pages, strict=True) if p.numel() != self._page_nbytes]
-        if wrong:  # another KV format or model under the same hash: unusable here, recompute
-            logger.error("%d host page(s) are not %d bytes; treating them as lost", len(wrong), self._page_nbytes)
-            self._write_through.forget(wrong)
-            raise PagesLostError(wrong)
-        self.num_fetched += len(pages)
-        self.fetched_bytes += sum(p.numel() * p.element_size() for p in pages)
-        return pages
+            out = torch.empty(len(page_hashes), self._page_nbytes, dtype=torch.uint8, device=device)
+            if device.type == "cpu":
+                rows = out.numpy()
+                for i, data in enumerate(batch):
+                    rows[i] = np.frombuffer(data, dtype=np.uint8)  # type: ignore[arg-type]
+            else:
+                self._to_device(batch, out)
+        finally:
+            batch.release()
+        self.num_fetched += len(page_hashes)
+        self.fetched_bytes += out.numel()
+        return out
 
     def pin(self, page_hashes: list[bytes]) -> None:
         if self._owner and page_hashes:
@@ -81,9 +176,70 @@ class KVStoreHostPages:
         if self._owner and page_hashes:
             try:
                 self._client.unpin(self._owner, page_hashes)
-            except Exception as exc:  # pins lapse by themselves; never fail a request over this
+            except Exception as exc:  # pins lapse by themselves
                 logger.warning("unpin of %d page(s) failed: %s", len(page_hashes), exc)
 
-    def _tensor(self, data: object) -> torch.Tensor:
-        raw = np.frombuffer(data, dtype=np.uint8)  # type: ignore[call-overload]
-        return torch.from_numpy(raw.copy())
+    def close(self) -> None:
+        """Close the client: its arena mappings are unregistered (if registered), then unmapped."""
+        self._staging = None
+        self._client.close()
+
+    # ---- reads ------------------------------------------------------------------------------------
+
+    def _get(self, page_hashes: list[bytes]) -> PageBatch:
+        """The batch (views pinned until released); PagesLostError for missing or wrong-sized pages."""
+        try:
+            batch = self._client.get_pages(page_hashes)
+        except PageNotFoundError as exc:
+            lost = list(getattr(exc, "page_hashes", None) or page_hashes)
+            self._write_through.forget(lost)
+            raise PagesLostError(lost) from exc
+        wrong = [
+            h for h, data in zip(page_hashes, batch, strict=True) if data is None or len(data) != self._page_nbytes
+        ]
+        if wrong:  # another KV format or model under the same hash: unusable here, recompute
+            batch.release()
+            logger.error("%d host page(s) are not %d bytes; treating them as lost", len(wrong), self._page_nbytes)
+            self._write_through.forget(wrong)
+            raise PagesLostError(wrong)
+        return batch
+
+    def _to_device(self, batch: PageBatch, out: torch.Tensor) -> None:
+        """Arena views by DMA from their registered arena, other pages through the pinned staging
+        buffer; returns when the copies are done (the batch's pins may go)."""
+        n = self._page_nbytes
+        pinned = pinned_arenas()
+        with pinned.lock:  # registered arenas stay registered until the copies are done
+            sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by arena address
+            staged: list[int] = []
+            for i, data in enumerate(batch):
+                address = _address(data) if isinstance(data, memoryview) else None
+                hit = pinned.find(address) if address is not None else None
+                if hit is None:
+                    staged.append(i)
+                    continue
+                arena, tensor = hit
+                _, offsets, rows = sources.setdefault(arena.address, (tensor, [], []))
+                offsets.append(address - arena.address)  # type: ignore[operator]
+                rows.append(i)
+            if staged:
+                staging = self._staging_for(len(staged) * n)
+                packed = staging.numpy()
+                for k, i in enumerate(staged):
+                    packed[k * n : (k + 1) * n] = np.frombuffer(batch[i], dtype=np.uint8)  # type: ignore[arg-type]
+                sources[-1] = (staging, [k * n for k in range(len(staged))], staged)
+                self.num_staged += len(staged)
+            for src, offsets, rows in sources.values():
+                restore_pages(src, offsets, out, rows, self._method)
+            if out.device.type == "cuda":
+                torch.cuda.current_stream(out.device).synchronize()
+
+    def _staging_for(self, nbytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._staging
+
+
+def _address(view: memoryview) -> int:
+    """The host address of a (read-only) buffer's first byte."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)

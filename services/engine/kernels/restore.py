@@ -1,0 +1,205 @@
+"""Restore many pages from host memory into a device tensor in one go.
+
+A source is a flat uint8 host tensor (a kvstore arena mapped in this process, or a pinned staging
+buffer); page i of a restore starts at byte `offsets[i]` of the source and lands in row `rows[i]` of
+`out` (uint8 [R, page_nbytes]). With the source registered as pinned memory (`register_host`, i.e.
+cudaHostRegister) the bytes move by DMA; unregistered (pageable) sources are staged by the driver.
+
+Methods (`restore_pages(method=...)`):
+- `copies`: the pages grouped into runs that are consecutive in both source and `out` (a kvstore
+  allocates the pages of one model back to back), one cudaMemcpyAsync per run, all on the current
+  stream: the copy engines at PCIe speed, a handful of calls for a batch. The default; on the CPU
+  it is a memcpy per run.
+- `triton`: one gather launch for the whole batch; the GPU reads the registered source directly
+  (UVA: the host address is the device address), 16-byte words.
+- `reference`: the torch reference: index every page through the CPU tensor, stack, one copy.
+All three are asynchronous on CUDA: the caller synchronizes before the source may change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("copies", "triton", "reference")
+WORD_BYTES = 16  # the gather kernel moves int32 x 4 per thread: offsets and page sizes must be multiples
+BLOCK_WORDS = 4096  # int32 words per gather program (16 KiB)
+# cudaHostRegisterPortable | cudaHostRegisterMapped: usable from every context, readable by kernels
+HOST_REGISTER_FLAGS = 0x1 | 0x2
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the copies and the reference still work
+    triton = None
+    tl = None
+
+
+class RestoreError(RuntimeError):
+    """A restore cannot run as asked (shapes, dtypes, devices, alignment, registration); the message has the numbers."""
+
+
+class Run(NamedTuple):
+    """Pages that are consecutive in the source and in `out`: one copy."""
+
+    row: int  # first row of `out`
+    offset: int  # byte offset of the first page in the source
+    num_pages: int
+
+
+def copy_runs(offsets: Sequence[int], rows: Sequence[int], page_nbytes: int) -> list[Run]:
+    """Coalesce pages (in order) into runs where page i+1 follows page i in both the source and `out`."""
+    runs: list[Run] = []
+    for offset, row in zip(offsets, rows, strict=True):
+        if runs:
+            last = runs[-1]
+            if offset == last.offset + last.num_pages * page_nbytes and row == last.row + last.num_pages:
+                runs[-1] = last._replace(num_pages=last.num_pages + 1)
+                continue
+        runs.append(Run(row, offset, 1))
+    return runs
+
+
+def restore_reference(
+    src: torch.Tensor, offsets: Sequence[int], page_nbytes: int, device: torch.device
+) -> torch.Tensor:
+    """Torch reference: uint8 [P, page_nbytes] on `device`, page i = src[offsets[i] : offsets[i] + page_nbytes]."""
+    if not offsets:
+        return torch.empty(0, page_nbytes, dtype=torch.uint8, device=device)
+    pages = torch.stack([src[o : o + page_nbytes] for o in offsets])  # one CPU copy per page
+    return pages.to(device)
+
+
+def restore_pages(
+    src: torch.Tensor,
+    offsets: Sequence[int],
+    out: torch.Tensor,
+    rows: Sequence[int] | None = None,
+    method: str = "copies",
+) -> None:
+    """Copy page i of `src` (uint8 [S], host; bytes offsets[i] .. + page_nbytes) into out[rows[i]]
+    (out: uint8 [R, page_nbytes], host or device; rows default to 0..P-1). Asynchronous on CUDA."""
+    rows = list(range(len(offsets))) if rows is None else list(rows)
+    _check(src, offsets, out, rows, method)
+    if not offsets:
+        return
+    page_nbytes = out.shape[1]
+    if method == "copies":
+        flat_out = out.view(-1)
+        for run in copy_runs(offsets, rows, page_nbytes):
+            n = run.num_pages * page_nbytes
+            dst = flat_out[run.row * page_nbytes : run.row * page_nbytes + n]
+            dst.copy_(src[run.offset : run.offset + n], non_blocking=True)
+    elif method == "triton":
+        _restore_triton(src, offsets, out, rows)
+    else:
+        out[torch.tensor(rows, dtype=torch.long, device=out.device)] = restore_reference(
+            src, offsets, page_nbytes, out.device
+        )
+
+
+def _check(src: torch.Tensor, offsets: Sequence[int], out: torch.Tensor, rows: list[int], method: str) -> None:
+    if method not in METHODS:
+        raise RestoreError(f"restore method {method!r} not in {', '.join(METHODS)}")
+    if src.dtype != torch.uint8 or src.dim() != 1 or src.device.type != "cpu" or not src.is_contiguous():
+        raise RestoreError(
+            f"source must be a flat contiguous uint8 host tensor, got {src.dtype} {tuple(src.shape)} on {src.device}"
+        )
+    if out.dtype != torch.uint8 or out.dim() != 2 or not out.is_contiguous():
+        raise RestoreError(
+            f"out must be a contiguous uint8 [R, page_nbytes] tensor, got {out.dtype} {tuple(out.shape)}"
+        )
+    if len(rows) != len(offsets):
+        raise RestoreError(f"{len(offsets)} offsets but {len(rows)} rows")
+    page_nbytes = out.shape[1]
+    bad = [o for o in offsets if o < 0 or o + page_nbytes > src.numel()]
+    if bad:
+        raise RestoreError(f"page at offset {bad[0]} (+{page_nbytes}) is outside the source of {src.numel()} bytes")
+    bad_rows = [r for r in rows if not 0 <= r < out.shape[0]]
+    if bad_rows:
+        raise RestoreError(f"row {bad_rows[0]} is outside out's {out.shape[0]} rows")
+    if method == "triton":
+        if triton is None:
+            raise RestoreError("the triton restore needs triton installed")
+        if out.device.type == "cpu" and not _interpreted():
+            raise RestoreError("the triton restore on the CPU needs TRITON_INTERPRET=1 (tests only)")
+        misaligned = [o for o in offsets if o % WORD_BYTES] + ([page_nbytes] if page_nbytes % WORD_BYTES else [])
+        if misaligned or src.data_ptr() % WORD_BYTES or src.numel() % 4:
+            raise RestoreError(
+                f"the triton restore needs {WORD_BYTES}-byte aligned pages and source: offsets/size "
+                f"{misaligned[:1]}, source at {src.data_ptr():#x} of {src.numel()} bytes"
+            )
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _restore_triton(src: torch.Tensor, offsets: Sequence[int], out: torch.Tensor, rows: list[int]) -> None:
+    page_words = out.shape[1] // 4
+    # page starts and destination rows, in 16-byte units / rows; int64 [P] each, on out's device
+    table = torch.tensor([[o // WORD_BYTES for o in offsets], rows], dtype=torch.int64)
+    if out.device.type == "cuda":
+        table = table.pin_memory().to(out.device, non_blocking=True)
+    grid = (len(offsets), triton.cdiv(page_words, BLOCK_WORDS))
+    _gather_kernel()[grid](
+        src.view(torch.int32), table[0], table[1], out.view(torch.int32), page_words,
+        BLOCK=BLOCK_WORDS, num_warps=8,
+    )  # fmt: skip
+
+
+def _gather_pages(src_ptr, start_ptr, row_ptr, out_ptr, page_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """out[row[p], w] = src[start[p] * 4 + w] over int32 words; program (p, block of BLOCK words)."""
+    page = tl.program_id(0)
+    words = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = words < page_words
+    start = tl.load(start_ptr + page) * 4  # 16-byte units -> int32 words: 16-byte aligned
+    row = tl.load(row_ptr + page)
+    data = tl.load(src_ptr + start + words, mask=mask)
+    tl.store(out_ptr + row * page_words + words, data, mask=mask)
+
+
+_kernels: dict[bool, object] = {}
+
+
+def _gather_kernel():  # type: ignore[no-untyped-def]
+    """The jitted gather, made on first use: whether Triton interprets is read then, not at import."""
+    interpreted = _interpreted()
+    if interpreted not in _kernels:
+        _kernels[interpreted] = triton.jit(_gather_pages)
+    return _kernels[interpreted]
+
+
+# ---- pinned host memory ----------------------------------------------------------------------------
+
+
+def register_host(address: int, nbytes: int) -> None:
+    """cudaHostRegister [address, address + nbytes) as pinned, mapped memory (RestoreError on failure)."""
+    rc = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, HOST_REGISTER_FLAGS))
+    if rc != 0:
+        raise RestoreError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed: CUDA error {rc}")
+    logger.info("registered %d MiB of host memory at %#x as pinned", nbytes >> 20, address)
+
+
+def unregister_host(address: int) -> None:
+    """cudaHostUnregister (logged, never raised: the caller is tearing down)."""
+    rc = int(torch.cuda.cudart().cudaHostUnregister(address))
+    if rc != 0:
+        logger.warning("cudaHostUnregister at %#x failed: CUDA error %d", address, rc)
+
+
+def host_tensor(address: int, nbytes: int) -> torch.Tensor:
+    """A uint8 [nbytes] CPU tensor over raw host memory (no reference to its owner: keep that alive)."""
+    import ctypes
+
+    import numpy as np
+
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+    return torch.from_numpy(raw)
