@@ -13,6 +13,7 @@ from services.common.tokenizer import load_tokenizer
 from services.engine.config import ConfigError, EngineConfig
 from services.engine.engine import Engine, EngineLimits
 from services.engine.kernels import select_tier, use_tier
+from services.engine.kv_formats import KVFormatError
 from services.engine.kv_pool import KVPool
 from services.engine.model_runner import ModelRunner
 from services.engine.models.config import ModelConfig
@@ -53,15 +54,20 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
     max_context = _check_context(config, model_config)
     use_tier(select_tier(device, config.kernels))
     model_id = config.model_id or default_model_id(path)
-    pool = KVPool(
-        model_config.num_layers,
-        config.num_slots,
-        config.page_size,
-        model_config.num_kv_heads,
-        model_config.head_dim,
-        config.kv_dtype,
-        device,
-    )
+    try:
+        formats = config.kv_spec.resolve(model_config.layer_windows)
+        pool = KVPool(
+            model_config.num_layers,
+            config.num_slots,
+            config.page_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            config.kv_dtype,
+            device,
+            formats,
+        )
+    except KVFormatError as exc:
+        raise ConfigError(f"kv_format {config.kv_format!r} for {model_config.architecture}: {exc}") from None
     config.check_host_capacity(pool.page_nbytes)
     write_through = _write_through(config)
     host = None
@@ -89,7 +95,8 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
         ring=ring_limits(config) if config.ring_enabled else None,
         ring_chunk=config.ring_chunk if config.ring_enabled else 0,
     )
-    engine = Engine(limits, ModelRunner(model, pool, device, host), tokenizer, write_through)
+    runner = ModelRunner(model, pool, device, host, cuda_graphs=config.cuda_graphs, max_batch=config.max_running)
+    engine = Engine(limits, runner, tokenizer, write_through)
     engine.start()
     info = ModelInfo(
         model_id=model_id,

@@ -18,7 +18,7 @@ from services.engine.kv_pool import KVPool
 from services.engine.model_runner import ModelRunner
 from services.engine.paged_attention import SeqSpan
 from services.engine.ring import PagesLostError, RingLimits, RingManager, SeqRing
-from services.engine.sampling import InvalidRequestError, SamplingParams, sample_one
+from services.engine.sampling import InvalidRequestError, SamplingParams, sample_rows
 from services.engine.scheduler import Scheduler, Work
 from services.engine.sequence import Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
 from services.engine.slots import SlotAllocator
@@ -98,6 +98,7 @@ class Engine:
         )  # fmt: skip
         self.stats = EngineStats()
         self.ring_snapshot = RingSnapshot()
+        self._snapshot_running: tuple[int, ...] = ()
         self._eos_ids = frozenset(tokenizer.info.eos_token_ids)
         self._lock = threading.Condition()
         self._incoming: deque[Sequence] = deque()
@@ -178,6 +179,8 @@ class Engine:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.runner.host is not None:
+            self.runner.host.close()  # unregisters the host arena mappings before they are unmapped
 
     # -- the loop (engine thread only) -----------------------------------------------------------
 
@@ -226,8 +229,19 @@ class Engine:
             for w in works:
                 self._fail(w.seq, "internal", "the engine failed while running this request")
         self.stats.steps_total += 1
-        if self.ring is not None:
+        if self.ring is not None and self._snapshot_stale(works):
             self.ring_snapshot = self._take_ring_snapshot()
+
+    def _snapshot_stale(self, works: list[Work]) -> bool:
+        """The bucket counts change only when the running set, a sequence's page count or its
+        evidence changes: a decode step inside a page keeps them (spares a walk of every page table)."""
+        running = tuple(id(s) for s in self.scheduler.running)
+        size = self.limits.page_size
+        stale = running != self._snapshot_running or any(
+            w.num_new != 1 or w.score_tokens or w.start % size in (0, size - 1) for w in works
+        )
+        self._snapshot_running = running
+        return stale
 
     def _take_ring_snapshot(self) -> RingSnapshot:
         assert self.ring is not None
@@ -243,8 +257,9 @@ class Engine:
             totals[5] += sum(1 for p in range(computed_pages) if p not in resident)
         return RingSnapshot(*totals)
 
-    def _postprocess(self, works: list[Work], logits: torch.Tensor, spans: list[SeqSpan]) -> None:
-        row = 0
+    def _postprocess(self, works: list[Work], logits: torch.Tensor, spans: list[SeqSpan | None]) -> None:
+        sampling = [w.seq for w in works if w.samples]
+        tokens = iter(sample_rows(logits, [s.params for s in sampling], [s.generator for s in sampling]))
         for w, span in zip(works, spans, strict=True):
             seq = w.seq
             if seq.ring is not None and self.ring is not None:
@@ -253,16 +268,13 @@ class Engine:
                 continue
             seq.num_computed = w.start + w.num_new
             self._publish_pages(seq)
-            if not w.samples:
-                continue
-            token = sample_one(logits[row], seq.params, seq.generator)
-            row += 1
-            self._append(seq, token)
+            if w.samples:
+                self._append(seq, next(tokens))
 
-    def _ring_after_step(self, w: Work, span: SeqSpan, ring: SeqRing) -> None:
+    def _ring_after_step(self, w: Work, span: SeqSpan | None, ring: SeqRing) -> None:
         """Fold the step's page scores in and re-select evidence when the schedule says so."""
         assert self.ring is not None
-        if span.scores is not None:
+        if span is not None and span.scores is not None:
             self.ring.add_scores(ring, span.scores, w.score_tokens)
         candidates = w.start // self.limits.page_size
         if w.score_only:
@@ -270,11 +282,8 @@ class Engine:
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total)
         elif w.score_tokens and w.seq.in_prefill:
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total)
-        elif w.score_tokens:
-            ring.decode_steps += 1
-            interval = self.ring.limits.rescore_interval
-            if interval and ring.decode_steps % interval == 0:
-                self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total)
+        elif w.score_tokens:  # decode: the scheduler scores only the steps that re-select
+            self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total)
 
     def _new_ring(self, seq: Sequence) -> None:
         """Ring state for a sequence being admitted (summaries sized to its longest possible context)."""

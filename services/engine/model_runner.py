@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from services.engine.decode_graph import DecodeGraphs
 from services.engine.kv_pool import KVPool
 from services.engine.models.loader import CausalLM
 from services.engine.paged_attention import SeqSpan, StepAttention
@@ -17,15 +18,31 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, host: HostPages | None = None) -> None:
+    """Decode steps that qualify (DecodeGraphs.accepts) go through the decode runner (CUDA graphs when
+    `cuda_graphs` and the device is CUDA); every other step through StepAttention."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        device: torch.device,
+        host: HostPages | None = None,
+        decode_runner: bool = True,
+        cuda_graphs: bool = True,
+        max_batch: int = 16,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.host = host
+        self.decode = DecodeGraphs(model, pool, device, max_batch, cuda_graphs) if decode_runner else None
 
     @torch.inference_mode()
-    def run(self, works: list[Work]) -> tuple[torch.Tensor, list[SeqSpan]]:
-        """Forward every work item; (logits [num_sampling_works, V] float32 in work order, the spans)."""
+    def run(self, works: list[Work]) -> tuple[torch.Tensor, list[SeqSpan | None]]:
+        """Forward every work item; (logits [num_sampling_works, V] float32 in work order, the spans;
+        None spans for a step of the decode runner: it scores nothing)."""
+        if self.decode is not None and self.decode.accepts(works):
+            return self.decode.run(works), [None] * len(works)
         token_ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
@@ -42,9 +59,9 @@ class ModelRunner:
         attn = StepAttention(self.pool, spans, cfg.num_heads // cfg.num_kv_heads, self.model.embed_tokens.weight.dtype)
         hidden = self.model(ids, pos, attn)  # [N, hidden]
         if not sample_rows:
-            return torch.empty(0, device=self.device), spans
+            return torch.empty(0, device=self.device), list(spans)
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return self.model.logits(hidden.index_select(0, rows_t)), spans  # [M, V]
+        return self.model.logits(hidden.index_select(0, rows_t)), list(spans)  # [M, V]
 
     def _span(self, w: Work) -> SeqSpan:
         """Rows to write and read for one sequence; summaries, scoring and host pages when it has a ring."""
@@ -80,7 +97,6 @@ class ModelRunner:
             hidden = [p for p in range(first_page) if table.slot_ids[p] == NOT_RESIDENT]
             if hidden:
                 assert self.host is not None, "exact attention over host pages needs a host store"
-                fetched = self.host.fetch([table.page_hashes[p] for p in hidden])
-                span.host_pages = list(torch.stack(fetched).to(self.device, non_blocking=True))  # one copy
+                span.host_pages = list(self.host.fetch_to([table.page_hashes[p] for p in hidden], self.device))
                 span.host_page_ids = hidden
         return span

@@ -93,9 +93,7 @@ class StepAttention:
     def _summarize(self, layer_idx: int, span: SeqSpan) -> None:
         assert span.summaries is not None and span.touched_rows is not None
         assert span.touched_pages is not None and span.touched_valid is not None
-        keys = self.pool.gather_keys(layer_idx, span.touched_rows)
-        keys = keys.view(span.touched_pages.shape[0], -1, *keys.shape[1:])
-        span.summaries.update(layer_idx, span.touched_pages, keys, span.touched_valid)
+        span.summaries.update_from_pool(layer_idx, span.touched_pages, self.pool, span.touched_rows, span.touched_valid)
 
     def _score(self, layer_idx: int, span: SeqSpan, q_s: torch.Tensor, scale: float) -> None:
         assert span.summaries is not None

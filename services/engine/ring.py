@@ -44,7 +44,13 @@ class HostPages(Protocol):
     def has(self, page_hash: bytes) -> bool: ...
 
     def fetch(self, page_hashes: list[bytes]) -> list[torch.Tensor]:
-        """Pages as [num_layers, 2, page_size, Hkv, D] tensors (CPU), in order; raises when one is gone."""
+        """Pages as uint8 [page_nbytes] CPU tensors (KVPool.read_page's layout), in order; PagesLostError
+        when one is gone."""
+        ...
+
+    def fetch_to(self, page_hashes: list[bytes], device: torch.device) -> torch.Tensor:
+        """Pages as one uint8 [P, page_nbytes] tensor on `device`, in order, in one batched transfer
+        (by DMA from the registered host copy where it can); PagesLostError when one is gone."""
         ...
 
     def wait(self, page_hashes: list[bytes], timeout_s: float) -> bool:
@@ -60,6 +66,10 @@ class HostPages(Protocol):
         ...
 
     def unpin(self, page_hashes: list[bytes]) -> None: ...
+
+    def close(self) -> None:
+        """Release the store connection and any registered host memory (engine stop)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -149,9 +159,7 @@ class RingManager:
         rows = self.pool.rows(torch.tensor([slot_ids[p] for p in pages], dtype=torch.long, device=self.pool.device))
         valid = torch.ones(len(pages), size, dtype=torch.bool, device=self.pool.device)
         for layer in range(self.pool.num_layers):
-            keys = self.pool.gather_keys(layer, rows)
-            keys = keys.view(len(pages), size, *keys.shape[1:])
-            ring.summaries.update(layer, page_t, keys, valid)
+            ring.summaries.update_from_pool(layer, page_t, self.pool, rows, valid)
 
     def adopt_host_prefix(
         self, ring: SeqRing, page_table: list[int], page_hashes: list[bytes], chain: list[bytes]
@@ -234,9 +242,9 @@ class RingManager:
 
     def _restore(self, slot_ids: list[int], page_hashes: list[bytes], pages: list[int], ring: SeqRing) -> None:
         assert self.host is not None
-        data = self.host.fetch([page_hashes[p] for p in pages])  # one batched transfer
+        data = self.host.fetch_to([page_hashes[p] for p in pages], self.pool.device)  # one batched transfer
         slots = [self.slots.allocate() for _ in pages]
-        self.pool.write_pages(slots, torch.stack(data))
+        self.pool.write_pages(slots, data)
         for p, slot in zip(pages, slots, strict=True):
             self.slots.register(slot, page_hashes[p])
             slot_ids[p] = slot

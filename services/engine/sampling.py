@@ -79,3 +79,24 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
     kept = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return kept / kept.sum()
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """logits: [M, V] float32, one row per sampling sequence -> M token ids.
+
+    Greedy rows without a logit bias take one argmax over all of them and one device-to-host copy
+    (the step's only sync); the other rows go through sample_one.
+    """
+    plain = [i for i, p in enumerate(params) if p.temperature == 0.0 and not p.logit_bias]
+    out = [0] * len(params)
+    if plain:
+        rows = logits if len(plain) == len(params) else logits[torch.tensor(plain, device=logits.device)]
+        for i, token in zip(plain, torch.argmax(rows, dim=-1).tolist(), strict=True):
+            out[i] = int(token)
+    plain_set = set(plain)
+    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if i not in plain_set:
+            out[i] = sample_one(logits[i], p, gen)
+    return out

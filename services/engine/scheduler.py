@@ -70,6 +70,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls: the clock of decode re-selection
+        # ring sequence -> (page table, pages, evidence, skeleton) of its last room-making
+        self._room_keys: dict[Sequence, tuple[object, ...]] = {}
         self._failures: list[tuple[Sequence, str]] = []
 
     def take_failures(self) -> list[tuple[Sequence, str]]:
@@ -85,6 +88,7 @@ class Scheduler:
 
     def schedule(self) -> list[Work]:
         """The work of the next step; allocates (and, with a ring, demotes and restores) slots."""
+        self.num_steps += 1
         works: list[Work] = []
         budget = self.prefill_chunk
         for seq in list(self.running):
@@ -148,8 +152,13 @@ class Scheduler:
             return Work(seq, seq.num_computed, want)
         lim = self.ring.limits
         end = seq.num_computed + want
-        if not seq.in_prefill:  # decode: score only when a re-selection will use it
-            return Work(seq, seq.num_computed, want, score_tokens=1 if lim.rescore_interval else 0)
+        if not seq.in_prefill:
+            # decode: only the step that re-selects evidence scores (its query token), once every
+            # rescore_interval steps, on the same steps for every sequence (a step with one scoring
+            # sequence runs StepAttention for all); the other steps can run in the decode runner
+            ring.decode_steps += 1
+            rescore = lim.rescore_interval > 0 and self.num_steps % lim.rescore_interval == 0
+            return Work(seq, seq.num_computed, want, score_tokens=1 if rescore else 0)
         if end == len(seq.prompt_ids):
             if ring.final_scored or not lim.retrieval:
                 return Work(seq, seq.num_computed, want)
@@ -195,6 +204,14 @@ class Scheduler:
         end = seq.num_computed + want
         table = seq.page_table
         if seq.ring is not None and self.ring is not None:
+            # a decode step inside an already resident page, with the same evidence and skeleton as the
+            # step before: the plan (and so the resident set) is the same; skip walking the page table
+            key = (table, -(-end // self.page_size), frozenset(seq.ring.evidence), frozenset(seq.ring.skeleton))
+            last = self._room_keys.get(seq)
+            if last is not None and last[0] is table and last[1:] == key[1:]:
+                return True
+            self._room_keys[seq] = key
+        if seq.ring is not None and self.ring is not None:
             plan = self.ring.plan(seq.ring, end)
             self.ring.demote(table.slot_ids, table.page_hashes, plan.resident, seq.ring)
             computed_pages = seq.num_computed // self.page_size
@@ -229,6 +246,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release_all(self, seq: Sequence, keep_partial: bool = True) -> None:
+        self._room_keys.pop(seq, None)
         if keep_partial:
             self._keep_partial(seq)
         for slot in seq.page_table.slot_ids:

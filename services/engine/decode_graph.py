@@ -1,0 +1,359 @@
+"""DecodeGraphs: the decode step (one new token per sequence) on static buffers, captured in CUDA graphs.
+
+A decode step whose sequences each add one token and need neither host pages (`exact`) nor page
+scoring runs here instead of StepAttention. The step's inputs live in static buffers keyed by
+(batch bucket B, window bucket W):
+
+    ids, positions, write_rows      [B]     the new tokens and their pool rows
+    rows, key_pos                   [B, W]  every resident row of the sequence up to its last page,
+                                            padded with row 0 at position PAD_POS (always masked)
+    local_rows, local_pos (per      [B, L]  the rows of the last ceil((window - 1) / page) + 1 pages only:
+    sliding window)                         a sliding layer reads L rows, not W
+
+Masks (causal, gaps, padding, sliding window) are computed inside the step from these positions.
+Each layer writes its new K/V with `KVPool.write`, reads the padded window with `KVPool.gather`
+and runs one batched masked SDPA for all B sequences (query heads grouped onto their KV head, K/V
+never repeated). The logits [B, V] are computed in the step; sampling stays outside.
+
+On CUDA with `capture`, the first step of a bucket runs eagerly (the warm-up, and this step's
+result) and is then captured; later steps of that bucket replay the graph. All graphs share one
+memory pool. Without capture (CPU, `--no-cuda-graphs`) the very same function runs eagerly.
+
+Batch rows beyond the real sequences repeat sequence 0 (same token, position, rows): they write
+the same K/V into the same row, so padding never touches another page.
+
+Per-step host work: a sequence's padded rows are rebuilt only when its page table (up to its last
+page) changed, and copied into a bucket's buffers only when that batch row held something else;
+otherwise a step copies 3 x B integers to the device. The page summary of a ring sequence's page
+is brought up to date once, eagerly, on the step that fills the page (only full pages are ever
+scored or demoted), instead of per step inside the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.kv_pool import KVPool
+from services.engine.models.loader import CausalLM
+from services.engine.scheduler import Work
+from services.engine.sequence import NOT_RESIDENT, Sequence
+
+logger = logging.getLogger(__name__)
+
+PAD_POS = 1 << 40  # key position of padding rows: after every query, so causally masked
+MIN_WINDOW = 256
+
+
+def batch_bucket(n: int) -> int:
+    """Smallest power of two >= n: 1, 2, 4, 8, 16, ..."""
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+def window_bucket(num_rows: int) -> int:
+    """Smallest power of two >= num_rows, at least MIN_WINDOW."""
+    w = MIN_WINDOW
+    while w < num_rows:
+        w *= 2
+    return w
+
+
+@dataclass
+class _SeqRows:
+    """One sequence's read set, rebuilt only when its page table up to `last_page` changes (CPU tensors)."""
+
+    key: tuple[int, ...]  # (last_page, slot of every page up to it)
+    rows: torch.Tensor  # [R] pool rows of the resident pages 0..last_page, in order
+    pos: torch.Tensor  # [R] their token positions
+    local: dict[int, tuple[torch.Tensor, torch.Tensor]]  # window -> (rows [L], positions [L]), padded
+    padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # W -> rows, pos [W]
+
+
+@dataclass
+class _Buffers:
+    """Static inputs (and, once captured, the output) of one (B, W) bucket."""
+
+    batch: int
+    window: int
+    ids: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B]
+    write_rows: torch.Tensor  # [B]
+    rows: torch.Tensor  # [B, W]
+    key_pos: torch.Tensor  # [B, W]
+    local_rows: dict[int, torch.Tensor]  # window -> [B, L]
+    local_pos: dict[int, torch.Tensor]  # window -> [B, L]
+    staging: torch.Tensor  # [3, B] host copy of ids, positions, write_rows (pinned on CUDA)
+    owners: list[tuple[int, ...] | None]  # per batch row: the _SeqRows key its rows came from
+    graph: torch.cuda.CUDAGraph | None = None
+    out: torch.Tensor | None = None  # [B, V] the captured graph's logits
+
+
+class _GraphAttention:
+    """AttentionBackend of one decode step over a bucket's static buffers (B sequences, 1 token each)."""
+
+    def __init__(self, pool: KVPool, bufs: _Buffers, dtype: torch.dtype) -> None:
+        self.pool = pool
+        self.bufs = bufs
+        q_pos = bufs.positions[:, None]  # [B, 1]
+        # additive masks [B, 1, 1, W|L], built once per step from the static positions
+        self.masks: dict[int | None, torch.Tensor] = {None: _additive(bufs.key_pos <= q_pos, dtype)}
+        for w, kpos in bufs.local_pos.items():
+            self.masks[w] = _additive((kpos <= q_pos) & (kpos > q_pos - w), dtype)
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D] (one token per sequence)."""
+        bufs = self.bufs
+        self.pool.write(layer_idx, bufs.write_rows, k, v)
+        if window is not None and window in bufs.local_rows:
+            rows, mask = bufs.local_rows[window], self.masks[window]
+        else:
+            rows = bufs.rows
+            mask = self.masks[None]
+            if window is not None:  # a window wider than the local read set: mask it over the full rows
+                if window not in self.masks:
+                    q_pos = bufs.positions[:, None]
+                    self.masks[window] = _additive((bufs.key_pos <= q_pos) & (bufs.key_pos > q_pos - window), q.dtype)
+                mask = self.masks[window]
+        batch, width = rows.shape
+        num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        k_w, v_w = self.pool.gather(layer_idx, rows.reshape(-1), q.dtype)  # [B * W, Hkv, D]
+        k_w = k_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, W, D]
+        v_w = v_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
+        q_g = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+        out = F.scaled_dot_product_attention(q_g, k_w, v_w, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
+        return out.reshape(batch, num_heads, head_dim)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [B, W] -> additive [B, 1, 1, W] (0 where allowed, -inf elsewhere)."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, float("-inf")).to(dtype)[:, None, None, :]
+
+
+class DecodeGraphs:
+    """Runs eligible decode steps on static buffers; captures one CUDA graph per (B, W) bucket when `capture`."""
+
+    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, max_batch: int, capture: bool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.max_batch = batch_bucket(max_batch)
+        self.capture = capture and device.type == "cuda"
+        self.dtype = model.embed_tokens.weight.dtype
+        size = pool.page_size
+        # the largest read set: every slot of the pool (a ring sequence holds at most its budget)
+        self.max_window = window_bucket(pool.num_slots * size)
+        windows = sorted({w for w in model.config.layer_windows if w is not None})
+        # window -> pages a sliding layer can reach from a token in the last page: ceil((w - 1) / size) + 1
+        self.local_pages = {w: -(-(w - 1) // size) + 1 for w in windows}
+        self.local_pages = {w: n for w, n in self.local_pages.items() if n * size < self.max_window}
+        self._seq_rows: dict[Sequence, _SeqRows] = {}
+        self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.num_replays = 0
+        self.num_captures = 0
+        self.num_eager = 0
+
+    # -- eligibility -------------------------------------------------------------------------------
+
+    def accepts(self, works: list[Work]) -> bool:
+        """Every item adds one token, samples, scores nothing and needs no host page."""
+        if not works or len(works) > self.max_batch:
+            return False
+        size = self.pool.page_size
+        for w in works:
+            if w.num_new != 1 or w.score_only or w.score_tokens or not w.samples:
+                return False
+            ring = w.seq.ring
+            if ring is not None and ring.policy == "exact":
+                slots = w.seq.page_table.slot_ids
+                if NOT_RESIDENT in slots[: w.start // size + 1]:
+                    return False  # exact attention streams the host pages: StepAttention
+        return True
+
+    def warm_up(self, batches: list[int], widths: list[int]) -> int:
+        """Capture the graphs of these buckets ahead of time; returns how many were captured.
+
+        Only while the pool holds no live sequence: the dummy step writes row 0 of slot 0.
+        """
+        if not self.capture:
+            return 0
+        before = self.num_captures
+        with torch.inference_mode():
+            for batch in sorted({batch_bucket(b) for b in batches}):
+                for width in sorted({window_bucket(w) for w in widths}):
+                    bufs = self._bufs(batch, width)
+                    if bufs.graph is not None:
+                        continue
+                    bufs.key_pos[:, 0] = 0  # one visible key (row 0 at position 0): no empty softmax
+                    for lpos in bufs.local_pos.values():
+                        lpos[:, 0] = 0
+                    self._capture(bufs)
+                    bufs.owners = [None] * batch  # the next real step refills every row
+        torch.cuda.synchronize(self.device)
+        return self.num_captures - before
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, works: list[Work]) -> torch.Tensor:
+        """Forward one decode step; logits [len(works), V] float32 in work order."""
+        n = len(works)
+        entries = [self._rows_of(w) for w in works]
+        batch = batch_bucket(n)
+        width = window_bucket(max(int(e.rows.shape[0]) for e in entries))
+        bufs = self._bufs(batch, width)
+        self._fill(bufs, works, entries)
+        self._seq_rows = {w.seq: e for w, e in zip(works, entries, strict=True)}  # forget finished sequences
+        if not self.capture:
+            logits = self._forward(bufs)[:n]
+            self.num_eager += 1
+        elif bufs.graph is None:
+            logits = self._capture(bufs)[:n]
+        else:
+            bufs.graph.replay()
+            self.num_replays += 1
+            assert bufs.out is not None
+            logits = bufs.out[:n]
+        self._summarize_filled_pages(works)
+        return logits
+
+    def _forward(self, bufs: _Buffers) -> torch.Tensor:
+        """The step on the static buffers: hidden states of the B tokens -> logits [B, V] float32."""
+        attn = _GraphAttention(self.pool, bufs, self.dtype)
+        hidden = self.model(bufs.ids, bufs.positions, attn)  # [B, hidden]
+        return self.model.logits(hidden)
+
+    def _capture(self, bufs: _Buffers) -> torch.Tensor:
+        """Warm up eagerly on a side stream (this step's real result), then capture the same step."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            logits = self._forward(bufs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the write-through thread may copy pages off the device meanwhile
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+            bufs.out = self._forward(bufs)
+        bufs.graph = graph
+        self.num_captures += 1
+        logger.info("captured the decode graph of batch %d, window %d", bufs.batch, bufs.window)
+        return logits
+
+    # -- buffers -----------------------------------------------------------------------------------
+
+    def _bufs(self, batch: int, width: int) -> _Buffers:
+        key = (batch, width)
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            dev, size = self.device, self.pool.page_size
+            long = dict(dtype=torch.long, device=dev)
+            local = {w: pages * size for w, pages in self.local_pages.items()}
+            bufs = _Buffers(
+                batch=batch, window=width, ids=torch.zeros(batch, **long), positions=torch.zeros(batch, **long),
+                write_rows=torch.zeros(batch, **long), rows=torch.zeros(batch, width, **long),
+                key_pos=torch.full((batch, width), PAD_POS, **long),
+                local_rows={w: torch.zeros(batch, n, **long) for w, n in local.items()},
+                local_pos={w: torch.full((batch, n), PAD_POS, **long) for w, n in local.items()},
+                staging=torch.zeros(3, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
+                owners=[None] * batch,
+            )  # fmt: skip
+            self._buffers[key] = bufs
+        return bufs
+
+    def _fill(self, bufs: _Buffers, works: list[Work], entries: list[_SeqRows]) -> None:
+        size = self.pool.page_size
+        staging = bufs.staging.numpy()
+        for i in range(bufs.batch):
+            j = i if i < len(works) else 0  # padding repeats sequence 0
+            w, e = works[j], entries[j]
+            pos = w.start
+            slot = w.seq.page_table.slot_ids[pos // size]
+            staging[:, i] = (_token_at(w.seq, pos), pos, slot * size + pos % size)
+            if bufs.owners[i] != e.key:  # the rows depend on the key only
+                rows, kpos = self._padded(e, bufs.window)
+                bufs.rows[i].copy_(rows, non_blocking=True)
+                bufs.key_pos[i].copy_(kpos, non_blocking=True)
+                for win, (lrows, lpos) in e.local.items():
+                    bufs.local_rows[win][i].copy_(lrows, non_blocking=True)
+                    bufs.local_pos[win][i].copy_(lpos, non_blocking=True)
+                bufs.owners[i] = e.key
+        dev = bufs.staging.to(self.device, non_blocking=True)
+        bufs.ids.copy_(dev[0])
+        bufs.positions.copy_(dev[1])
+        bufs.write_rows.copy_(dev[2])
+
+    def _padded(self, e: _SeqRows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        got = e.padded.get(width)
+        if got is None:
+            rows = torch.zeros(width, dtype=torch.long)
+            pos = torch.full((width,), PAD_POS, dtype=torch.long)
+            rows[: e.rows.shape[0]] = e.rows
+            pos[: e.pos.shape[0]] = e.pos
+            got = e.padded[width] = (rows, pos)
+        return got
+
+    def _rows_of(self, w: Work) -> _SeqRows:
+        """The sequence's read set (cached while its page table up to the new token's page is unchanged)."""
+        size = self.pool.page_size
+        last_page = w.start // size
+        slots = w.seq.page_table.slot_ids
+        key = (last_page, *slots[: last_page + 1])
+        cached = self._seq_rows.get(w.seq)
+        if cached is not None and cached.key == key:
+            return cached
+        resident = [p for p in range(last_page + 1) if slots[p] != NOT_RESIDENT]
+        offsets = torch.arange(size)
+        pages = torch.tensor(resident, dtype=torch.long)
+        slot_t = torch.tensor([slots[p] for p in resident], dtype=torch.long)
+        rows = (slot_t[:, None] * size + offsets).reshape(-1)
+        pos = (pages[:, None] * size + offsets).reshape(-1)
+        local = {}
+        for win, num_pages in self.local_pages.items():
+            first = max(0, last_page + 1 - num_pages)
+            keep = pages >= first
+            n = int(keep.sum()) * size
+            lrows = torch.zeros(num_pages * size, dtype=torch.long)
+            lpos = torch.full((num_pages * size,), PAD_POS, dtype=torch.long)
+            lrows[:n] = (slot_t[keep][:, None] * size + offsets).reshape(-1)
+            lpos[:n] = (pages[keep][:, None] * size + offsets).reshape(-1)
+            local[win] = (lrows, lpos)
+        return _SeqRows(key=key, rows=rows, pos=pos, local=local)
+
+    # -- page summaries ------------------------------------------------------------------------------
+
+    def _summarize_filled_pages(self, works: list[Work]) -> None:
+        """Summaries of the pages this step filled (ring sequences): what StepAttention does per step,
+        done once per page, when the page becomes scorable and demotable."""
+        size = self.pool.page_size
+        for w in works:
+            ring = w.seq.ring
+            if ring is None or (w.start + 1) % size:
+                continue
+            page = w.start // size
+            slot = w.seq.page_table.slot_ids[page]
+            rows = torch.arange(slot * size, (slot + 1) * size, device=self.device)
+            page_t = torch.tensor([page], dtype=torch.long, device=self.device)
+            valid = torch.ones(1, size, dtype=torch.bool, device=self.device)
+            for layer in range(self.pool.num_layers):
+                ring.summaries.update_from_pool(layer, page_t, self.pool, rows, valid)
+
+
+def _token_at(seq: Sequence, pos: int) -> int:
+    """Token id at `pos` without building prompt + output (token_ids copies the whole context)."""
+    prompt = len(seq.prompt_ids)
+    return seq.prompt_ids[pos] if pos < prompt else seq.output_ids[pos - prompt]

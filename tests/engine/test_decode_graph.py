@@ -1,0 +1,248 @@
+"""The decode runner (services/engine/decode_graph.py) against StepAttention and the dense reference.
+
+CPU (fp32, eager): the runner's logits equal StepAttention's (max |diff| < 1e-4 on logits whose
+spread is several units), and greedy decoding equals tests/engine/helpers.reference_greedy, for tiny
+Llama and tiny Gemma (sliding window 8 over pages of 4: the local read set is exercised), batches of
+1-3 sequences of different lengths on scattered slots, and a ring sequence with pages that are not
+resident (gaps). Engine level: greedy output with the decode runner equals output without it, with
+and without the ring. GPU (`gpu` marker): a captured graph replayed equals the eager step, for
+several batch and window buckets and after the page table changed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.common.tokenizer import Tokenizer
+from services.engine.decode_graph import DecodeGraphs, batch_bucket, window_bucket
+from services.engine.kv_pool import KVPool
+from services.engine.model_runner import ModelRunner
+from services.engine.ring import SeqRing
+from services.engine.sampling import SamplingParams
+from services.engine.scheduler import Work
+from services.engine.sequence import NOT_RESIDENT, Sequence
+from services.engine.summaries import PageSummaries
+from tests.conftest import StartStore
+from tests.engine.helpers import (
+    drain,
+    events_of,
+    greedy,
+    make_engine,
+    reference_greedy,
+    ring_limits,
+    run_until_done,
+    tiny_gemma,
+    tiny_model,
+)
+
+VOCAB = 256
+PAGE = 4
+ATOL = 1e-4
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma"])
+def model(request: pytest.FixtureRequest) -> torch.nn.Module:
+    return tiny_model(VOCAB, seed=3) if request.param == "llama" else tiny_gemma(VOCAB, seed=3, window=8)
+
+
+def _seq(prompt: list[int], name: str) -> Sequence:
+    from services.engine.detokenizer import Detokenizer
+
+    return Sequence(
+        request_id=name, prompt_ids=prompt, params=SamplingParams(temperature=0.0), namespace="",
+        max_tokens=64, stop_token_ids=frozenset(), detokenizer=Detokenizer(None, ()),  # type: ignore[arg-type]
+        generator=None,
+    )  # fmt: skip
+
+
+class Harness:
+    """Sequences on scattered slots of one pool, prefilled by StepAttention, then decoded step by step."""
+
+    def __init__(self, model: torch.nn.Module, lengths: list[int], num_slots: int = 96, seed: int = 0,
+                 device: torch.device = CPU, capture: bool = False) -> None:  # fmt: skip
+        cfg = model.config
+        dtype = model.embed_tokens.weight.dtype
+        self.pool = KVPool(cfg.num_layers, num_slots, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.step_runner = ModelRunner(model, self.pool, device, decode_runner=False)
+        self.graphs = DecodeGraphs(model, self.pool, device, max_batch=4, capture=capture)
+        rng = random.Random(seed)
+        free = list(range(num_slots))
+        rng.shuffle(free)
+        self.seqs: list[Sequence] = []
+        for i, n in enumerate(lengths):
+            prompt = [rng.randrange(VOCAB) for _ in range(n)]
+            seq = _seq(prompt, f"s{i}")
+            seq.page_table.slot_ids = [free.pop() for _ in range(-(-(n + 24) // PAGE))]
+            self.seqs.append(seq)
+        self.model = model
+        logits, _ = self.step_runner.run([Work(s, 0, len(s.prompt_ids)) for s in self.seqs])
+        for s, row in zip(self.seqs, logits, strict=True):
+            s.num_computed = len(s.prompt_ids)
+            s.output_ids.append(int(row.argmax()))
+
+    def works(self) -> list[Work]:
+        return [Work(s, s.num_computed, 1) for s in self.seqs]
+
+    def advance(self, logits: torch.Tensor) -> None:
+        for s, row in zip(self.seqs, logits, strict=True):
+            s.num_computed += 1
+            s.output_ids.append(int(row.argmax()))
+
+
+@pytest.mark.parametrize("lengths", [[13], [5, 22], [9, 30, 17]])
+def test_eager_runner_matches_step_attention_and_reference(model, lengths: list[int]) -> None:
+    h = Harness(model, lengths)
+    for _ in range(12):  # crosses page boundaries: rows are rebuilt, cached rows reused in between
+        works = h.works()
+        assert h.graphs.accepts(works)
+        expected, _ = h.step_runner.run(works)  # writes the same K/V into the same rows first
+        got = h.graphs.run(works)
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max().item() < ATOL
+        assert expected.std().item() > 1.0  # the tolerance is small next to the logits' spread
+        h.advance(got)
+    for s in h.seqs:
+        assert s.output_ids == reference_greedy(h.model, s.prompt_ids, len(s.output_ids))
+    assert h.graphs.num_eager == 12 and h.graphs.num_replays == 0
+
+
+def test_ring_sequence_with_gaps_matches_step_attention(model) -> None:
+    """Pages 1-3 and 6 are not resident: both paths skip them; page summaries stay current."""
+    h = Harness(model, [34, 11])
+    cfg = model.config
+    ring_seq = h.seqs[0]
+    summaries = PageSummaries(cfg.num_layers, 32, cfg.num_kv_heads, cfg.head_dim, h.pool.device)
+    ring_seq.ring = SeqRing(summaries=summaries, policy="sparse", query_start=0)
+    for p in (1, 2, 3, 6):
+        ring_seq.page_table.slot_ids[p] = NOT_RESIDENT
+    filled = []
+    for _ in range(10):
+        works = h.works()
+        assert h.graphs.accepts(works)
+        fills = (ring_seq.num_computed + 1) % PAGE == 0
+        summaries.kmin.zero_()  # StepAttention refreshed them last step: make the check meaningful
+        summaries.kmax.zero_()
+        got = h.graphs.run(works)
+        if fills:  # the page this step filled has its summary, from its keys in the pool
+            page = ring_seq.num_computed // PAGE
+            slot = ring_seq.page_table.slot_ids[page]
+            filled.append(page)
+            for layer in range(cfg.num_layers):
+                keys = h.pool.gather_keys(layer, torch.arange(slot * PAGE, (slot + 1) * PAGE))
+                assert torch.equal(summaries.kmin[layer, page], keys.amin(0))
+                assert torch.equal(summaries.kmax[layer, page], keys.amax(0))
+        else:  # no summary work on the other steps
+            assert not summaries.kmax.any()
+        expected, _ = h.step_runner.run(works)
+        assert (got - expected).abs().max().item() < ATOL
+        h.advance(got)
+    assert filled, "the run must fill a page"
+    other = h.seqs[1]  # its neighbour in the batch is unaffected by the gaps
+    assert other.output_ids == reference_greedy(h.model, other.prompt_ids, len(other.output_ids))
+
+
+def test_exact_ring_sequence_with_host_pages_is_refused(model) -> None:
+    h = Harness(model, [20])
+    cfg = model.config
+    seq = h.seqs[0]
+    seq.ring = SeqRing(PageSummaries(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, h.pool.device), "exact", 0)
+    assert h.graphs.accepts(h.works())
+    seq.page_table.slot_ids[1] = NOT_RESIDENT
+    assert not h.graphs.accepts(h.works())
+    assert not h.graphs.accepts([Work(seq, seq.num_computed, 1, score_tokens=1)])
+
+
+def test_buckets() -> None:
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 16)] == [1, 2, 4, 8, 16]
+    assert [window_bucket(n) for n in (1, 256, 257, 4096, 4097)] == [256, 256, 512, 4096, 8192]
+
+
+def _engine_outputs(model, tokenizer: Tokenizer, decode_runner: bool, **kw: object) -> tuple[list[list[int]], int]:
+    engine = make_engine(model, tokenizer, **kw)  # type: ignore[arg-type]
+    if not decode_runner:
+        engine.runner.decode = None
+    rng = random.Random(7)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (7, 30, 19)]
+    # a namespace per run: the second run must not adopt the first one's pages from the host store
+    seqs = [engine.submit(f"r{i}", p, greedy(20), namespace=f"runner-{decode_runner}") for i, p in enumerate(prompts)]
+    run_until_done(engine, seqs)
+    outs = []
+    for s in seqs:
+        tokens, done = drain(events_of(s))
+        assert done.completion_tokens == 20, done
+        outs.append(tokens)
+    used = engine.runner.decode.num_eager if engine.runner.decode is not None else 0
+    return outs, used
+
+
+def test_engine_greedy_is_the_same_with_and_without_the_decode_runner(model, smol_tokenizer: Tokenizer) -> None:
+    with_runner, used = _engine_outputs(model, smol_tokenizer, True, num_slots=64)
+    without, _ = _engine_outputs(model, smol_tokenizer, False, num_slots=64)
+    assert used >= 15  # the 3 sequences decode together: most of their 19 decode steps ran in the runner
+    assert with_runner == without
+
+
+def test_ring_engine_greedy_is_the_same_with_and_without_the_decode_runner(
+    model, smol_tokenizer: Tokenizer, start_store: StartStore
+) -> None:
+    """A 12-page budget under prompts of up to 30 tokens + 20 new: pages leave, evidence is re-selected
+    every 4 decode steps (those steps run StepAttention), the rest runs in the decode runner."""
+    address = start_store(host_kv_mib=32).address
+    kw = dict(num_slots=40, ring=ring_limits(8, rescore_interval=4), ring_chunk=8, store_address=address)
+    with_runner, used = _engine_outputs(model, smol_tokenizer, True, **kw)
+    without, _ = _engine_outputs(model, smol_tokenizer, False, **kw)
+    assert used >= 12  # the re-selection steps (1 in 4, aligned across sequences) ran StepAttention
+    assert with_runner == without
+
+
+# -- GPU: capture and replay ---------------------------------------------------------------------------
+
+
+def _gpu_model(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(model).to("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lengths", [[13], [5, 22, 300], [9, 30, 17, 70]])
+def test_replay_equals_eager(model, lengths: list[int]) -> None:
+    m = _gpu_model(model)
+    dev = torch.device("cuda")
+    cap = Harness(m, lengths, num_slots=256, device=dev, capture=True)
+    ref = Harness(m, lengths, num_slots=256, device=dev, capture=False)
+    for step in range(10):
+        got = cap.graphs.run(cap.works()).clone()
+        expected = ref.graphs.run(ref.works())
+        assert torch.allclose(got, expected, rtol=0, atol=1e-5), (step, (got - expected).abs().max().item())
+        cap.advance(got)
+        ref.advance(expected)
+        if step == 4:  # the page table changes: a page moves to a free slot (both harnesses)
+            for h in (cap, ref):
+                s = h.seqs[-1]
+                used = {x for q in h.seqs for x in q.page_table.slot_ids}
+                dst = next(x for x in range(h.pool.num_slots) if x not in used)
+                h.pool.copy_rows(s.page_table.slot_ids[1], dst, PAGE)
+                s.page_table.slot_ids[1] = dst
+    assert cap.graphs.num_replays >= 8 and cap.graphs.num_captures >= 1
+    assert [s.output_ids for s in cap.seqs] == [s.output_ids for s in ref.seqs]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batch_and_window_buckets_each_capture_once(model) -> None:
+    m = _gpu_model(model)
+    h = Harness(m, [5, 600, 40], num_slots=512, device=torch.device("cuda"), capture=True)
+    ref = Harness(m, [5, 600, 40], num_slots=512, device=torch.device("cuda"), capture=False)
+    for subset in ([0], [0, 2], [0, 1, 2], [0], [0, 1, 2]):
+        works = [h.works()[i] for i in subset]
+        expected = ref.graphs.run([ref.works()[i] for i in subset])
+        got = h.graphs.run(works)
+        assert torch.allclose(got, expected, rtol=0, atol=1e-5), (subset, (got - expected).abs().max().item())
+    # (1, 256), (2, 256), (4, 1024) captured once each; the repeats replayed
+    assert h.graphs.num_captures == 3 and h.graphs.num_replays == 2
