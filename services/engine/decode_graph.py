@@ -41,6 +41,7 @@ from services.engine.kv_pool import KVPool
 from services.engine.models.loader import CausalLM
 from services.engine.scheduler import Work
 from services.engine.sequence import NOT_RESIDENT, Sequence
+from services.engine.summaries import page_scores
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class _Buffers:
     local_rows: dict[int, torch.Tensor]  # window -> [B, L]
     local_pos: dict[int, torch.Tensor]  # window -> [B, L]
     staging: torch.Tensor  # [3, B] host copy of ids, positions, write_rows (pinned on CUDA)
+    queries: torch.Tensor  # [L, B, Hq, D] each layer's queries (after RoPE), kept for page scoring
     owners: list[tuple[int, ...] | None]  # per batch row: the _SeqRows key its rows came from
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None  # [B, V] the captured graph's logits
@@ -117,6 +119,7 @@ class _GraphAttention:
     ) -> torch.Tensor:
         """q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D] (one token per sequence)."""
         bufs = self.bufs
+        bufs.queries[layer_idx].copy_(q)  # page scoring reads them after the step (scoring steps)
         self.pool.write(layer_idx, bufs.write_rows, k, v)
         if window is not None and window in bufs.local_rows:
             rows, mask = bufs.local_rows[window], self.masks[window]
@@ -167,16 +170,18 @@ class DecodeGraphs:
         self.num_replays = 0
         self.num_captures = 0
         self.num_eager = 0
+        self._last: _Buffers | None = None  # the buffers of the last step (page_scores reads its queries)
 
     # -- eligibility -------------------------------------------------------------------------------
 
     def accepts(self, works: list[Work]) -> bool:
-        """Every item adds one token, samples, scores nothing and needs no host page."""
+        """Every item adds one token, samples, and needs no host page (a decode step that re-selects
+        scores its pages after the step from the queries the step kept: page_scores)."""
         if not works or len(works) > self.max_batch:
             return False
         size = self.pool.page_size
         for w in works:
-            if w.num_new != 1 or w.score_only or w.score_tokens or not w.samples:
+            if w.num_new != 1 or w.score_only or w.score_tokens > 1 or not w.samples:
                 return False
             ring = w.seq.ring
             if ring is not None and ring.policy == "exact":
@@ -230,7 +235,28 @@ class DecodeGraphs:
             assert bufs.out is not None
             logits = bufs.out[:n]
         self._summarize_filled_pages(works)
+        self._last = bufs
         return logits
+
+    def page_scores(self, works: list[Work]) -> list[torch.Tensor | None]:
+        """After run(works): per work, the page scores of its token's query over pages [0, its page)
+        (summed over layers, as StepAttention._score does per layer), or None when it does not score."""
+        out: list[torch.Tensor | None] = []
+        size = self.pool.page_size
+        for i, w in enumerate(works):
+            ring = w.seq.ring
+            num_pages = w.start // size
+            if not w.score_tokens or ring is None or num_pages == 0:
+                out.append(None)
+                continue
+            total = None
+            for layer, block in enumerate(self.model.layers):
+                q = self._last.queries[layer, i : i + 1]  # [1, Hq, D]
+                s = page_scores(q, ring.summaries.kmin[layer, :num_pages], ring.summaries.kmax[layer, :num_pages],
+                                block.self_attn.scale)  # fmt: skip
+                total = s if total is None else total + s
+            out.append(total)
+        return out
 
     def _forward(self, bufs: _Buffers) -> torch.Tensor:
         """The step on the static buffers: hidden states of the B tokens -> logits [B, V] float32."""
@@ -260,7 +286,7 @@ class DecodeGraphs:
         key = (batch, width)
         bufs = self._buffers.get(key)
         if bufs is None:
-            dev, size = self.device, self.pool.page_size
+            dev, size, cfg = self.device, self.pool.page_size, self.model.config
             long = dict(dtype=torch.long, device=dev)
             local = {w: pages * size for w, pages in self.local_pages.items()}
             bufs = _Buffers(
@@ -270,6 +296,7 @@ class DecodeGraphs:
                 local_rows={w: torch.zeros(batch, n, **long) for w, n in local.items()},
                 local_pos={w: torch.full((batch, n), PAD_POS, **long) for w, n in local.items()},
                 staging=torch.zeros(3, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
+                queries=torch.zeros(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=dev),
                 owners=[None] * batch,
             )  # fmt: skip
             self._buffers[key] = bufs

@@ -16,7 +16,6 @@ from services.common.tokenizer import Tokenizer
 from services.engine.detokenizer import Detokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.model_runner import ModelRunner
-from services.engine.paged_attention import SeqSpan
 from services.engine.ring import PagesLostError, RingLimits, RingManager, SeqRing
 from services.engine.sampling import InvalidRequestError, SamplingParams, sample_rows
 from services.engine.scheduler import Scheduler, Work
@@ -217,8 +216,8 @@ class Engine:
             time.sleep(0.001)  # nothing fits right now (waiting for slots): don't spin hot
             return
         try:
-            logits, spans = self.runner.run(works)
-            self._postprocess(works, logits, spans)
+            logits, scores = self.runner.run(works)
+            self._postprocess(works, logits, scores)
         except PagesLostError as exc:  # an exact step streamed host pages that are gone
             logger.warning("%s; recomputing the %d sequence(s) of this step", exc, len(works))
             for w in works:
@@ -257,13 +256,13 @@ class Engine:
             totals[5] += sum(1 for p in range(computed_pages) if p not in resident)
         return RingSnapshot(*totals)
 
-    def _postprocess(self, works: list[Work], logits: torch.Tensor, spans: list[SeqSpan | None]) -> None:
+    def _postprocess(self, works: list[Work], logits: torch.Tensor, scores: list[torch.Tensor | None]) -> None:
         sampling = [w.seq for w in works if w.samples]
         tokens = iter(sample_rows(logits, [s.params for s in sampling], [s.generator for s in sampling]))
-        for w, span in zip(works, spans, strict=True):
+        for w, page_scores in zip(works, scores, strict=True):
             seq = w.seq
             if seq.ring is not None and self.ring is not None:
-                self._ring_after_step(w, span, seq.ring)
+                self._ring_after_step(w, page_scores, seq.ring)
             if w.score_only:
                 continue
             seq.num_computed = w.start + w.num_new
@@ -271,11 +270,11 @@ class Engine:
             if w.samples:
                 self._append(seq, next(tokens))
 
-    def _ring_after_step(self, w: Work, span: SeqSpan | None, ring: SeqRing) -> None:
+    def _ring_after_step(self, w: Work, scores: torch.Tensor | None, ring: SeqRing) -> None:
         """Fold the step's page scores in and re-select evidence when the schedule says so."""
         assert self.ring is not None
-        if span is not None and span.scores is not None:
-            self.ring.add_scores(ring, span.scores, w.score_tokens)
+        if scores is not None:
+            self.ring.add_scores(ring, scores, w.score_tokens)
         candidates = w.start // self.limits.page_size
         if w.score_only:
             ring.final_scored = True

@@ -38,11 +38,12 @@ class ModelRunner:
         self.decode = DecodeGraphs(model, pool, device, max_batch, cuda_graphs) if decode_runner else None
 
     @torch.inference_mode()
-    def run(self, works: list[Work]) -> tuple[torch.Tensor, list[SeqSpan | None]]:
-        """Forward every work item; (logits [num_sampling_works, V] float32 in work order, the spans;
-        None spans for a step of the decode runner: it scores nothing)."""
+    def run(self, works: list[Work]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Forward every work item; (logits [num_sampling_works, V] float32 in work order, per work the
+        page scores of its scoring tokens, [pages] summed over layers, or None when it scored nothing)."""
         if self.decode is not None and self.decode.accepts(works):
-            return self.decode.run(works), [None] * len(works)
+            logits = self.decode.run(works)
+            return logits, self.decode.page_scores(works)
         token_ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
@@ -58,10 +59,11 @@ class ModelRunner:
         cfg = self.model.config
         attn = StepAttention(self.pool, spans, cfg.num_heads // cfg.num_kv_heads, self.model.embed_tokens.weight.dtype)
         hidden = self.model(ids, pos, attn)  # [N, hidden]
+        scores = [span.scores for span in spans]
         if not sample_rows:
-            return torch.empty(0, device=self.device), list(spans)
+            return torch.empty(0, device=self.device), scores
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return self.model.logits(hidden.index_select(0, rows_t)), list(spans)  # [M, V]
+        return self.model.logits(hidden.index_select(0, rows_t)), scores  # [M, V]
 
     def _span(self, w: Work) -> SeqSpan:
         """Rows to write and read for one sequence; summaries, scoring and host pages when it has a ring."""

@@ -145,6 +145,30 @@ def test_ring_sequence_with_gaps_matches_step_attention(model) -> None:
     assert other.output_ids == reference_greedy(h.model, other.prompt_ids, len(other.output_ids))
 
 
+def test_scoring_decode_step_gives_step_attentions_page_scores(model) -> None:
+    """A re-selecting decode step runs on the runner; its page scores, from the queries the step kept,
+    equal StepAttention's for the same token (which scores inside its attention pass)."""
+    h = Harness(model, [30, 13])
+    cfg = model.config
+    ring_seq = h.seqs[0]
+    summaries = PageSummaries(cfg.num_layers, 32, cfg.num_kv_heads, cfg.head_dim, h.pool.device)
+    ring_seq.ring = SeqRing(summaries=summaries, policy="sparse", query_start=0)
+    pages = ring_seq.num_computed // PAGE
+    rows = h.pool.rows(torch.tensor(ring_seq.page_table.slot_ids[:pages]))
+    valid = torch.ones(pages, PAGE, dtype=torch.bool)
+    for layer in range(cfg.num_layers):
+        summaries.update_from_pool(layer, torch.arange(pages), h.pool, rows, valid)
+    works = [Work(ring_seq, ring_seq.num_computed, 1, score_tokens=1), Work(h.seqs[1], h.seqs[1].num_computed, 1)]
+    assert h.graphs.accepts(works)
+    h.graphs.run(works)
+    got = h.graphs.page_scores(works)
+    _, expected = h.step_runner.run(works)
+    assert got[1] is None and expected[1] is None
+    assert got[0] is not None and expected[0] is not None and got[0].shape == (pages,)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=1e-5)
+    assert got[0].sum().item() == pytest.approx(cfg.num_layers * cfg.num_heads, rel=1e-4)  # unit mass per head
+
+
 def test_exact_ring_sequence_with_host_pages_is_refused(model) -> None:
     h = Harness(model, [20])
     cfg = model.config

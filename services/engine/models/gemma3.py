@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from services.engine.attention import AttentionBackend
 from services.engine.models.config import ModelConfig
-from services.engine.models.llama import MLP, RotaryEmbedding, apply_rope
+from services.engine.models.llama import MLP, RotaryEmbedding, apply_rope, fused_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,20 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        kernels = fused_kernels(x)
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, gemma=True)
+        return self.reference(x)
+
+    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
+        """residual + self(x) (Gemma's post-norms), one launch with the fused kernels."""
+        kernels = fused_kernels(x)
+        if kernels is not None and residual.is_contiguous():
+            return kernels.rms_norm(x, self.weight, self.eps, gemma=True, residual=residual)
+        return residual + self(x)
+
+    def reference(self, x: Tensor) -> Tensor:
+        """The torch code (the fused kernel's reference)."""
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
@@ -69,8 +83,14 @@ class Gemma3Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # [N, H*, D]
-        qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)  # [N, Hq + Hkv, D]
-        qk = apply_rope(qk, cos, sin)  # q and k rotated together
+        kernels = fused_kernels(x)
+        if kernels is not None:  # norms and RoPE in one launch
+            qk = kernels.qk_norm_rope(
+                qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
+                self.num_heads, self.num_kv_heads, gemma=True,
+            )  # fmt: skip
+        else:
+            qk = apply_rope(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), cos, sin)  # [N, Hq + Hkv, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
         out = attn.attend(self.layer_idx, q, k, v, self.scale, window=self.window)  # out: [N, Hq, D]
         return self.o_proj(out.reshape(n, -1))
@@ -90,12 +110,12 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, layer_idx)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.mlp = MLP(config, activation=gelu_tanh)
+        self.mlp = MLP(config, activation=gelu_tanh, fused="gelu_tanh_mul")
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = self.post_attention_layernorm.add_to(x, self.self_attn(self.input_layernorm(x), cos, sin, attn))
+        return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Gemma3ForCausalLM(nn.Module):

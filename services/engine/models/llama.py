@@ -9,15 +9,28 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.engine.attention import AttentionBackend
+from services.engine.kernels import active_tier
 from services.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+
+def fused_kernels(x: Tensor) -> ModuleType | None:
+    """The fused Triton norm kernels (kernels/norm_triton.py) when the kernel tier is Triton and x is on
+    that tier's device (CUDA, or the CPU under the interpreter in tests); None: the torch code."""
+    tier = active_tier()
+    if tier.backend != "triton" or x.is_cuda == tier.interpreted:
+        return None
+    from services.engine.kernels import norm_triton
+
+    return norm_triton
 
 
 class RMSNorm(nn.Module):
@@ -29,6 +42,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        kernels = fused_kernels(x)
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, gemma=False)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -114,6 +130,15 @@ class Attention(nn.Module):
         n, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, num_qk_heads + self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([num_qk_heads, self.num_kv_heads], dim=1)  # qk: [N, Hq + Hkv, D]; v: [N, Hkv, D]
+        kernels = fused_kernels(x) if self.q_norm is not None and self.k_norm is not None else None
+        if kernels is not None and self.q_norm is not None and self.k_norm is not None:  # one launch
+            qk = kernels.qk_norm_rope(
+                qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
+                self.num_heads, self.num_kv_heads, gemma=False,
+            )  # fmt: skip
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            out = attn.attend(self.layer_idx, q, k, v, self.scale)
+            return self.o_proj(out.reshape(n, -1))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
@@ -126,14 +151,21 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Gated MLP with a fused gate/up projection: SwiGLU by default (Gemma passes GELU-tanh)."""
 
-    def __init__(self, config: ModelConfig, activation: Callable[[Tensor], Tensor] = F.silu) -> None:
+    def __init__(
+        self, config: ModelConfig, activation: Callable[[Tensor], Tensor] = F.silu, fused: str | None = None
+    ) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.activation = activation
+        self.fused = fused  # the kernels/norm_triton.py function computing activation(gate) * up, if any
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
+        gate_up = self.gate_up_proj(x)  # [N, 2I]
+        kernels = fused_kernels(x) if self.fused else None
+        if kernels is not None and self.fused and gate_up.dim() == 2:
+            return self.down_proj(getattr(kernels, self.fused)(gate_up))  # activation and product: one launch
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
         return self.down_proj(self.activation(gate) * up)
 
 

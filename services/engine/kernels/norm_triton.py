@@ -1,0 +1,151 @@
+"""Fused RMSNorm and q/k-norm + RoPE kernels (Triton): one launch where the torch code takes ten.
+
+A decode step of a small model is bound by kernel count, not by bytes: Gemma 3 270M's torch RMSNorm
+is ~10 kernels (casts, pow, mean, rsqrt, muls) and a layer has six of them, so norms were two thirds
+of the ~1,400 kernels of a CUDA-graph decode step. The torch references are the models' own modules
+(models/llama.py RMSNorm, models/gemma3.py GemmaRMSNorm, apply_rope); these kernels keep their
+rounding points (fp32 statistics, the cast to the model dtype where the reference casts) so bf16
+results match the reference to the last bit or one rounding step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, res_ptr, out_ptr, num_heads, dim, stride_n, stride_h, eps, w_offset,
+    GEMMA: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One program per (token, head) row of D values. GEMMA: x * r * (w + w_offset) in fp32, then cast;
+    else (Llama): cast(x * r) * w in the model dtype. RESIDUAL: res + that, added in the model dtype."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < dim
+    x = tl.load(x_ptr + n * stride_n + h * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    if GEMMA:
+        y = x * r * (w + w_offset)
+    else:
+        y = (x * r).to(out_ty).to(tl.float32) * w
+    if RESIDUAL:  # residual rows are contiguous [N * H, D], like the output
+        res = tl.load(res_ptr + (n * num_heads + h) * dim + offs, mask=mask, other=0.0).to(tl.float32)
+        y = res + y.to(out_ty).to(tl.float32)
+    tl.store(out_ptr + (n * num_heads + h) * dim + offs, y.to(out_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [N, D] or [N, H, D] (last dim contiguous, any row strides) -> a new contiguous tensor of x's
+    shape and dtype. gemma: scale by (1 + weight) in fp32 (GemmaRMSNorm); else weight * cast(x / rms).
+    residual (x's shape, contiguous): returns residual + norm(x), the sum in the model dtype."""
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    assert x3.stride(2) == 1, "the last dimension must be contiguous"
+    n, h, d = x3.shape
+    out = torch.empty((n, h, d), dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.is_contiguous() and residual.dtype == x.dtype
+    if n:
+        _rms_norm_kernel[(n, h)](
+            x3, weight, residual if residual is not None else out, out, h, d, x3.stride(0), x3.stride(1), eps,
+            1.0 if gemma else 0.0, GEMMA=gemma, RESIDUAL=residual is not None, BLOCK_D=triton.next_power_of_2(d),
+        )  # fmt: skip
+    return out.view(x.shape)
+
+
+@triton.jit
+def _gelu_tanh_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    """out[n, i] = gelu_tanh(gate[n, i]) * up[n, i] for gate_up = [gate | up] rows of 2 * inter values;
+    rounded to the model dtype after the GELU, as F.gelu then a multiply does."""
+    n = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    g = tl.load(gate_up_ptr + n * 2 * inter + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_ptr + n * 2 * inter + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
+    tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+    out_ty = out_ptr.dtype.element_ty
+    act = (0.5 * g * (1.0 + tanh)).to(out_ty).to(tl.float32)
+    tl.store(out_ptr + n * inter + offs, (act * u).to(out_ty), mask=mask)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [N, 2I] contiguous (the fused gate/up projection) -> [N, I] = gelu_tanh(gate) * up."""
+    assert gate_up.is_contiguous()
+    n, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty((n, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if n:
+        block = 1024
+        _gelu_tanh_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num_q_heads, num_qk_heads, dim, stride_n, stride_h, eps,
+    GEMMA: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One program per (token, q-or-k head): RMSNorm with that head kind's weight, then RoPE
+    (x * cos + roll(x, D/2) * sin, the sin table signed), rounding where the torch reference rounds."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < dim
+    half = dim // 2
+    rolled = (offs + half) % dim  # roll(x, D/2)[i] = x[(i + D/2) % D] for the half-split layout
+    base = qkv_ptr + n * stride_n + h * stride_h
+    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + rolled, mask=mask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+    is_q = h < num_q_heads
+    w = tl.where(is_q, tl.load(qw_ptr + offs, mask=mask, other=0.0), tl.load(kw_ptr + offs, mask=mask, other=0.0))
+    w2 = tl.where(is_q, tl.load(qw_ptr + rolled, mask=mask, other=0.0), tl.load(kw_ptr + rolled, mask=mask, other=0.0))
+    w = w.to(tl.float32)
+    w2 = w2.to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    if GEMMA:
+        y = (x * r * (w + 1.0)).to(out_ty).to(tl.float32)
+        y2 = (x2 * r * (w2 + 1.0)).to(out_ty).to(tl.float32)
+    else:
+        y = ((x * r).to(out_ty).to(tl.float32) * w).to(out_ty).to(tl.float32)
+        y2 = ((x2 * r).to(out_ty).to(tl.float32) * w2).to(out_ty).to(tl.float32)
+    c = tl.load(cos_ptr + n * dim + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + n * dim + offs, mask=mask, other=0.0).to(tl.float32)
+    a = (y * c).to(out_ty).to(tl.float32)
+    b = (y2 * s).to(out_ty).to(tl.float32)
+    tl.store(out_ptr + (n * num_qk_heads + h) * dim + offs, (a + b).to(out_ty), mask=mask)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    num_q_heads: int,
+    num_kv_heads: int,
+    gemma: bool,
+) -> torch.Tensor:
+    """qkv: [N, Hq + 2 Hkv, D] (the fused projection, viewed by head); cos, sin: [N, 1, D] from
+    RotaryEmbedding -> [N, Hq + Hkv, D]: q and k normed (their own weights) and rotated, contiguous."""
+    n, _, d = qkv.shape
+    assert qkv.stride(2) == 1 and d % 2 == 0
+    heads = num_q_heads + num_kv_heads
+    out = torch.empty((n, heads, d), dtype=qkv.dtype, device=qkv.device)
+    if n:
+        cos2, sin2 = cos.reshape(n, d), sin.reshape(n, d)
+        assert cos2.is_contiguous() and sin2.is_contiguous()
+        _qk_norm_rope_kernel[(n, heads)](
+            qkv, q_weight, k_weight, cos2, sin2, out, num_q_heads, heads, d, qkv.stride(0), qkv.stride(1), eps,
+            GEMMA=gemma, BLOCK_D=triton.next_power_of_2(d),
+        )  # fmt: skip
+    return out

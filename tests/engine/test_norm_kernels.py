@@ -1,0 +1,141 @@
+"""Fused RMSNorm and q/k-norm + RoPE Triton kernels against their torch references (the models' modules).
+
+On the CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); on CUDA (`-m gpu`) compiled.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from services.engine import kernels
+from services.engine.attention import ContiguousKV
+from services.engine.models.config import ModelConfig
+from services.engine.models.gemma3 import GemmaRMSNorm
+from services.engine.models.llama import RMSNorm, RotaryEmbedding, apply_rope
+from tests.engine.helpers import tiny_gemma
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+CUDA = torch.cuda.is_available()
+
+
+def _device(where: str) -> torch.device:
+    if where == "cuda" and not CUDA:
+        pytest.skip("no CUDA device")
+    return torch.device(where)
+
+
+@pytest.fixture
+def triton_tier() -> Iterator[None]:
+    """The Triton tier on the CPU (interpreted) for the duration of a test; torch afterwards."""
+    kernels.use_tier(kernels.select_tier(torch.device("cpu"), "triton"))
+    yield
+    kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
+
+
+def _params(where: str) -> list[object]:
+    marks = [pytest.mark.gpu] if where == "cuda" else []
+    return [pytest.param(where, dtype, marks=marks, id=f"{where}-{dtype}") for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
+@pytest.mark.parametrize("gemma", [True, False])
+def test_rms_norm_matches_the_module(where: str, dtype: torch.dtype, gemma: bool) -> None:
+    from services.engine.kernels import norm_triton
+
+    device = _device(where)
+    torch.manual_seed(0)
+    dim = 48  # not a power of two: the block is masked
+    module = (GemmaRMSNorm(dim, 1e-6) if gemma else RMSNorm(dim, 1e-6)).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        module.weight.normal_(0.0, 0.5)
+    base = (torch.randn(5, 7, dim, device=device) * 3).to(dtype)
+    strided = base[:, 1:4]  # [5, 3, D] rows not contiguous with each other
+    for x in (base[:, 0].contiguous(), strided):
+        with torch.no_grad():
+            want = module(x)
+        got = norm_triton.rms_norm(x, module.weight, 1e-6, gemma=gemma)
+        assert got.shape == x.shape and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: two rounding steps (the interpreter truncates)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
+@pytest.mark.parametrize("gemma", [True, False])
+def test_qk_norm_rope_matches_norms_then_rope(where: str, dtype: torch.dtype, gemma: bool) -> None:
+    from services.engine.kernels import norm_triton
+
+    device = _device(where)
+    torch.manual_seed(1)
+    hq, hkv, dim, n = 4, 2, 32, 6
+    norm = GemmaRMSNorm if gemma else RMSNorm
+    q_norm, k_norm = norm(dim, 1e-6).to(device, dtype), norm(dim, 1e-6).to(device, dtype)
+    with torch.no_grad():
+        q_norm.weight.normal_(0.0, 0.5)
+        k_norm.weight.normal_(0.0, 0.5)
+    cfg = ModelConfig(
+        architecture="llama", vocab_size=10, hidden_size=hq * dim, intermediate_size=8, num_layers=1,
+        num_heads=hq, num_kv_heads=hkv, head_dim=dim, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=None, tie_word_embeddings=True, attention_bias=False, qk_norm=True,
+        max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    cos, sin = RotaryEmbedding(cfg)(torch.tensor([0, 3, 17, 100, 200, 511], device=device), dtype)
+    qkv = (torch.randn(n, hq + 2 * hkv, dim, device=device) * 2).to(dtype)
+    q, k, _ = qkv.split([hq, hkv, hkv], dim=1)
+    with torch.no_grad():
+        want = apply_rope(torch.cat((q_norm(q), k_norm(k)), dim=1), cos, sin)
+    got = norm_triton.qk_norm_rope(qkv, q_norm.weight, k_norm.weight, cos, sin, 1e-6, hq, hkv, gemma=gemma)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16 and device.type == "cuda":  # compiled, the reference's rounding: ~bit-equal
+        assert (got == want).float().mean().item() > 0.97
+
+
+def test_tiny_gemma_forward_with_fused_kernels_matches_torch(triton_tier: None) -> None:
+    model = tiny_gemma(64)
+    ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(12)
+    with torch.no_grad():
+        fused = model.logits(model(ids, pos, ContiguousKV(6)))
+        kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
+        plain = model.logits(model(ids, pos, ContiguousKV(6)))
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(fused, torch.zeros_like(fused))
+
+
+@pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
+def test_rms_norm_with_residual_matches_add_after_norm(where: str, dtype: torch.dtype) -> None:
+    from services.engine.kernels import norm_triton
+
+    device = _device(where)
+    torch.manual_seed(2)
+    module = GemmaRMSNorm(40, 1e-6).to(device, dtype)
+    with torch.no_grad():
+        module.weight.normal_(0.0, 0.5)
+    x = (torch.randn(6, 40, device=device) * 3).to(dtype)
+    residual = (torch.randn(6, 40, device=device) * 3).to(dtype)
+    want = residual + module.reference(x)
+    got = norm_triton.rms_norm(x, module.weight, 1e-6, gemma=True, residual=residual)
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
+def test_gelu_tanh_mul_matches_gelu_then_multiply(where: str, dtype: torch.dtype) -> None:
+    import torch.nn.functional as F
+
+    from services.engine.kernels import norm_triton
+
+    device = _device(where)
+    torch.manual_seed(3)
+    inter = 1100  # two blocks, the second partial
+    gate_up = (torch.randn(3, 2 * inter, device=device) * 2).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    got = norm_triton.gelu_tanh_mul(gate_up)
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
