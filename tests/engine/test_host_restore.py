@@ -5,9 +5,6 @@ memory and streamed), including lost and wrong-sized pages (PagesLostError: reco
 from __future__ import annotations
 
 import importlib.util
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (kernels/restore.py)
 
 import numpy as np
 import pytest

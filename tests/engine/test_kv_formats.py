@@ -4,10 +4,6 @@ with quantised pools (teacher-forced logits near the fp32 pool, a ring whose res
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on the CPU
-
 import importlib.util  # noqa: E402
 from collections.abc import Iterator, Sequence  # noqa: E402
 

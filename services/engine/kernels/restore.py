@@ -184,6 +184,7 @@ def register_host(address: int, nbytes: int) -> None:
     """cudaHostRegister [address, address + nbytes) as pinned, mapped memory (RestoreError on failure)."""
     rc = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, HOST_REGISTER_FLAGS))
     if rc != 0:
+        torch.cuda.cudart().cudaGetLastError()  # clear it, or torch's next CUDA call raises it as its own
         raise RestoreError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed: CUDA error {rc}")
     logger.info("registered %d MiB of host memory at %#x as pinned", nbytes >> 20, address)
 

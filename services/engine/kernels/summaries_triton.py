@@ -175,7 +175,13 @@ def _bound_tile(
     return acc
 
 
-@triton.jit
+# The page and row counts change from step to step (a decode step adds a page every 64 tokens): Triton
+# would specialise on them (== 1, % 16 == 0) and compile a new variant mid-request, so they are not.
+_COUNTS = ["num_rows", "num_pages", "num_page_blocks", "group"]
+MIN_PAGE_BLOCKS = 16  # the mass kernel's statistics width: one compiled variant up to 16 x BLOCK_PAGES pages
+
+
+@triton.jit(do_not_specialize=_COUNTS)
 def _score_stats_kernel(
     q_ptr,  # [T, Hq, D]
     kmin_ptr,  # [Np, Hkv, D] fp32
@@ -215,7 +221,7 @@ def _score_stats_kernel(
     tl.store(l_ptr + at, sums)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_COUNTS)
 def _score_mass_kernel(
     q_ptr,
     kmin_ptr,
@@ -298,6 +304,6 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: 
     meta = dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_ROWS, BLOCK_P=BLOCK_PAGES, BLOCK_D=_block_d(head_dim))
     _score_stats_kernel[grid](q, kmin, kmax, stats[0], stats[1], *common, **meta)
     _score_mass_kernel[grid](
-        q, kmin, kmax, stats[0], stats[1], partial, *common, **meta, PAGE_BLOCKS=triton.next_power_of_2(page_blocks)
+        q, kmin, kmax, stats[0], stats[1], partial, *common, **meta, PAGE_BLOCKS=max(MIN_PAGE_BLOCKS, triton.next_power_of_2(page_blocks))
     )
     return partial.sum(dim=0) if partial.shape[0] > 1 else partial[0]
