@@ -142,7 +142,9 @@ def test_fetch_to_cuda_is_byte_identical_to_the_cpu_read(
     from services.engine.write_through import WriteThrough
     from services.kvstore.client import KVStoreClient
 
-    store = gpu_store(host_kv_mib=128)
+    # the arena on tmpfs, as deployed (/dev/shm is the store's default): cudaHostRegister refused an
+    # arena file on the test's temporary directory on the H200 host (CUDA error 1)
+    store = gpu_store(host_kv_mib=128, args=("--arena-dir", "/dev/shm"))
     writer = KVStoreClient(store.address)
     hashes, data = _put(writer, 40, SMOLLM2_PAGE, seed=2)
     client = KVStoreClient(store.address, shared_memory=shared)

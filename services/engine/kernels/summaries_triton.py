@@ -303,7 +303,6 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: 
     )
     meta = dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_ROWS, BLOCK_P=BLOCK_PAGES, BLOCK_D=_block_d(head_dim))
     _score_stats_kernel[grid](q, kmin, kmax, stats[0], stats[1], *common, **meta)
-    _score_mass_kernel[grid](
-        q, kmin, kmax, stats[0], stats[1], partial, *common, **meta, PAGE_BLOCKS=max(MIN_PAGE_BLOCKS, triton.next_power_of_2(page_blocks))
-    )
+    page_blocks_width = max(MIN_PAGE_BLOCKS, triton.next_power_of_2(page_blocks))
+    _score_mass_kernel[grid](q, kmin, kmax, stats[0], stats[1], partial, *common, **meta, PAGE_BLOCKS=page_blocks_width)
     return partial.sum(dim=0) if partial.shape[0] > 1 else partial[0]
