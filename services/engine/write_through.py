@@ -14,6 +14,8 @@ from services.kvstore.client import KVStoreClient, PageMeta
 
 logger = logging.getLogger(__name__)
 
+MAX_BATCH = 64  # pages per put_pages call (a ring chunk of 2,048 tokens finishes 32)
+
 
 class PendingPage(NamedTuple):
     page_hash: bytes
@@ -93,29 +95,44 @@ class WriteThrough:
         self._client.close()
 
     def _run(self) -> None:
+        """Write what is queued in batches: one blocking get, then whatever else is already waiting (up to
+        MAX_BATCH pages) goes into the same put_pages call (one reserve/commit round trip, not one per page)."""
         while True:
-            item = self._queue.get()
+            batch = [self._queue.get()]
+            while len(batch) < MAX_BATCH and batch[-1] is not None:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = batch[-1] is None
+            pages = [item for item in batch if item is not None]
             try:
-                if item is None:
-                    return
-                self._write(item)
+                if pages:
+                    self._write(pages)
             finally:
-                self._queue.task_done()
+                for _ in batch:
+                    self._queue.task_done()
+            if stop:
+                return
 
-    def _write(self, item: PendingPage) -> None:
-        data = item.data.contiguous().view(torch.uint8).numpy().reshape(-1)
-        meta = PageMeta(
-            page_hash=item.page_hash, kv_format=self._kv_format, num_tokens=item.num_tokens, nbytes=data.nbytes
-        )
+    def _write(self, items: list[PendingPage]) -> None:
+        puts = []
+        for item in items:
+            data = item.data.contiguous().view(torch.uint8).numpy().reshape(-1)
+            meta = PageMeta(
+                page_hash=item.page_hash, kv_format=self._kv_format, num_tokens=item.num_tokens, nbytes=data.nbytes
+            )
+            puts.append((meta, data.data))
+        hashes = [item.page_hash for item in items]
         try:
-            self._client.put_page(meta, data.data)
-            self.num_written += 1
+            self._client.put_pages(puts)
+            self.num_written += len(items)
             with self._written_cond:
-                self._written.add(item.page_hash)
+                self._written.update(hashes)
                 self._written_cond.notify_all()
-        except Exception as exc:  # the pool copy stays valid; the ring will not demote this page
-            self.num_failed += 1
-            logger.warning("write-through of page %s failed: %s", item.page_hash.hex(), exc)
+        except Exception as exc:  # the pool copies stay valid; the ring will not demote these pages
+            self.num_failed += len(items)
+            logger.warning("write-through of %d page(s) (first %s) failed: %s", len(items), hashes[0].hex(), exc)
         finally:
             with self._written_cond:
-                self._queued.discard(item.page_hash)
+                self._queued.difference_update(hashes)

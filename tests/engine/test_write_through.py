@@ -36,3 +36,33 @@ def test_pages_read_back_byte_for_byte(start_store: StartStore, smol_tokenizer, 
             reader.get_page(chain_hashes(prompt, 8, "tiny", "fp32", namespace="other")[0])
     assert engine.write_through.num_written == 4 and engine.write_through.num_failed == 0
     engine.write_through.close()
+
+
+def test_queued_pages_go_out_in_batches(start_store: StartStore) -> None:
+    """Pages that wait while the writer is busy leave in one put_pages call, and every one reads back."""
+    import threading
+
+    store = start_store(host_kv_mib=16)
+    client = KVStoreClient(store.address)
+    calls: list[int] = []
+    release = threading.Event()
+    put_pages = client.put_pages
+
+    def counting_put_pages(pages):  # type: ignore[no-untyped-def]
+        calls.append(len(pages))
+        release.wait(timeout=30)  # the first call holds the writer until every page is queued
+        return put_pages(pages)
+
+    client.put_pages = counting_put_pages  # type: ignore[method-assign]
+    write_through = WriteThrough(client, "fp32", 64)
+    pages = {bytes([i]) * 16: torch.full((256,), i, dtype=torch.uint8) for i in range(41)}
+    for page_hash, data in pages.items():
+        write_through.submit(page_hash, data, 8)
+    release.set()
+    write_through.flush()
+    assert sum(calls) == 41 and len(calls) <= 3, calls  # 1 page, then the 40 that queued behind it
+    assert write_through.num_written == 41 and write_through.num_failed == 0
+    with KVStoreClient(store.address) as reader:
+        for page_hash, data in pages.items():
+            assert reader.get_page(page_hash) == data.numpy().tobytes()
+    write_through.close()
