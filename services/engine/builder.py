@@ -71,11 +71,12 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
     config.check_host_capacity(pool.page_nbytes)
     write_through = _write_through(config)
     host = None
-    if config.ring_enabled:
-        assert write_through is not None  # check_host_capacity refuses a ring without a kvstore
+    if write_through is not None:  # the ring's host pages; without a ring, prefixes evicted from the device
         from services.engine.host_pages import KVStoreHostPages
 
         host = KVStoreHostPages(_store_client(config), write_through, pool.page_nbytes, config.replica_name)
+    if config.ring_enabled:
+        assert host is not None  # check_host_capacity refuses a ring without a kvstore
         logger.info(
             "ring on: budget %d pages per sequence (protect %d, recent %d, skeleton <= %d, evidence <= %d), "
             "chunk %d tokens, default policy %s, retrieval %s",

@@ -94,6 +94,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.slots, limits.page_size, limits.prefill_chunk, limits.max_running, limits.model_id,
             limits.kv_format, self.ring, limits.ring_chunk, self._new_ring if self.ring else None, self.pool,
+            runner.host,
         )  # fmt: skip
         self.stats = EngineStats()
         self.ring_snapshot = RingSnapshot()

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from services.common.pagehash import chain_hashes, root_hash
 from services.engine.kv_pool import KVPool
-from services.engine.ring import PagesLostError, RingExhaustedError, RingManager
+from services.engine.ring import HostPages, PagesLostError, RingExhaustedError, RingManager
 from services.engine.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
 from services.engine.slots import SlotAllocator
 
@@ -56,8 +56,11 @@ class Scheduler:
         ring_chunk: int = 0,
         new_ring: Callable[[Sequence], None] | None = None,
         pool: KVPool | None = None,
+        host: HostPages | None = None,
     ) -> None:
         self.pool = pool  # for copying matched tail pages
+        self.host = host  # the kvstore: prefixes whose pages left the device come back from it
+        self.num_host_restored = 0  # pages a sequence without a ring took from the host store
         self.slots = slots
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
@@ -312,16 +315,47 @@ class Scheduler:
             self.slots.acquire(slot)
             seq.page_table.slot_ids.append(slot)
             seq.page_table.page_hashes.append(page_hash)
+        device_pages = len(seq.page_table.slot_ids)
         if seq.ring is not None and self.ring is not None:  # then the host store, materialised lazily
-            device_pages = len(seq.page_table.slot_ids)
             self.ring.summarize(seq.ring, seq.page_table.slot_ids, range(device_pages))
             self.ring.adopt_host_prefix(
                 seq.ring, seq.page_table.slot_ids, seq.page_table.page_hashes, hashes[device_pages:]
             )
+        elif self.host is not None and self.pool is not None and device_pages < len(hashes):
+            self._restore_host_prefix(seq, hashes[device_pages:])
         seq.num_computed = len(seq.page_table.slot_ids) * self.page_size
         self._match_partial(seq)
         if not seq.admitted_once:
             seq.num_cached = seq.num_computed
+
+    def _restore_host_prefix(self, seq: Sequence, chain: list[bytes]) -> None:
+        """Without a ring every page is resident: the leading pages of `chain` the host store holds come
+        to the device now, in one batched restore, as far as slots allow while the next prefill chunk
+        (and one page more) still fits. Pages gone from the store are simply recomputed."""
+        assert self.host is not None and self.pool is not None
+        size = self.page_size
+        count = self.host.leading_present(chain)
+        have = len(seq.page_table.slot_ids)
+        while count > 0:
+            rest = -(-min(self.prefill_chunk, seq.num_tokens - (have + count) * size) // size) + 1
+            if count + rest <= self.slots.num_available():
+                break
+            count -= 1
+        if count <= 0:
+            return
+        wanted = chain[:count]
+        try:
+            pages = self.host.fetch_to(wanted, self.pool.device)
+        except PagesLostError as exc:
+            logger.info("%s: %d host page(s) are gone; recomputing them", seq.request_id, len(exc.page_hashes))
+            return
+        slots = [self.slots.allocate() for _ in wanted]
+        self.pool.write_pages(slots, pages)
+        for slot, page_hash in zip(slots, wanted, strict=True):
+            self.slots.register(slot, page_hash)
+            seq.page_table.slot_ids.append(slot)
+            seq.page_table.page_hashes.append(page_hash)
+        self.num_host_restored += count
 
     def _unmatch(self, seq: Sequence) -> None:
         """Give back what _admit_prefix took when the sequence could not be admitted after all."""

@@ -79,7 +79,7 @@ def test_sessions_stick_to_their_replica_and_move_when_it_dies(stack: Stack) -> 
 
         stack.kill("engine1")
 
-        # Turn 3: engine1's sessions move to engine0 (prefilled again there), engine0's stay.
+        # Turn 3: engine1's sessions move to engine0 (reloaded there from the kvstore), engine0's stay.
         for sid in sessions:
             chats[sid].append({"role": "user", "content": QUESTIONS[0][0]})
             answer = ask(http, sid, chats[sid])
@@ -87,9 +87,9 @@ def test_sessions_stick_to_their_replica_and_move_when_it_dies(stack: Stack) -> 
             assert kvmem["engine_replica"] == engine0
             if replica[sid] == engine1:
                 assert (kvmem["routing"], kvmem["moved_from"]) == ("moved", engine1)
-                # Nothing of this session was ever on engine0: a full prefill (the engine does not yet
-                # read pages back from the kvstore; when it does, this becomes a reload, not a prefill).
-                assert cached(answer) == 0
+                # Nothing of this session was ever on engine0's device, but engine1 wrote its pages
+                # through to the shared kvstore: engine0 restores them instead of prefilling again.
+                assert cached(answer) >= 256
             else:
                 assert kvmem["routing"] == "affinity"
                 assert cached(answer) >= turn2_tokens[sid] // PAGE_SIZE * PAGE_SIZE  # at least its full pages
