@@ -60,7 +60,7 @@ class KVStoreCluster:
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}
         self._clients: dict[str, KVStoreClient] = {}
-        self._dropped: dict[str, float] = {}  # replica id -> its last heartbeat when it was dropped
+        self._dropped: dict[str, float] = {}  # replica id -> unix time it was dropped (or its last beat, if later)
         self._ring = HashRing((), vnodes)
         self._refreshed_at = -math.inf
 
@@ -334,7 +334,9 @@ class KVStoreCluster:
             member = self._members.pop(rid, None)
             if member is None:
                 return
-            self._dropped[rid] = member.last_beat
+            # back only once it beats after now: a beat it sent just before it died (after our last
+            # membership read) must not bring it back
+            self._dropped[rid] = max(member.last_beat, time.time())
             self._ring = self._ring.without(rid)
             client = self._clients.pop(rid, None)
         logger.warning("kvstore cluster: dropped replica %s at %s: %s", rid, member.address, error)
