@@ -73,6 +73,13 @@ class EngineConfig:
                 f"protect {self.protect_pages} + recent {self.recent_pages} + 1 working page = {min_working} pages "
                 f"> ring budget {self.ring_budget_pages} pages: short by {min_working - self.ring_budget_pages} page(s)"
             )
+        chunk_pages = self.ring_chunk // self.page_size + 1  # a chunk's pages, with the one it starts in
+        if self.ring_enabled and self.recent_pages < chunk_pages:
+            raise ConfigError(
+                f"recent_tokens {self.recent_tokens} = {self.recent_pages} pages cannot hold a prefill chunk of "
+                f"{self.ring_chunk} tokens ({chunk_pages} pages with the page it starts in): set recent_tokens "
+                f">= {(chunk_pages - 1) * self.page_size + 1} or 0 (the default: one chunk and a page)"
+            )
         if self.prefill_policy not in ("sparse", "exact"):
             raise ConfigError(f"prefill_policy {self.prefill_policy!r} not in sparse, exact")
         if not 0.0 <= self.retrieval_share <= 1.0:
