@@ -43,11 +43,6 @@ class HostPages(Protocol):
 
     def has(self, page_hash: bytes) -> bool: ...
 
-    def fetch(self, page_hashes: list[bytes]) -> list[torch.Tensor]:
-        """Pages as uint8 [page_nbytes] CPU tensors (KVPool.read_page's layout), in order; PagesLostError
-        when one is gone."""
-        ...
-
     def fetch_to(self, page_hashes: list[bytes], device: torch.device) -> torch.Tensor:
         """Pages as one uint8 [P, page_nbytes] tensor on `device`, in order, in one batched transfer
         (by DMA from the registered host copy where it can); PagesLostError when one is gone."""
@@ -118,6 +113,18 @@ class SeqRing:
         return self.policy == "sparse" and self.hidden_pages > 0
 
 
+def restore_pages(host: HostPages, pool: KVPool, slots: SlotAllocator, page_hashes: list[bytes]) -> list[int]:
+    """Bring finished pages back from the host store into fresh slots, registered in the prefix cache:
+    one batched transfer and one pool write. Returns the slots in page order; PagesLostError when any
+    page is gone (nothing is allocated then)."""
+    data = host.fetch_to(page_hashes, pool.device)
+    new = [slots.allocate() for _ in page_hashes]
+    pool.write_pages(new, data)
+    for slot, page_hash in zip(new, page_hashes, strict=True):
+        slots.register(slot, page_hash)
+    return new
+
+
 class RingManager:
     def __init__(self, limits: RingLimits, slots: SlotAllocator, pool: KVPool, host: HostPages | None) -> None:
         self.limits = limits
@@ -174,13 +181,13 @@ class RingManager:
             return 0
         adopted = chain[:count]
         first = len(page_hashes)
-        pages = self.host.fetch(adopted)  # summaries need the keys; the pages do not stay on the device
-        size = self.limits.page_size
         device = ring.summaries.kmin.device
+        pages = self.host.fetch_to(adopted, device)  # summaries need the keys; no slot keeps the pages
+        size = self.limits.page_size
         ids = torch.arange(first, first + count, device=device)
         valid = torch.ones(count, size, dtype=torch.bool, device=device)
         for layer in range(ring.summaries.kmin.shape[0]):
-            keys = torch.stack([self.pool.page_kv(p, layer, torch.float32)[0] for p in pages]).to(device)
+            keys = torch.stack([self.pool.page_kv(page, layer, torch.float32)[0] for page in pages])
             ring.summaries.update(layer, ids, keys, valid)
         page_table.extend([NOT_RESIDENT] * count)
         page_hashes.extend(adopted)
@@ -242,11 +249,8 @@ class RingManager:
 
     def _restore(self, slot_ids: list[int], page_hashes: list[bytes], pages: list[int], ring: SeqRing) -> None:
         assert self.host is not None
-        data = self.host.fetch_to([page_hashes[p] for p in pages], self.pool.device)  # one batched transfer
-        slots = [self.slots.allocate() for _ in pages]
-        self.pool.write_pages(slots, data)
+        slots = restore_pages(self.host, self.pool, self.slots, [page_hashes[p] for p in pages])
         for p, slot in zip(pages, slots, strict=True):
-            self.slots.register(slot, page_hashes[p])
             slot_ids[p] = slot
         nbytes = len(pages) * self.pool.page_nbytes
         ring.num_restores += len(pages)

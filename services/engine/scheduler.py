@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from services.common.pagehash import chain_hashes, root_hash
 from services.engine.kv_pool import KVPool
-from services.engine.ring import HostPages, PagesLostError, RingExhaustedError, RingManager
+from services.engine.ring import HostPages, PagesLostError, RingExhaustedError, RingManager, restore_pages
 from services.engine.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
 from services.engine.slots import SlotAllocator
 
@@ -345,16 +345,12 @@ class Scheduler:
             return
         wanted = chain[:count]
         try:
-            pages = self.host.fetch_to(wanted, self.pool.device)
+            slots = restore_pages(self.host, self.pool, self.slots, wanted)
         except PagesLostError as exc:
             logger.info("%s: %d host page(s) are gone; recomputing them", seq.request_id, len(exc.page_hashes))
             return
-        slots = [self.slots.allocate() for _ in wanted]
-        self.pool.write_pages(slots, pages)
-        for slot, page_hash in zip(slots, wanted, strict=True):
-            self.slots.register(slot, page_hash)
-            seq.page_table.slot_ids.append(slot)
-            seq.page_table.page_hashes.append(page_hash)
+        seq.page_table.slot_ids.extend(slots)
+        seq.page_table.page_hashes.extend(wanted)
         self.num_host_restored += count
 
     def _unmatch(self, seq: Sequence) -> None:
