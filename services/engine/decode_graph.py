@@ -310,7 +310,7 @@ class DecodeGraphs:
             w, e = works[j], entries[j]
             pos = w.start
             slot = w.seq.page_table.slot_ids[pos // size]
-            staging[:, i] = (_token_at(w.seq, pos), pos, slot * size + pos % size)
+            staging[:, i] = (w.seq.token_at(pos), pos, slot * size + pos % size)
             if bufs.owners[i] != e.key:  # the rows depend on the key only
                 rows, kpos = self._padded(e, bufs.window)
                 bufs.rows[i].copy_(rows, non_blocking=True)
@@ -378,9 +378,3 @@ class DecodeGraphs:
             valid = torch.ones(1, size, dtype=torch.bool, device=self.device)
             for layer in range(self.pool.num_layers):
                 ring.summaries.update_from_pool(layer, page_t, self.pool, rows, valid)
-
-
-def _token_at(seq: Sequence, pos: int) -> int:
-    """Token id at `pos` without building prompt + output (token_ids copies the whole context)."""
-    prompt = len(seq.prompt_ids)
-    return seq.prompt_ids[pos] if pos < prompt else seq.output_ids[pos - prompt]

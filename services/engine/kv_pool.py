@@ -10,7 +10,7 @@ kernel tier is Triton, else the torch reference.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -137,9 +137,7 @@ class KVPool:
         if self._plain[layer] is not None:
             return self.k[layer].index_select(0, rows).to(dtype)
         fmt = self.formats[layer]
-        if fmt.hadamard:
-            return hadamard(self._dequantize_rows(fmt, self.k[layer], rows, torch.float32)).to(dtype)
-        return self._dequantize_rows(fmt, self.k[layer], rows, dtype)
+        return _keys(fmt, lambda dt: self._dequantize_rows(fmt, self.k[layer], rows, dt), dtype)
 
     def copy_rows(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` rows of one slot into another, in every layer."""
@@ -216,9 +214,7 @@ class KVPool:
         fmt = self.formats[layer]
         k_bytes, v_bytes = self._layer_bytes(page.reshape(1, -1), layer)
         k_rows, v_rows = self._rows_of(layer, k_bytes), self._rows_of(layer, v_bytes)
-        if fmt.hadamard:
-            return hadamard(fmt.dequantize(k_rows, torch.float32)).to(dtype), fmt.dequantize(v_rows, dtype)
-        return fmt.dequantize(k_rows, dtype), fmt.dequantize(v_rows, dtype)
+        return _keys(fmt, lambda dt: fmt.dequantize(k_rows, dt), dtype), fmt.dequantize(v_rows, dtype)
 
     def _layer_bytes(self, data: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V bytes of one layer from pages uint8 [P, page_nbytes]: [P, n] each."""
@@ -230,3 +226,11 @@ class KVPool:
         """Bytes [P, page_size * Hkv * row_nbytes] -> stored rows [P * page_size, Hkv, W] of that layer."""
         store = self.k[layer]
         return data.contiguous().view(store.dtype).view(-1, self.num_kv_heads, store.shape[-1])
+
+
+def _keys(fmt: KVFormat, dequantize: Callable[[torch.dtype], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Dequantised keys in `dtype`; a `+h` format stores them rotated: rotated back (the normalised
+    Hadamard matrix is its own inverse) in fp32 first."""
+    if fmt.hadamard:
+        return hadamard(dequantize(torch.float32)).to(dtype)
+    return dequantize(dtype)

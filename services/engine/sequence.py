@@ -90,6 +90,11 @@ class Sequence:
     events: queue.Queue[Event] = field(default_factory=queue.Queue)
     arrival: float = field(default_factory=time.monotonic)
 
+    def token_at(self, pos: int) -> int:
+        """The token at `pos` without building prompt + output (token_ids copies the whole context)."""
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < prompt else self.output_ids[pos - prompt]
+
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
