@@ -95,12 +95,27 @@ def test_qk_norm_rope_matches_norms_then_rope(where: str, dtype: torch.dtype, ge
         assert (got == want).float().mean().item() > 0.97
 
 
-def test_tiny_gemma_forward_with_fused_kernels_matches_torch(triton_tier: None) -> None:
+def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
+    triton_tier: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.engine.kernels import norm_triton
+
+    calls: dict[str, int] = {}
+    for name in ("rms_norm", "qk_norm_rope", "gelu_tanh_mul"):  # count: the fused path must really run
+        real = getattr(norm_triton, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(norm_triton, name, counted)
     model = tiny_gemma(64)
     ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(12)
     with torch.no_grad():
         fused = model.logits(model(ids, pos, ContiguousKV(6)))
+        # per layer: input, pre-feedforward, two post-norms (with the residual) + the final norm; q/k; GELU
+        assert calls == {"rms_norm": 6 * 4 + 1, "qk_norm_rope": 6, "gelu_tanh_mul": 6}
         kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
         plain = model.logits(model(ids, pos, ContiguousKV(6)))
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
