@@ -5,6 +5,7 @@ On the CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); on CUDA
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from collections.abc import Iterator
 
@@ -91,8 +92,11 @@ def test_qk_norm_rope_matches_norms_then_rope(where: str, dtype: torch.dtype, ge
     got = norm_triton.qk_norm_rope(qkv, q_norm.weight, k_norm.weight, cos, sin, 1e-6, hq, hkv, gemma=gemma)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    if dtype == torch.bfloat16 and device.type == "cuda":  # compiled, the reference's rounding: ~bit-equal
-        assert (got == want).float().mean().item() > 0.97
+    if dtype == torch.bfloat16 and device.type == "cuda":  # compiled: no further from the float32 result
+        with torch.no_grad():  # than torch's bf16 ops (the interpreter truncates instead of rounding)
+            q32, k32 = copy.deepcopy(q_norm).float(), copy.deepcopy(k_norm).float()
+            exact = apply_rope(torch.cat((q32(q.float()), k32(k.float())), dim=1), cos.float(), sin.float())
+        assert (got.float() - exact).abs().mean() <= (want.float() - exact).abs().mean() * 1.05
 
 
 def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
