@@ -3,9 +3,12 @@
 Reads are batched. `fetch_to(page_hashes, device)` returns the pages as one uint8 [P, page_nbytes]
 tensor on `device`:
 - same host: `get_pages` answers views into the store's arena, mapped in this process; on CUDA the
-  arena is registered once as pinned memory (cudaHostRegister, on first use; unregistered before it
-  is unmapped: client close or store restart) and the pages move by DMA straight from the arena,
-  coalesced into a few copies (kernels/restore.py), then the batch's pins are released;
+  arena is registered once as pinned memory (cudaHostRegister, seconds for GBs: at engine start-up by
+  `prepare` for every same-host replica the client knows then, else on first use: a replica that
+  joined later, a restarted store's new arena; unregistered before it is unmapped: client close or
+  store restart) and the pages move by DMA straight from the arena, coalesced into a few copies
+  (kernels/restore.py), then the batch's pins are released; an arena that cannot be registered
+  stays pageable (logged once) and its pages go the staging way below;
 - another host: the streamed bytes are packed into a pinned staging buffer, then one H2D copy;
 - CPU device: one memcpy per page into the result.
 """
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -29,18 +33,29 @@ from services.engine.kernels.restore import (
 from services.engine.ring import PagesLostError
 from services.engine.write_through import WriteThrough
 from services.kvstore.mapping import ArenaRange, mapped_arena_at, on_unmap
-from services.kvstore.pages import PageBatch, PageNotFoundError
+from services.kvstore.pages import KVStoreError, PageBatch, PageNotFoundError
 
 if TYPE_CHECKING:
     from services.kvstore.client import KVStoreClient
+    from services.kvstore.cluster import KVStoreCluster
 
 logger = logging.getLogger(__name__)
 
 
+class ArenaRegistration(NamedTuple):
+    """What KVStoreHostPages.prepare did with the client's same-host arenas."""
+
+    num_registered: int  # registered as pinned memory (now, or before this call)
+    registered_mib: int  # their size
+    elapsed_s: float  # the whole call: mapping and registering
+    num_pageable: int  # not registered: cudaHostRegister refused (staged copies), or unmapped meanwhile
+
+
 class PinnedArenas:
     """The kvstore arenas of this process registered with CUDA as pinned memory (process-wide: an
-    address range can be registered once). An arena is registered the first time a page view in it
-    is restored and unregistered just before it is unmapped. Hold `lock` while copies from a
+    address range can be registered once). An arena is registered by `register` (an engine's start-up)
+    or else the first time a page view in it is restored, and unregistered just before it is unmapped;
+    one that cannot be registered stays pageable (logged once). Hold `lock` while copies from a
     registered arena are in flight: an unmap waits for it."""
 
     def __init__(self) -> None:
@@ -49,13 +64,26 @@ class PinnedArenas:
         self._failed: set[ArenaRange] = set()
         self._remove_hook = on_unmap(self._unmapped)
 
+    def register(self, arena: ArenaRange) -> bool:
+        """Register `arena` now unless it already is; False when it is no longer mapped or stays pageable."""
+        with self.lock:
+            return mapped_arena_at(arena.address) == arena and self._entry(arena) is not None
+
     def find(self, address: int) -> tuple[ArenaRange, torch.Tensor] | None:
         """The registered arena holding `address` and a uint8 [nbytes] tensor over it (registered now
         if needed); None when no mapped arena holds it or it cannot be registered."""
         with self.lock:
             live = mapped_arena_at(address)
-            if live is None:
-                return None
+            return self._entry(live) if live is not None else None
+
+    @property
+    def registered(self) -> list[ArenaRange]:
+        with self.lock:
+            return [arena for arena, _ in self._arenas.values()]
+
+    def _entry(self, live: ArenaRange) -> tuple[ArenaRange, torch.Tensor] | None:
+        """The mapped arena `live`, registered (now if needed), with its tensor; None if it stays pageable."""
+        with self.lock:
             entry = self._arenas.get(live.address)
             if entry is not None and entry[0] != live:  # unmapped without close, another arena there now
                 self._unmapped(entry[0])
@@ -73,11 +101,6 @@ class PinnedArenas:
             entry = self._arenas[live.address] = (live, host_tensor(live.address, live.nbytes))
             return entry
 
-    @property
-    def registered(self) -> list[ArenaRange]:
-        with self.lock:
-            return [arena for arena, _ in self._arenas.values()]
-
     def _unmapped(self, arena: ArenaRange) -> None:
         with self.lock:
             self._failed.discard(arena)
@@ -92,7 +115,7 @@ _pinned_lock = threading.Lock()
 
 
 def pinned_arenas() -> PinnedArenas:
-    """The process's registry of pinned arenas (created on first CUDA restore)."""
+    """The process's registry of pinned arenas (created on first use: a CUDA prepare or restore)."""
     global _pinned
     with _pinned_lock:
         if _pinned is None:
@@ -110,7 +133,7 @@ class KVStoreHostPages:
 
     def __init__(
         self,
-        client: KVStoreClient,
+        client: KVStoreClient | KVStoreCluster,
         write_through: WriteThrough,
         page_nbytes: int,
         owner_id: str = "",
@@ -125,6 +148,29 @@ class KVStoreHostPages:
         self.num_fetched = 0
         self.fetched_bytes = 0
         self.num_staged = 0  # pages that reached a device through the staging buffer (not from an arena)
+
+    def prepare(self, device: torch.device | str) -> ArenaRegistration:
+        """At engine start-up: map the arena of every replica on this host that the client knows of and,
+        on CUDA, register each as pinned memory now, so that the first restore does not wait seconds for
+        it (a replica that joins later is still registered on first use). Does nothing on the CPU.
+        Never raises: with the store unreachable everything is left to first use, and an arena that
+        cannot be registered stays pageable (staged copies)."""
+        if torch.device(device).type != "cuda":
+            return ArenaRegistration(0, 0, 0.0, 0)
+        start = time.monotonic()
+        try:
+            arenas = same_host_arenas(self._client)
+        except (KVStoreError, OSError) as exc:
+            logger.warning("kvstore arenas not registered at start-up (on first restore instead): %s", exc)
+            return ArenaRegistration(0, 0, time.monotonic() - start, 0)
+        pinned = pinned_arenas()
+        registered = [arena for arena in arenas if pinned.register(arena)]
+        result = ArenaRegistration(
+            len(registered), sum(a.nbytes for a in registered) >> 20, time.monotonic() - start,
+            len(arenas) - len(registered),
+        )  # fmt: skip
+        logger.info("registered %d kvstore arena(s), %d MiB, as pinned memory in %.2f s; %d stay pageable", *result)
+        return result
 
     def has(self, page_hash: bytes) -> bool:
         return self._write_through.is_written(page_hash)
@@ -238,6 +284,18 @@ class KVStoreHostPages:
         if self._staging is None or self._staging.numel() < nbytes:
             self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         return self._staging
+
+
+def same_host_arenas(client: KVStoreClient | KVStoreCluster) -> list[ArenaRange]:
+    """The arenas of the client's replicas on this host (a KVStoreClient's one, or every live replica
+    of a KVStoreCluster), mapped now where they were not yet; [] when all are remote."""
+    arenas = []
+    for mapping in client.arena_mappings().values():
+        arena = mapped_arena_at(mapping.address)
+        mapping.view.release()  # a live view would keep the arena mapped after its client unmaps it
+        if arena is not None:
+            arenas.append(arena)
+    return arenas
 
 
 def _address(view: memoryview) -> int:

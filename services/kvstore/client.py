@@ -3,9 +3,10 @@
 Same host: the store's arena file is mapped here and page bytes move by one memcpy into the mapping
 (Reserve(Pages), write, Commit(Pages)) and not at all out of it: `get_pages` returns read-only views
 into the mapping, pinned until the batch is released, which a CUDA engine copies straight to the
-device from the registered mapping (`arena_mapping`). Another host (or when the file cannot be
-verified): the bytes travel in PutPage(s) messages and a GetPagesStream. The choice is made on
-first use from GetInfo; `shared_memory=True/False` forces it.
+device from the registered mapping (`arena_mapping`; `arena_mappings` maps it at once, as
+KVStoreCluster's does for every replica, so an engine can register it at start-up). Another host
+(or when the file cannot be verified): the bytes travel in PutPage(s) messages and a GetPagesStream.
+The choice is made on first use (or that call) from GetInfo; `shared_memory=True/False` forces it.
 
 Pins by owner (`pin`, `unpin`) are renewed by a keep-alive thread while this client is open, so
 they lapse on the store `ttl_s` after the owning process dies.
@@ -126,6 +127,13 @@ class KVStoreClient:
         """The mapped arena's address and size (to register as pinned memory), or None when remote."""
         mapping = self._ensure_resolved()
         return mapping.arena_mapping() if mapping is not None else None
+
+    def arena_mappings(self) -> dict[str, ArenaMapping]:
+        """KVStoreCluster.arena_mappings for one replica: {replica id: its arena}, mapped now if it was
+        not yet (GetInfo, mmap), or {} when the store is on another host. Drop (or release the `view`
+        of) what it returns: a live view keeps the arena mapped past close."""
+        mapping = self.arena_mapping()
+        return {mapping.replica_id: mapping} if mapping is not None else {}
 
     def put_page(self, meta: PageMeta, data: PageData) -> PageLocation:
         """Store one page (no-op if present); through the mapped arena when shared."""

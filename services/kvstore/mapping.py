@@ -4,9 +4,9 @@
 (`torch.cuda.cudart().cudaHostRegister(address, nbytes, flags)` or cupy), so page copies from the
 mapping to the device are DMA transfers; `view` is the whole file (offsets are file offsets).
 
-Every arena mapped in this process is listed (`mapped_arena_at`: which arena holds an address, e.g.
-of a page view from `get_pages`), and `on_unmap` hooks run before one is unmapped, so whoever
-registered it with CUDA unregisters it first (a later mapping may reuse the same addresses).
+Every arena mapped in this process is listed (`mapped_arenas`; `mapped_arena_at`: which arena holds
+an address, e.g. of a page view from `get_pages`), and `on_unmap` hooks run before one is unmapped,
+so whoever registered it with CUDA unregisters it first (a later mapping may reuse the same addresses).
 """
 
 from __future__ import annotations
@@ -66,6 +66,12 @@ UnmapHook = Callable[[ArenaRange], None]
 _live_lock = threading.Lock()
 _live: dict[int, ArenaRange] = {}  # by address: every arena mapped in this process
 _unmap_hooks: list[UnmapHook] = []
+
+
+def mapped_arenas() -> list[ArenaRange]:
+    """Every arena mapped in this process now (by any client), by address."""
+    with _live_lock:
+        return sorted(_live.values())
 
 
 def mapped_arena_at(address: int) -> ArenaRange | None:

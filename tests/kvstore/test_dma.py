@@ -1,11 +1,13 @@
 """Pages by DMA from a store's arena mapped in this process.
 
 CPU: the process-wide list of mapped arenas names the arena a page view lies in, and the unmap hooks
-run (so a CUDA registration is dropped) before the client unmaps it.
+run (so a CUDA registration is dropped) before the client unmaps it; `arena_mappings` maps a
+same-host arena at once (before any page moved), a remote one not at all.
 GPU (`-m gpu`): memory registered with cudaHostRegister is pinned, every restore method is
 byte-identical to the torch reference, and KVStoreHostPages.fetch_to(..., cuda) from a real kvstore
 is byte-identical to the CPU read, by DMA from the registered arena on the same host and through the
-pinned staging buffer when streamed; the registration goes when the client closes.
+pinned staging buffer when streamed; `prepare(cuda)` registers the arena before the first fetch;
+the registration goes when the client closes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.kvstore.mapping import ArenaRange, mapped_arena_at, on_unmap
+from services.kvstore.arena import HEADER_BYTES
+from services.kvstore.mapping import ArenaRange, mapped_arena_at, mapped_arenas, on_unmap
 from tests.conftest import StartStore
 
 if TYPE_CHECKING:  # the client needs grpc and redis-py, which a GPU machine may lack: imported in the tests
@@ -73,6 +76,29 @@ def test_page_views_lie_in_a_listed_arena_and_unmap_hooks_run_first(start_store:
         assert mapped_arena_at(arena.address) is None
     finally:
         remove()
+        client.close()
+
+
+def test_arena_mappings_map_a_same_host_arena_at_once(start_store: StartStore) -> None:
+    from services.kvstore.client import KVStoreClient
+
+    store = start_store(host_kv_mib=8)
+    with KVStoreClient(store.address, shared_memory=False) as remote:
+        assert remote.arena_mappings() == {}
+    assert not any(a.replica_id == store.replica_id for a in mapped_arenas())
+    client = KVStoreClient(store.address)
+    try:
+        mappings = client.arena_mappings()  # no page put or fetched yet
+        assert list(mappings) == [store.replica_id]
+        mapping = mappings.pop(store.replica_id)
+        arena = mapped_arena_at(mapping.address)
+        assert arena is not None and (arena.address, arena.nbytes) == (mapping.address, mapping.nbytes)
+        assert arena.nbytes == HEADER_BYTES + 8 * 2**20 and arena in mapped_arenas()
+        assert client.arena_mappings()[store.replica_id].address == arena.address  # mapped once
+        del mapping
+        client.close()
+        assert arena not in mapped_arenas()
+    finally:
         client.close()
 
 
@@ -164,6 +190,43 @@ def test_fetch_to_cuda_is_byte_identical_to_the_cpu_read(
         else:
             assert mapping is None and host.num_staged == len(order)
         del mapping
+        assert writer.info().num_pinned_pages == 0
+    finally:
+        host.close()
+        writer.close()
+    assert not any(a.replica_id == store.replica_id for a in pinned_arenas().registered)  # unregistered on close
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_prepare_registers_the_arena_before_the_first_fetch(_redis_server: None, gpu_store: StartStore) -> None:
+    from services.engine.host_pages import KVStoreHostPages, pinned_arenas
+    from services.engine.write_through import WriteThrough
+    from services.kvstore.client import KVStoreClient
+
+    store = gpu_store(host_kv_mib=128, args=("--arena-dir", "/dev/shm"))  # tmpfs, as deployed (see above)
+    writer = KVStoreClient(store.address, shared_memory=False)  # the host's client maps the only view
+    hashes, data = _put(writer, 16, SMOLLM2_PAGE, seed=3)
+    client = KVStoreClient(store.address)
+    host = KVStoreHostPages(client, WriteThrough(writer, "bf16", 8), SMOLLM2_PAGE, "dma-test")
+    try:
+        assert not any(a.replica_id == store.replica_id for a in pinned_arenas().registered)
+        result = host.prepare(torch.device("cuda"))
+        mapping = client.arena_mapping()
+        assert mapping is not None
+        arena = (mapping.address, mapping.nbytes)
+        del mapping
+        assert arena in {(a.address, a.nbytes) for a in pinned_arenas().registered}  # before any fetch
+        assert (result.num_registered, result.registered_mib, result.num_pageable) == (1, arena[1] >> 20, 0)
+        assert host.num_fetched == 0
+        order = [5, 6, 7, 0, 15, 2]
+        pages = host.fetch_to([hashes[i] for i in order], torch.device("cuda"))
+        assert pages.device.type == "cuda"
+        assert [pages[k].cpu().numpy().tobytes() for k in range(len(order))] == [data[i] for i in order]
+        assert host.num_staged == 0  # by DMA from the arena registered at prepare
+        assert [(a.address, a.nbytes) for a in pinned_arenas().registered if a.replica_id == store.replica_id] == [
+            arena
+        ]  # not registered again
         assert writer.info().num_pinned_pages == 0
     finally:
         host.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -181,12 +182,15 @@ def _gather_kernel():  # type: ignore[no-untyped-def]
 
 
 def register_host(address: int, nbytes: int) -> None:
-    """cudaHostRegister [address, address + nbytes) as pinned, mapped memory (RestoreError on failure)."""
+    """cudaHostRegister [address, address + nbytes) as pinned, mapped memory (RestoreError on failure);
+    it pins every page of the range: seconds for a range of several GB."""
+    start = time.monotonic()
     rc = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, HOST_REGISTER_FLAGS))
     if rc != 0:
         torch.cuda.cudart().cudaGetLastError()  # clear it, or torch's next CUDA call raises it as its own
         raise RestoreError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed: CUDA error {rc}")
-    logger.info("registered %d MiB of host memory at %#x as pinned", nbytes >> 20, address)
+    elapsed_s = time.monotonic() - start
+    logger.info("registered %d MiB of host memory at %#x as pinned in %.2f s", nbytes >> 20, address, elapsed_s)
 
 
 def unregister_host(address: int) -> None:
