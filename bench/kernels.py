@@ -1,7 +1,8 @@
-"""Page-summary and page-scoring kernels: each available backend against the torch reference.
+"""Page-summary, page-scoring and decode-attention kernels: each available backend against the torch path.
 
     python bench/kernels.py --device cuda            # GPU: triton, cupy and torch
-    .venv/bin/python bench/kernels.py --device cpu --contexts 2048 --reps 3   # smoke test (torch only)
+    .venv/bin/python bench/kernels.py --device cpu --contexts 2048 --reps 3 \
+        --decode-widths 256 --decode-batches 1,2      # smoke test (torch only)
 
 Shapes: Gemma 3 270M (18 layers, 1 KV head, 4 query heads, head_dim 256) and SmolLM2 (30 layers,
 3 KV heads, 9 query heads, head_dim 64) at 2K/8K/32K tokens of context (32/128/512 pages of 64).
@@ -18,11 +19,24 @@ Every timing covers all layers of the model, as the engine runs it:
 Times are CUDA-event medians in microseconds per model (all layers); `x` is torch time / backend
 time (above 1: faster than the reference). `err` is the largest relative difference from the torch
 reference over the outputs (scores: pages holding at least 1e-3 of the mass).
+
+The second table is one decode step's attention (one new token per sequence) at Gemma 3 270M's
+shapes, B sequences each reading a window of W pool rows (scattered pages, the last one half full and
+padded as decode_graph pads it), all 18 layers, bf16:
+
+    torch     the path decode_graph runs today: per step an additive mask from the key positions, per
+              layer index_select of the K and V rows, SDPA of [B, Hkv, G, D] queries over [B, Hkv, W, D]
+    triton    kernels/decode_attention_triton.decode_attention per layer (rows read in place, one
+              split kernel + one merge kernel)
+
+Both run as CUDA-graph replays on CUDA (as decode steps do), so launch overhead is not counted;
+`err` is the largest difference from the torch path relative to the largest output value.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import statistics
@@ -33,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,6 +56,7 @@ from services.engine.summaries import page_scores_reference, summary_update_refe
 
 logger = logging.getLogger("bench.kernels")
 PAGE = 64
+PAD_POS = 1 << 40  # decode_graph's key position of padding rows
 
 
 @dataclass(frozen=True)
@@ -166,6 +182,106 @@ def _ops(case: Case) -> dict[str, tuple[Callable[[object | None], object], Calla
     }  # fmt: skip
 
 
+class DecodeCase:
+    """One decode step's attention: B sequences of W pool rows each, a bf16 pool per layer."""
+
+    def __init__(self, shape: Shape, batch: int, width: int, device: torch.device) -> None:
+        g = torch.Generator(device=device).manual_seed(batch * width)
+        self.shape, self.device = shape, device
+        num_pages = batch * width // PAGE
+        pool = (num_pages * PAGE, shape.num_kv_heads, shape.head_dim)
+        self.k = [torch.randn(pool, generator=g, device=device, dtype=torch.bfloat16) for _ in range(shape.num_layers)]
+        self.v = [torch.randn(pool, generator=g, device=device, dtype=torch.bfloat16) for _ in range(shape.num_layers)]
+        slots = torch.randperm(num_pages, generator=g, device=device).view(batch, width // PAGE)
+        self.rows = (slots[:, :, None] * PAGE + torch.arange(PAGE, device=device)).reshape(batch, width)
+        self.key_pos = torch.arange(width, device=device).repeat(batch, 1)
+        self.rows[:, width - PAGE // 2 :] = 0  # the last page is half full: padding rows
+        self.key_pos[:, width - PAGE // 2 :] = PAD_POS
+        self.q_pos = torch.full((batch,), width - PAGE // 2 - 1, device=device)
+        self.q = torch.randn(batch, shape.num_heads, shape.head_dim, generator=g, device=device, dtype=torch.bfloat16)
+        self.scale = shape.head_dim**-0.5
+        self.out = torch.empty_like(self.q)
+
+    def torch_layer(self, layer: int, mask: torch.Tensor) -> torch.Tensor:
+        """decode_graph's gather + SDPA for one layer -> [B, Hq, D]."""
+        batch, width = self.rows.shape
+        hkv, d = self.shape.num_kv_heads, self.shape.head_dim
+        k = self.k[layer].index_select(0, self.rows.reshape(-1)).view(batch, width, hkv, d).transpose(1, 2)
+        v = self.v[layer].index_select(0, self.rows.reshape(-1)).view(batch, width, hkv, d).transpose(1, 2)
+        q = self.q.view(batch, hkv, self.shape.num_heads // hkv, d)  # [B, Hkv, G, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return out.reshape(batch, self.shape.num_heads, d)
+
+    def mask(self) -> torch.Tensor:
+        """The additive mask [B, 1, 1, W] decode_graph builds once per step."""
+        allowed = self.key_pos <= self.q_pos[:, None]
+        zero = torch.zeros((), dtype=self.q.dtype, device=self.device)
+        return torch.where(allowed, zero, float("-inf")).to(self.q.dtype)[:, None, None, :]
+
+    def run(self, kernels: object | None) -> None:
+        """One step's attention over every layer (the torch path when kernels is None)."""
+        if kernels is None:
+            mask = self.mask()
+            for layer in range(self.shape.num_layers):
+                self.torch_layer(layer, mask)
+            return
+        for layer in range(self.shape.num_layers):
+            kernels.decode_attention(  # type: ignore[attr-defined]
+                self.q, self.k[layer], self.v[layer], self.rows, self.key_pos, self.q_pos, self.scale, out=self.out
+            )
+
+    def err(self, kernels: object) -> float:
+        """Largest |kernel - torch path| over every layer, relative to the largest torch output."""
+        mask, worst = self.mask(), 0.0
+        for layer in range(self.shape.num_layers):
+            want = self.torch_layer(layer, mask).float()
+            got = kernels.decode_attention(  # type: ignore[attr-defined]
+                self.q, self.k[layer], self.v[layer], self.rows, self.key_pos, self.q_pos, self.scale
+            ).float()
+            worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        return worst
+
+
+def _graphed(device: torch.device, fn: Callable[[], object]) -> Callable[[], object]:
+    """On CUDA, `fn` captured in a CUDA graph (replayed as a decode step is); elsewhere `fn` itself."""
+    if device.type != "cuda":
+        return fn
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles Triton kernels) off the capture
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _decode_table(
+    device: torch.device, backends: dict[str, object], widths: list[int], batches: list[int], reps: int
+) -> None:
+    """The decode-attention rows: the torch path vs the Triton kernel, at Gemma 3 270M shapes."""
+    kernels = None
+    if "triton" in backends:
+        kernels = importlib.import_module("services.engine.kernels.decode_attention_triton")
+    header = "| model | window | batch | torch us |" + (" triton us | triton x | triton err |" if kernels else "")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    shape = SHAPES[0]
+    for width in widths:
+        for batch in batches:
+            case = DecodeCase(shape, batch, width, device)
+            ref = _timer(device, _graphed(device, functools.partial(case.run, None)), reps)
+            cells = [f"{ref:.0f}"]
+            if kernels is not None:
+                t = _timer(device, _graphed(device, functools.partial(case.run, kernels)), reps)
+                cells += [f"{t:.0f}", f"{ref / t:.1f}", f"{case.err(kernels):.1e}"]
+            label = f"{width // 1024}K" if width % 1024 == 0 else str(width)
+            print(f"| {shape.name} | {label} | {batch} | " + " | ".join(cells) + " |", flush=True)
+            del case
+
+
 def _backends(device: torch.device, wanted: list[str]) -> dict[str, object]:
     """Kernel modules that can run here (triton, cupy), by name."""
     found: dict[str, object] = {}
@@ -182,31 +298,48 @@ def _backends(device: torch.device, wanted: list[str]) -> dict[str, object]:
     return found
 
 
+def _summary_table(device: torch.device, backends: dict[str, object], contexts: list[int], reps: int) -> None:
+    """The page-summary and scoring rows: every model shape and context, each backend vs the torch reference."""
+    names = list(backends)
+    header = "| model | context | op | torch us | " + " | ".join(f"{n} us | {n} x | {n} err" for n in names) + " |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for shape in SHAPES:
+        for ctx in contexts:
+            case = Case(shape, ctx // PAGE, device)
+            for op, (run, err) in _ops(case).items():
+                ref = _timer(device, lambda run=run: run(None), reps)
+                cells = [f"{ref:.0f}"]
+                for name in names:
+                    t = _timer(device, lambda run=run, name=name: run(backends[name]), reps)
+                    cells += [f"{t:.0f}", f"{ref / t:.1f}", f"{err(backends[name]):.1e}"]
+                print(f"| {shape.name} | {ctx // 1024}K | {op} | " + " | ".join(cells) + " |", flush=True)
+            del case
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--contexts", default="2048,8192,32768", help="context lengths in tokens")
     p.add_argument("--backends", default="triton,cupy")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--tables", default="summary,decode", help="which tables: summary, decode")
+    p.add_argument("--decode-widths", default="2048,4096,8192", help="decode attention: rows read per sequence")
+    p.add_argument("--decode-batches", default="1,8", help="decode attention: sequences per step")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = torch.device(a.device)
     backends = _backends(device, a.backends.split(","))
-    names = list(backends)
-    header = "| model | context | op | torch us | " + " | ".join(f"{n} us | {n} x | {n} err" for n in names) + " |"
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
-    for shape in SHAPES:
-        for ctx in (int(c) for c in a.contexts.split(",")):
-            case = Case(shape, ctx // PAGE, device)
-            for op, (run, err) in _ops(case).items():
-                ref = _timer(device, lambda run=run: run(None), a.reps)
-                cells = [f"{ref:.0f}"]
-                for name in names:
-                    t = _timer(device, lambda run=run, name=name: run(backends[name]), a.reps)
-                    cells += [f"{t:.0f}", f"{ref / t:.1f}", f"{err(backends[name]):.1e}"]
-                print(f"| {shape.name} | {ctx // 1024}K | {op} | " + " | ".join(cells) + " |", flush=True)
-            del case
+    tables = a.tables.split(",")
+    if "summary" in tables:
+        _summary_table(device, backends, _ints(a.contexts), a.reps)
+    if "decode" in tables:
+        print()
+        _decode_table(device, backends, _ints(a.decode_widths), _ints(a.decode_batches), a.reps)
     return 0
 
 

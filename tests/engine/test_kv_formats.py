@@ -5,7 +5,7 @@ with quantised pools (teacher-forced logits near the fp32 pool, a ring whose res
 from __future__ import annotations
 
 import importlib.util  # noqa: E402
-from collections.abc import Iterator, Sequence  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -39,16 +39,6 @@ QUANTISED = ["fp8", "int8", "nvfp4"]
 ALL = ["fp32", "bf16", "fp16", "fp8", "fp8+h", "int8", "int8+h", "nvfp4", "nvfp4+h"]
 VOCAB = 49152
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def triton_tier() -> Iterator[None]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    before = active_tier()
-    use_tier(KernelTier("triton", "cpu", None, False))
-    yield
-    use_tier(before)
 
 
 def _rows(n: int, h: int, d: int, seed: int = 0) -> torch.Tensor:

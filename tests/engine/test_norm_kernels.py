@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,14 +27,6 @@ def _device(where: str) -> torch.device:
     if where == "cuda" and not CUDA:
         pytest.skip("no CUDA device")
     return torch.device(where)
-
-
-@pytest.fixture
-def triton_tier() -> Iterator[None]:
-    """The Triton tier on the CPU (interpreted) for the duration of a test; torch afterwards."""
-    kernels.use_tier(kernels.select_tier(torch.device("cpu"), "triton"))
-    yield
-    kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
 
 
 def _params(where: str) -> list[object]:

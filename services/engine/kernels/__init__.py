@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -87,3 +88,12 @@ def use_tier(tier: KernelTier) -> None:
 def active_tier() -> KernelTier:
     """The process's kernel set: torch until the engine chose one at start-up."""
     return _active
+
+
+def triton_module(name: str, device: torch.device) -> ModuleType | None:
+    """services.engine.kernels.<name> when the process's tier is Triton on `device`'s kind (compiled on
+    CUDA, interpreted on the CPU in tests), else None: the caller runs its torch code."""
+    tier = _active
+    if tier.backend != "triton" or (device.type == "cuda") == tier.interpreted:
+        return None
+    return importlib.import_module(f"services.engine.kernels.{name}")

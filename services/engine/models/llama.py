@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.engine.attention import AttentionBackend
-from services.engine.kernels import active_tier
+from services.engine.kernels import triton_module
 from services.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -25,12 +25,7 @@ logger = logging.getLogger(__name__)
 def fused_kernels(x: Tensor) -> ModuleType | None:
     """The fused Triton norm kernels (kernels/norm_triton.py) when the kernel tier is Triton and x is on
     that tier's device (CUDA, or the CPU under the interpreter in tests); None: the torch code."""
-    tier = active_tier()
-    if tier.backend != "triton" or x.is_cuda == tier.interpreted:
-        return None
-    from services.engine.kernels import norm_triton
-
-    return norm_triton
+    return triton_module("norm_triton", x.device)
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,347 @@
+"""Flash-decoding attention over pool rows (Triton): one new token per sequence attends its rows in place.
+
+A decode step reads, for sequence b, the W pool rows `rows[b]` (its resident pages, padded) holding
+the tokens at `key_pos[b]`; a key is visible iff key_pos <= q_pos[b] and, on a sliding layer,
+key_pos > q_pos[b] - window (padding rows sit at a huge position, so they are never visible). The
+torch path (decode_graph) gathers the rows (two index_select), builds an additive mask and runs SDPA;
+here two launches read K/V straight from the pool tensors:
+
+    split kernel   grid (B, Hkv, S): program (b, kv, s) walks rows [s * R, (s + 1) * R) of sequence b
+                   in blocks of BLOCK_N, once for all G = Hq / Hkv query heads of KV head kv (the G
+                   rows padded to 16 for tl.dot), keeps an online softmax in fp32 (base 2) and writes
+                   its partial (max, sum, acc) to scratch. Rows that are not visible are not loaded.
+    merge kernel   grid (B, Hq): the S partials of one query head -> the normalised output.
+
+With one split (S == 1) the split kernel normalises and writes the output itself: one launch.
+S and R depend on the shapes only (`split_rows`), so the launch has no host sync and no data-dependent
+branch and a CUDA graph captures it; W, R, S and the window are runtime ints (`do_not_specialize`),
+so a new window bucket compiles nothing. `write_kv` stores a step's new K and V rows in one launch.
+
+The torch references are `decode_attention_reference` and `write_kv_reference`. Shapes: q [B, Hq, D];
+k_store, v_store [R, Hkv, D] (one layer of the pool, a plain float dtype); rows, key_pos [B, W] int64;
+q_pos [B] int64. bf16/fp16 dots run on tensor cores with fp32 accumulation (the probabilities are
+rounded to the V dtype for the second dot, as flash attention does); fp32 dots run in IEEE fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+logger = logging.getLogger(__name__)
+
+PAGE_ROWS = 64  # W is a whole number of pages
+MIN_BLOCK_G = 16  # tl.dot needs M >= 16: the G query heads of a KV head are padded to this
+MAX_SPLIT_ROWS = 512  # rows of one split program at most
+TARGET_PROGRAMS = 256  # split until B * Hkv * S reaches this (about two programs per SM of an H200)
+MERGE_BLOCK_S = 16  # partials per iteration of the merge kernel
+# rows per iteration of a split: sm_90 ptxas fits 32 rows of D <= 256 without spills (4 warps; 8 for fp32 dots),
+# 64 rows spill at D >= 64
+BLOCK_N = 32
+LOG2E = 1.4426950408889634
+_PLAIN = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def supported(k_store: torch.Tensor) -> bool:
+    """Whether the kernel reads this pool layer: a plain float dtype (quantised uint8 layers keep the
+    gather path) and a head_dim that is a power of two in 16..256."""
+    if k_store.dtype not in _PLAIN or k_store.dim() != 3:
+        return False
+    head_dim = k_store.shape[-1]
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
+def split_rows(batch: int, num_kv_heads: int, width: int) -> int:
+    """Rows per split program (whole pages): splits of at most MAX_SPLIT_ROWS, halved until the grid has
+    TARGET_PROGRAMS programs (a small batch spreads a long window over the device) or they are one page,
+    then evened out over the W rows. A function of the shapes only."""
+    rows = MAX_SPLIT_ROWS
+    while rows > PAGE_ROWS and batch * num_kv_heads * triton.cdiv(width, rows) < TARGET_PROGRAMS:
+        rows //= 2
+    return triton.cdiv(triton.cdiv(width, triton.cdiv(width, rows)), PAGE_ROWS) * PAGE_ROWS
+
+
+# -- torch references ----------------------------------------------------------------------------------
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    rows: torch.Tensor,
+    key_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Masked attention of one token per sequence over its pool rows, in fp32 -> [B, Hq, D] in q's dtype.
+
+    q: [B, Hq, D]; k_store, v_store: [R, Hkv, D]; rows, key_pos: [B, W] int64; q_pos: [B] int64. Query
+    head h reads KV head h // (Hq / Hkv). Every sequence must see at least one key.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_store.shape[1]
+    group = num_heads // num_kv_heads
+    k = k_store[rows].float()  # [B, W, Hkv, D]
+    v = v_store[rows].float()
+    k = k.repeat_interleave(group, dim=2)  # [B, W, Hq, D]
+    v = v.repeat_interleave(group, dim=2)
+    visible = key_pos <= q_pos[:, None]  # [B, W]
+    if window is not None:
+        visible &= key_pos > q_pos[:, None] - window
+    scores = torch.einsum("bhd,bwhd->bhw", q.float(), k) * scale  # [B, Hq, W]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhw,bwhd->bhd", probs, v).to(q.dtype)
+
+
+def write_kv_reference(
+    k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """k_store[rows] = k and v_store[rows] = v (cast to the store dtype): rows [N]; k, v [N, Hkv, D]."""
+    k_store.index_copy_(0, rows, k.to(k_store.dtype))
+    v_store.index_copy_(0, rows, v.to(v_store.dtype))
+
+
+# -- kernels -------------------------------------------------------------------------------------------
+
+# Counts that change with the window bucket or the layer: runtime ints, never a new compiled variant.
+_COUNTS = ["width", "rows_per_split", "num_splits", "window"]
+
+
+@triton.jit(do_not_specialize=_COUNTS)
+def _split_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [R, Hkv, D]
+    v_ptr,  # [R, Hkv, D]
+    rows_ptr,  # [B, W] int64, contiguous
+    key_pos_ptr,  # [B, W] int64, contiguous
+    q_pos_ptr,  # [B] int64
+    m_ptr,  # [B, Hq, S] fp32: running max of the base-2 scores (unused when DIRECT)
+    l_ptr,  # [B, Hq, S] fp32: sum of exp2(score - max)
+    acc_ptr,  # [B, Hq, S, D] fp32: sum of exp2(score - max) * v
+    out_ptr,  # [B, Hq, D] (DIRECT only)
+    width,
+    rows_per_split,
+    num_splits,
+    window,
+    scale_log2,  # softmax scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_kr,
+    stride_kh,
+    stride_vr,
+    stride_vh,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DIRECT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    SPLIT_BLOCKS: tl.constexpr,  # rows_per_split // BLOCK_N, interpreted only (0 when compiled)
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < G
+    heads = kv * G + g  # [BLOCK_G] query heads of this KV head
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+    q_pos = tl.load(q_pos_ptr + b)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    start = split * rows_per_split
+    # the last split may end past W: those rows are masked
+    for n0 in range(0, SPLIT_BLOCKS * BLOCK_N if INTERPRETED else rows_per_split, BLOCK_N):
+        n = start + n0 + tl.arange(0, BLOCK_N)
+        in_w = n < width
+        pos = tl.load(key_pos_ptr + b * width + n, mask=in_w, other=0)
+        ok = in_w & (pos <= q_pos)
+        if HAS_WINDOW:
+            ok = ok & (pos > q_pos - window)
+        row = tl.load(rows_ptr + b * width + n, mask=ok, other=0)
+        k = tl.load(k_ptr + row[:, None] * stride_kr + kv * stride_kh + d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] * stride_vr + kv * stride_vh + d[None, :], mask=ok[:, None], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_G, BLOCK_N]
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep exp2 finite
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if DOT_FP32:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    if DIRECT:
+        o = acc / l_i[:, None]
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        at = ((b * tl.num_programs(1) * G + heads) * num_splits + split).to(tl.int64)  # [BLOCK_G]
+        tl.store(m_ptr + at, m_i, mask=g_ok)
+        tl.store(l_ptr + at, l_i, mask=g_ok)
+        tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(
+    m_ptr,  # [B, Hq, S] fp32
+    l_ptr,  # [B, Hq, S] fp32
+    acc_ptr,  # [B, Hq, S, D] fp32
+    out_ptr,  # [B, Hq, D]
+    num_splits,
+    stride_ob,
+    stride_oh,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    SPLITS: tl.constexpr,  # num_splits, interpreted only (0 when compiled)
+):
+    """out = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s, M the largest m_s (a fully masked
+    split has m = -inf and contributes nothing)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits
+    d = tl.arange(0, D)
+    m_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, SPLITS if INTERPRETED else num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        m_max = tl.maximum(m_max, tl.load(m_ptr + base + s, mask=s < num_splits, other=float("-inf")))
+    top = tl.max(m_max, axis=0)
+    l_sum = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_S, D], tl.float32)
+    for s0 in range(0, SPLITS if INTERPRETED else num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = s < num_splits
+        w = tl.exp2(tl.load(m_ptr + base + s, mask=s_ok, other=float("-inf")) - top)  # [BLOCK_S]
+        l_sum += w * tl.load(l_ptr + base + s, mask=s_ok, other=0.0)
+        a = tl.load(acc_ptr + (base + s)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+        acc += w[:, None] * a
+    o = tl.sum(acc, axis=0) / tl.sum(l_sum, axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, rows_ptr, k_store_ptr, v_store_ptr, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_sr, stride_sh, stride_tr, stride_th, D: tl.constexpr,
+):  # fmt: skip
+    """One program per (token, KV head): its K and V rows into the two stores at rows[token]."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = tl.load(rows_ptr + n)
+    d = tl.arange(0, D)
+    k = tl.load(k_ptr + n * stride_kn + h * stride_kh + d)
+    v = tl.load(v_ptr + n * stride_vn + h * stride_vh + d)
+    tl.store(k_store_ptr + row * stride_sr + h * stride_sh + d, k.to(k_store_ptr.dtype.element_ty))
+    tl.store(v_store_ptr + row * stride_tr + h * stride_th + d, v.to(v_store_ptr.dtype.element_ty))
+
+
+# -- wrappers ------------------------------------------------------------------------------------------
+
+# Triton 3.5's interpreter fails on a loop whose bound is a runtime int under numpy >= 2.4
+# (triton-lang/triton#9171: `int()` of a 1-element array): interpreted, the loop bounds are passed as
+# constexprs instead (nothing is compiled there); compiled, they stay runtime ints. Its tl.dot also
+# multiplies bf16/fp16 operands as raw bits, so interpreted dots are fp32 (the tests' CPU runs check the
+# masking, split and merge logic; the tensor-core path of bf16/fp16 is checked by the GPU tests).
+INTERPRETED = isinstance(_split_kernel, InterpretedFunction)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    rows: torch.Tensor,
+    key_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`decode_attention_reference` in one or two launches -> out [B, Hq, D] (q's dtype unless `out`).
+
+    q: [B, Hq, D] (last dim contiguous); k_store, v_store: [R, Hkv, D] one pool layer (plain float
+    dtype, last dim contiguous); rows, key_pos: [B, W] int64 with W a multiple of 64; q_pos: [B] int64.
+    Capturable in a CUDA graph (no host sync; scratch is allocated from the shapes).
+    """
+    batch, num_heads, head_dim = q.shape
+    width = rows.shape[1]
+    num_kv_heads = k_store.shape[1]
+    assert supported(k_store), f"k_store {k_store.dtype} {tuple(k_store.shape)}: plain float, D a power of 2 <= 256"
+    assert v_store.dtype == k_store.dtype and v_store.shape == k_store.shape, (v_store.shape, k_store.shape)
+    assert k_store.shape[2] == head_dim and num_heads % num_kv_heads == 0, (q.shape, k_store.shape)
+    assert q.stride(2) == 1 and k_store.stride(2) == 1 and v_store.stride(2) == 1
+    assert rows.shape == key_pos.shape == (batch, width) and q_pos.shape == (batch,), (rows.shape, key_pos.shape)
+    assert rows.dtype == key_pos.dtype == q_pos.dtype == torch.int64
+    assert width % PAGE_ROWS == 0 and width > 0, f"W {width} is not a positive multiple of {PAGE_ROWS}"
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(2) == 1, (out.shape, q.shape)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    per_split = split_rows(batch, num_kv_heads, width)
+    num_splits = triton.cdiv(width, per_split)
+    direct = num_splits == 1
+    if direct:  # the split kernel writes `out`; the scratch pointers are never read
+        m = l_sum = acc = out
+    else:
+        m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        l_sum = torch.empty_like(m)
+        acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    rows, key_pos, q_pos = rows.contiguous(), key_pos.contiguous(), q_pos.contiguous()
+    # fp32 dots (IEEE) for fp32 or mixed inputs, and interpreted: the interpreter's tl.dot is wrong on bf16
+    dot_fp32 = k_store.dtype == torch.float32 or q.dtype != k_store.dtype or INTERPRETED
+    _split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out,
+        width, per_split, num_splits, window if window is not None else 0, scale * LOG2E,
+        q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
+        out.stride(0), out.stride(1),
+        G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=BLOCK_N,
+        HAS_WINDOW=window is not None, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
+        SPLIT_BLOCKS=per_split // BLOCK_N if INTERPRETED else 0, num_warps=8 if dot_fp32 else 4, num_stages=2,
+    )  # fmt: skip
+    if not direct:
+        _merge_kernel[(batch, num_heads)](
+            m, l_sum, acc, out, num_splits, out.stride(0), out.stride(1), D=head_dim, BLOCK_S=MERGE_BLOCK_S,
+            INTERPRETED=INTERPRETED, SPLITS=num_splits if INTERPRETED else 0, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def write_kv(
+    k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """`write_kv_reference` in one launch: rows [N] int64 (distinct); k, v [N, Hkv, D] (last dim
+    contiguous) written into k_store, v_store [R, Hkv, D] (plain float dtype), cast to the store dtype."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert supported(k_store) and v_store.dtype == k_store.dtype, (k_store.dtype, v_store.dtype)
+    assert k_store.shape[1:] == v_store.shape[1:] == (num_kv_heads, head_dim) and v.shape == k.shape
+    assert rows.shape == (num_tokens,) and rows.dtype == torch.int64, (rows.shape, rows.dtype)
+    assert k.stride(2) == v.stride(2) == k_store.stride(2) == v_store.stride(2) == 1
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens, num_kv_heads)](
+        k, v, rows.contiguous(), k_store, v_store, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1), D=head_dim,
+    )  # fmt: skip

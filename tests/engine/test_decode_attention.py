@@ -1,0 +1,332 @@
+"""Flash-decoding attention over pool rows (Triton) against its torch reference, and the reference against
+plain attention (a per-head loop and SDPA over repeated K/V).
+
+On the CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), with small shapes; on CUDA
+(`-m gpu`) compiled, over the full grid of shapes, and captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+CUDA = torch.cuda.is_available()
+PAD_POS = 1 << 40  # decode_graph's padding position: after every query
+
+
+def _device(where: str) -> torch.device:
+    if where == "cuda" and not CUDA:
+        pytest.skip("no CUDA device")
+    return torch.device(where)
+
+
+class Inputs(NamedTuple):
+    q: torch.Tensor  # [B, Hq, D]
+    k_store: torch.Tensor  # [R, Hkv, D]
+    v_store: torch.Tensor
+    rows: torch.Tensor  # [B, W] int64
+    key_pos: torch.Tensor  # [B, W] int64
+    q_pos: torch.Tensor  # [B] int64
+    scale: float
+
+
+def _inputs(
+    batch: int, heads: tuple[int, int], head_dim: int, width: int, dtype: torch.dtype, device: torch.device, seed: int
+) -> Inputs:
+    """Scattered pool rows in shuffled order, positions with gaps, padding rows (row 0 at PAD_POS) at the
+    end of each sequence's rows, and a few real keys after the query (masked as future)."""
+    num_heads, num_kv_heads = heads
+    g = torch.Generator().manual_seed(seed)
+    num_rows = batch * width + 64
+    k_store = torch.randn(num_rows, num_kv_heads, head_dim, generator=g)
+    v_store = torch.randn(num_rows, num_kv_heads, head_dim, generator=g)
+    q = 2 * torch.randn(batch, num_heads, head_dim, generator=g)  # scores spread: a peaked softmax
+    rows = torch.stack([torch.randperm(num_rows - 1, generator=g)[:width] + 1 for _ in range(batch)])
+    key_pos = torch.cumsum(torch.randint(1, 4, (batch, width), generator=g), dim=1)  # increasing, gaps
+    q_pos = torch.empty(batch, dtype=torch.int64)
+    for b in range(batch):
+        num_pad = (width // 4 + 13 * b) % (width // 2)
+        key_pos[b, width - num_pad :] = PAD_POS
+        rows[b, width - num_pad :] = 0
+        real = width - num_pad
+        q_pos[b] = key_pos[b, real - 1 - min(3, real - 1)]  # the last real keys are in the future
+        order = torch.randperm(width, generator=g)  # rows in no particular order
+        rows[b], key_pos[b] = rows[b, order], key_pos[b, order]
+    return Inputs(
+        q.to(device, dtype), k_store.to(device, dtype), v_store.to(device, dtype),
+        rows.to(device), key_pos.to(device), q_pos.to(device), head_dim**-0.5,
+    )  # fmt: skip
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 2e-5 if dtype == torch.float32 else 2e-2  # bf16/fp16: one rounding of the output (and of p on GPU)
+
+
+def _check(x: Inputs, window: int | None, out: torch.Tensor | None = None) -> None:
+    from services.engine.kernels import decode_attention_triton as dat
+
+    want = dat.decode_attention_reference(*x, window=window)
+    got = dat.decode_attention(*x, window=window, out=out)
+    assert got.shape == x.q.shape and got.dtype == (x.q.dtype if out is None else out.dtype)
+    tol = _tolerance(x.k_store.dtype)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+# -- the reference ---------------------------------------------------------------------------------------
+
+
+def _loop_attention(x: Inputs, window: int | None) -> torch.Tensor:
+    """One (sequence, query head) at a time over its visible keys, in float64."""
+    batch, num_heads, _ = x.q.shape
+    group = num_heads // x.k_store.shape[1]
+    out = torch.empty(x.q.shape, dtype=torch.float64)
+    for b in range(batch):
+        q_pos = int(x.q_pos[b])
+        keep = [
+            i
+            for i, pos in enumerate(x.key_pos[b].tolist())
+            if pos <= q_pos and (window is None or pos > q_pos - window)
+        ]
+        rows = x.rows[b, keep]
+        for h in range(num_heads):
+            k = x.k_store[rows, h // group].double()  # [N, D]
+            v = x.v_store[rows, h // group].double()
+            p = torch.softmax(k @ x.q[b, h].double() * x.scale, dim=0)
+            out[b, h] = p @ v
+    return out
+
+
+def _sdpa_attention(x: Inputs, window: int | None) -> torch.Tensor:
+    """SDPA over the gathered rows with K/V repeated to every query head and a boolean mask."""
+    group = x.q.shape[1] // x.k_store.shape[1]
+    k = x.k_store[x.rows].float().repeat_interleave(group, dim=2).transpose(1, 2)  # [B, Hq, W, D]
+    v = x.v_store[x.rows].float().repeat_interleave(group, dim=2).transpose(1, 2)
+    visible = x.key_pos <= x.q_pos[:, None]
+    if window is not None:
+        visible &= x.key_pos > x.q_pos[:, None] - window
+    out = F.scaled_dot_product_attention(x.q.float()[:, :, None], k, v, attn_mask=visible[:, None, None], scale=x.scale)
+    return out[:, :, 0]
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("heads", [(4, 1), (8, 2), (2, 2)])
+def test_reference_matches_loop_and_sdpa(heads: tuple[int, int], window: int | None) -> None:
+    from services.engine.kernels.decode_attention_triton import decode_attention_reference
+
+    x = _inputs(3, heads, 32, 128, torch.float32, torch.device("cpu"), seed=7)
+    got = decode_attention_reference(*x, window=window)
+    torch.testing.assert_close(got.double(), _loop_attention(x, window), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, _sdpa_attention(x, window), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_keeps_q_dtype_and_sees_only_the_visible_row() -> None:
+    from services.engine.kernels.decode_attention_triton import decode_attention_reference
+
+    x = _inputs(2, (4, 2), 16, 64, torch.bfloat16, torch.device("cpu"), seed=3)
+    got = decode_attention_reference(*x, window=1)  # only the key at q_pos itself
+    assert got.dtype == torch.bfloat16
+    for b in range(2):
+        (col,) = (x.key_pos[b] == x.q_pos[b]).nonzero()[0].tolist()
+        want = x.v_store[x.rows[b, col]].repeat_interleave(2, dim=0)  # [Hq, D]
+        assert torch.equal(got[b], want)
+
+
+# -- the kernel --------------------------------------------------------------------------------------------
+
+
+def _interpreted_blocks(batch: int, num_kv_heads: int, width: int, head_dim: int) -> int:
+    """Blocks of 32 rows the interpreter walks (10 to 15 ms each)."""
+    return batch * num_kv_heads * width // 32
+
+
+def _cpu_cases() -> list[object]:
+    """Every (heads, dtype, window) once, B / D / W rotating so each value meets several others."""
+    cases = []
+    combos = itertools.product([(4, 1), (8, 2), (2, 2)], [torch.float32, torch.bfloat16], [None, 96])
+    for i, (heads, dtype, window) in enumerate(combos):
+        batch, head_dim, width = (1, 3)[i % 2], (64, 256)[(i // 2) % 2], (64, 256, 1024)[i % 3]
+        if _interpreted_blocks(batch, heads[1], width, head_dim) > 32:  # keep the CPU run short
+            batch = 1
+        if _interpreted_blocks(batch, heads[1], width, head_dim) > 32:
+            width = 256
+        name = f"B{batch}-H{heads[0]}x{heads[1]}-D{head_dim}-W{width}-{str(dtype)[6:]}-win{window}"
+        cases.append(pytest.param(batch, heads, head_dim, width, dtype, window, id=name))
+    return cases
+
+
+def _gpu_cases() -> list[object]:
+    grid = itertools.product(
+        [1, 3], [(4, 1), (8, 2), (2, 2)], [64, 256], [64, 256, 1024], [torch.float32, torch.bfloat16, torch.float16],
+        [None, 96],
+    )  # fmt: skip
+    return [
+        pytest.param(b, h, d, w, dt, win, marks=pytest.mark.gpu, id=f"B{b}-H{h[0]}x{h[1]}-D{d}-W{w}-{dt}-win{win}")
+        for b, h, d, w, dt, win in grid
+    ]
+
+
+@pytest.mark.parametrize(("batch", "heads", "head_dim", "width", "dtype", "window"), _cpu_cases())
+def test_kernel_matches_reference_cpu(
+    batch: int, heads: tuple[int, int], head_dim: int, width: int, dtype: torch.dtype, window: int | None
+) -> None:
+    _check(_inputs(batch, heads, head_dim, width, dtype, torch.device("cpu"), seed=width + batch), window)
+
+
+@pytest.mark.parametrize(("batch", "heads", "head_dim", "width", "dtype", "window"), _gpu_cases())
+def test_kernel_matches_reference_cuda(
+    batch: int, heads: tuple[int, int], head_dim: int, width: int, dtype: torch.dtype, window: int | None
+) -> None:
+    _check(_inputs(batch, heads, head_dim, width, dtype, _device("cuda"), seed=width + batch), window)
+
+
+def _only_one_visible(where: str, last: bool) -> Inputs:
+    """Positions 0..W-1 in order; the query sees only the last row (window 1) or only the first (q_pos 0):
+    every other split is fully masked."""
+    x = _inputs(2, (4, 1), 64, 256, torch.float32, _device(where), seed=11)
+    width = x.rows.shape[1]
+    key_pos = torch.arange(width, device=x.rows.device).expand(2, width).contiguous()
+    q_pos = torch.full((2,), width - 1 if last else 0, dtype=torch.int64, device=x.rows.device)
+    return x._replace(key_pos=key_pos, q_pos=q_pos)
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("last", [True, False])
+def test_only_one_key_visible(where: str, last: bool) -> None:
+    from services.engine.kernels.decode_attention_triton import decode_attention
+
+    x = _only_one_visible(where, last)
+    got = decode_attention(*x, window=1 if last else None)
+    col = x.rows.shape[1] - 1 if last else 0
+    want = x.v_store[x.rows[:, col]].expand(-1, 4, -1)  # [B, Hq, D]: the one row's V, every head
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_partial_last_split_and_direct_path(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Splits of up to 512 rows: W 576 is two splits of 320 rows, the last one ending past W (masked);
+    W 256 is one split written by the split kernel itself (no merge)."""
+    from services.engine.kernels import decode_attention_triton as dat
+
+    monkeypatch.setattr(dat, "TARGET_PROGRAMS", 1)
+    assert dat.split_rows(2, 2, 576) == 320 and dat.split_rows(2, 2, 256) == 256
+    for width in (576, 256):
+        _check(_inputs(1, (4, 1), 64, width, torch.float32, _device(where), seed=width), window=None)
+
+
+def test_many_splits_are_merged() -> None:
+    """W 1088 (17 pages) at B 1: 17 splits of 64 rows, more than one merge block of 16."""
+    from services.engine.kernels import decode_attention_triton as dat
+
+    assert dat.split_rows(1, 1, 1088) == 64
+    _check(_inputs(1, (4, 1), 32, 1088, torch.float32, torch.device("cpu"), seed=5), window=200)
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_strided_query_and_given_output(where: str) -> None:
+    """q as the query heads of a fused [B, Hq + 2 Hkv, D] projection; the result lands in `out` (a view)."""
+    device = _device(where)
+    x = _inputs(2, (8, 2), 64, 128, torch.float32, device, seed=9)
+    fused = torch.randn(2, 12, 64, device=device)
+    fused[:, :8] = x.q
+    big = torch.full((2, 10, 64), float("nan"), device=device)
+    out = big[:, 1:9]
+    from services.engine.kernels.decode_attention_triton import decode_attention
+
+    got = decode_attention(*x._replace(q=fused[:, :8]), window=None, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.isnan(big[:, 0]).all() and torch.isnan(big[:, 9]).all()  # nothing written outside `out`
+    from services.engine.kernels.decode_attention_triton import decode_attention_reference
+
+    torch.testing.assert_close(big[:, 1:9], decode_attention_reference(*x), rtol=2e-5, atol=2e-5)
+
+
+def test_split_rows_is_a_function_of_the_shapes() -> None:
+    from services.engine.kernels.decode_attention_triton import split_rows
+
+    assert [split_rows(1, 1, w) for w in (64, 2048, 8192)] == [64, 64, 64]
+    assert [split_rows(8, 1, w) for w in (2048, 8192, 65536)] == [64, 256, 512]
+    assert split_rows(64, 4, 4096) == 512  # a large batch: few long splits
+    assert split_rows(64, 4, 576) == 320 and split_rows(64, 4, 448) == 448  # even splits; one split
+
+
+def test_wrapper_refuses_bad_shapes() -> None:
+    from services.engine.kernels.decode_attention_triton import decode_attention, supported
+
+    x = _inputs(1, (4, 1), 64, 128, torch.float32, torch.device("cpu"), seed=1)
+    assert supported(x.k_store) and supported(x.k_store.bfloat16()) and supported(x.k_store.half())
+    assert not supported(torch.zeros(8, 1, 68, dtype=torch.uint8))  # a quantised pool layer
+    assert not supported(torch.zeros(8, 1, 48)) and not supported(torch.zeros(8, 1, 512))
+    with pytest.raises(AssertionError, match="multiple of 64"):
+        decode_attention(*x._replace(rows=x.rows[:, :100], key_pos=x.key_pos[:, :100]))
+    with pytest.raises(AssertionError):
+        decode_attention(*x._replace(k_store=x.k_store[..., :48].contiguous(), v_store=x.v_store[..., :48]))
+    with pytest.raises(AssertionError):
+        decode_attention(*x._replace(rows=x.rows.int()))
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy(where: str, dtype: torch.dtype) -> None:
+    from services.engine.kernels.decode_attention_triton import write_kv, write_kv_reference
+
+    device = _device(where)
+    g = torch.Generator().manual_seed(2)
+    stores = [torch.randn(40, 2, 64, generator=g).to(device, dtype) for _ in range(2)]
+    want = [s.clone() for s in stores]
+    rows = torch.tensor([17, 3, 39, 0], device=device)
+    kv = torch.randn(4, 6, 64, generator=g).to(device, dtype)  # strided views of a fused projection
+    k, v = kv[:, 2:4], kv[:, 4:6]
+    write_kv_reference(*want, rows, k, v)
+    write_kv(*stores, rows, k, v)
+    assert torch.equal(stores[0], want[0]) and torch.equal(stores[1], want[1])
+
+
+# -- GPU only: CUDA graphs and compiled variants -------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 96])
+def test_captured_in_a_cuda_graph(window: int | None) -> None:
+    """Capture once on static buffers, change every input in place, replay: the result follows the inputs."""
+    from services.engine.kernels.decode_attention_triton import decode_attention, decode_attention_reference
+
+    device = _device("cuda")
+    static = _inputs(3, (4, 1), 256, 1024, torch.bfloat16, device, seed=1)
+    out = torch.empty_like(static.q)
+    decode_attention(*static, window=window, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(*static, window=window, out=out)
+    for seed in (2, 3):
+        fresh = _inputs(3, (4, 1), 256, 1024, torch.bfloat16, device, seed=seed)
+        for buf, new in zip(static[:6], fresh[:6], strict=True):
+            buf.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = decode_attention_reference(*fresh, window=window)
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_new_widths_and_batches_compile_nothing() -> None:
+    """W, the split size and the split count are runtime ints: other window buckets reuse the variants."""
+    from services.engine.kernels import decode_attention_triton as dat
+
+    device = _device("cuda")
+    _check(_inputs(1, (4, 1), 256, 512, torch.bfloat16, device, seed=1), window=None)
+    caches = [
+        dat._split_kernel.device_caches[torch.cuda.current_device()][0],
+        dat._merge_kernel.device_caches[torch.cuda.current_device()][0],
+    ]
+    before = [len(c) for c in caches]
+    for batch, width in ((1, 1024), (3, 2048), (2, 4096), (5, 1088)):
+        _check(_inputs(batch, (4, 1), 256, width, torch.bfloat16, device, seed=width), window=None)
+    assert [len(c) for c in caches] == before
