@@ -179,6 +179,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--no-hf", action="store_true", help="engine only")
+    p.add_argument("--no-local-ring", action="store_true", help="page the sliding-window layers too")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -218,7 +219,8 @@ def main() -> int:
             store_kw = dict(redis_url=url, host_kv_mib=a.host_kv_mib)
         cfg = EngineConfig(
             model=model_ref, device=a.device, max_context=max_context, kv_capacity=kv_capacity,
-            prefill_chunk=a.prefill_chunk, max_running=16, **store_kw,  # type: ignore[arg-type]
+            prefill_chunk=a.prefill_chunk, max_running=16, local_ring=not a.no_local_ring,
+            **store_kw,  # type: ignore[arg-type]
         )  # fmt: skip
         engine, info = build_engine(cfg)
         stack.callback(engine.stop)
@@ -279,6 +281,8 @@ def main() -> int:
             f"{' (ring, host store)' if store_kw else ''}, new tokens {a.new_tokens} (transformers {hf_tokens}), "
             f"median of {a.repeats}, weights {weight_bytes / 1e6:.0f} MB"
             + (f", ring restores {ring.num_restores} demotions {ring.num_demotions}" if ring is not None else "")
+            + f", device KV: slots {engine.pool.nbytes / 2**20:.1f} MiB + local rings "
+            f"{engine.pool.local_nbytes / 2**20:.1f} MiB ({len(engine.pool.paged_layers)} paged layers)"
         )
         print(f"{'context':>7} | {'prefill tok/s':>13} {'hf':>9} {'ratio':>6} | "
               + " ".join(f"{'decode ' + m:>13}" for m in modes)

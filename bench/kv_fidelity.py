@@ -36,6 +36,7 @@ from services.engine.engine import Engine, EngineLimits  # noqa: E402
 from services.engine.kernels import select_tier, use_tier  # noqa: E402
 from services.engine.kv_formats import KVFormat, parse_spec  # noqa: E402
 from services.engine.kv_pool import KVPool  # noqa: E402
+from services.engine.local_ring import ring_span  # noqa: E402
 from services.engine.model_runner import ModelRunner  # noqa: E402
 from services.engine.models.config import ModelConfig  # noqa: E402
 from services.engine.models.loader import load_model  # noqa: E402
@@ -141,19 +142,44 @@ def needle(a: argparse.Namespace, model, cfg: ModelConfig, tok: Tokenizer, specs
 
 
 def memory_rows(a: argparse.Namespace, cfg: ModelConfig, specs: list[str], dtype, weight_bytes: int) -> list[str]:
+    """Per format: bytes per token on the host (every layer) and in the slots (the paged layers: the global
+    ones when the sliding layers live in local rings, a fixed ring of `ring_span` rows per sequence)."""
     free = a.gpu_gb * 1e9 - weight_bytes - a.reserve_gb * 1e9
+    windows = [] if a.no_local_ring else [w for w in cfg.layer_windows if w is not None]
+    span = ring_span(max(windows), a.chunk, 64) if windows else 0
     rows = []
     for s in ["bf16", *specs]:
-        per_token = sum(2 * cfg.num_kv_heads * f.row_bytes(cfg.head_dim) for f in pool_formats(cfg, s, dtype))
-        full_max = int(free // per_token)
-        ring_dev = per_token * a.ring_budget
+        layer_bytes = [2 * cfg.num_kv_heads * f.row_bytes(cfg.head_dim) for f in pool_formats(cfg, s, dtype)]
+        per_token = sum(layer_bytes)  # the host copy
+        local = a.no_local_ring is False and windows
+        paged = sum(b for b, w in zip(layer_bytes, cfg.layer_windows, strict=True) if not (local and w is not None))
+        ring_rows = (per_token - paged) * span  # one sequence's local rings
+        full_max = int((free - ring_rows) // paged)
+        ring_dev = paged * a.ring_budget + ring_rows
         rows.append(
-            f"| {s} | {per_token:,} | {per_token / (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim):.3f} "
+            f"| {s} | {per_token:,} | {paged:,} | {ring_rows / 2**20:.1f} MiB "
             f"| {full_max:,} ({min(full_max, cfg.max_position_embeddings):,}) | {ring_dev / 2**20:.1f} MiB "
-            f"| {per_token * a.ring_budget / a.ring_context:,.0f} | {int(free // ring_dev):,} "
+            f"| {ring_dev / a.ring_context:,.0f} | {int(free // ring_dev):,} "
             f"| {int(a.host_gb * 1e9 // per_token):,} |"
         )
     return rows
+
+
+def print_memory(a: argparse.Namespace, cfg: ModelConfig, specs: list[str], dtype, weight_bytes: int) -> None:
+    print(f"\n## Device KV memory ({a.gpu_gb:.0f} GB GPU: minus weights {weight_bytes / 1e9:.2f} GB ({dtype}) and "
+          f"{a.reserve_gb:.0f} GB reserve; one sequence)\n")  # fmt: skip
+    print(
+        "host bytes/token: every layer (the kvstore's copy); slot bytes/token: the layers kept in pool slots "
+        "(without the sliding-window layers when they live in local rings, --no-local-ring keeps them paged); "
+        f"local rings: per sequence, window + a {a.chunk}-token chunk; full context: every token resident; "
+        f"ring: {a.ring_budget} resident tokens per sequence, the rest in a {a.host_gb:.0f} GB host store.\n"
+    )
+    print("| format | host bytes/token | slot bytes/token | local rings | full context: max tokens (model limit) "
+          f"| ring: device per sequence | ring: device bytes/logical token at {a.ring_context:,} "
+          "| ring: sequences on the GPU | ring: max context (host) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in memory_rows(a, cfg, specs, dtype, weight_bytes):
+        print(row)
 
 
 def main() -> int:
@@ -174,10 +200,12 @@ def main() -> int:
     p.add_argument("--ring-budget", type=int, default=4096, help="resident tokens per ring sequence")
     p.add_argument("--ring-context", type=int, default=131072, help="logical context for the ring's bytes/token")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-local-ring", action="store_true", help="memory as if sliding layers were paged too")
+    p.add_argument("--memory-only", action="store_true", help="only the memory table (no forward passes)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(a.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" or a.memory_only else torch.float32  # memory: as served
     use_tier(select_tier(device))
     path = model_path(a.model)
     tok = load_tokenizer(path)
@@ -187,6 +215,9 @@ def main() -> int:
     specs = [s for s in (a.formats.split(";") if a.formats else FORMATS.split(",")) if s != "bf16"]
     if a.model == "gemma" and not a.formats:
         specs += ["fp8,global=bf16", "nvfp4+h,global=fp8"]
+    if a.memory_only:
+        print_memory(a, cfg, specs, dtype, weight_bytes)
+        return 0
     t0 = time.perf_counter()
     fid = fidelity(a, model, cfg, tok, specs, device, dtype)
     t1 = time.perf_counter()
@@ -207,18 +238,7 @@ def main() -> int:
         needle_s = f"{acc[s]}/{a.needle_cases}" if acc else "-"
         print(f"| {s} | {tv.mean():.4f} | {tv.quantile(0.99):.4f} | {tv.max():.4f} | {fid[s]['flips']} / {n} "
               f"| {needle_s} |")  # fmt: skip
-    print(f"\n## Device KV memory ({a.gpu_gb:.0f} GB GPU: minus weights {weight_bytes / 1e9:.2f} GB ({dtype}) and "
-          f"{a.reserve_gb:.0f} GB reserve; one sequence)\n")  # fmt: skip
-    print(
-        "full context: every token of every layer resident (the pool stores sliding layers whole too); "
-        f"ring: {a.ring_budget} resident tokens per sequence, the rest in a {a.host_gb:.0f} GB host store.\n"
-    )
-    print("| format | bytes/token | bytes/value | full context: max tokens (model limit) "
-          f"| ring: device per sequence | ring: device bytes/logical token at {a.ring_context:,} "
-          "| ring: sequences on the GPU | ring: max context (host) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for row in memory_rows(a, cfg, specs, dtype, weight_bytes):
-        print(row)
+    print_memory(a, cfg, specs, dtype, weight_bytes)
     print(f"\nfidelity {t1 - t0:.0f} s, needle {t2 - t1:.0f} s")
     return 0
 

@@ -15,6 +15,7 @@ from services.engine.engine import Engine, EngineLimits
 from services.engine.kernels import select_tier, use_tier
 from services.engine.kv_formats import KVFormatError
 from services.engine.kv_pool import KVPool
+from services.engine.local_ring import LocalRings, ring_span
 from services.engine.model_runner import ModelRunner
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
@@ -65,6 +66,7 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
             config.kv_dtype,
             device,
             formats,
+            local_rings(model_config, config) if config.local_ring else None,
         )
     except KVFormatError as exc:
         raise ConfigError(f"kv_format {config.kv_format!r} for {model_config.architecture}: {exc}") from None
@@ -75,6 +77,7 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
         from services.engine.host_pages import KVStoreHostPages
 
         host = KVStoreHostPages(_store_client(config), write_through, pool.page_nbytes, config.replica_name)
+        host.prepare(device)  # same-host arenas registered as pinned memory now, not inside a first restore
     if config.ring_enabled:
         assert host is not None  # check_host_capacity refuses a ring without a kvstore
         logger.info(
@@ -113,6 +116,15 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
         replica_id=config.replica_name,
     )
     return engine, info
+
+
+def local_rings(model_config: ModelConfig, config: EngineConfig) -> LocalRings | None:
+    """The sliding-window layers' rings (one per running sequence), or None when the model has none."""
+    windows = {i: w for i, w in enumerate(model_config.layer_windows) if w is not None}
+    if not windows:
+        return None
+    span = ring_span(max(windows.values()), config.prefill_chunk, config.page_size)
+    return LocalRings(windows, span, config.max_running, config.page_size)
 
 
 def ring_limits(config: EngineConfig) -> RingLimits:

@@ -54,6 +54,7 @@ class EngineConfig:
     rescore_interval: int = 16  # decode steps between re-selections (0: select at prefill only)
     retrieval: bool = True  # False: the negative control (evidence stays empty)
     audit_dir: str = ""  # write per-selection scores and choices here
+    local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
     # -- GPU execution --
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     kernels: str = "auto"  # page kernel set: auto (from the device capability), triton, cupy, torch
@@ -240,6 +241,12 @@ class EngineConfig:
             help="run decode steps eagerly (no CUDA graph capture)",
         )
         p.add_argument("--kernels", default=env("KVMEM_KERNELS", "auto"), help="auto, triton, cupy or torch")
+        p.add_argument(
+            "--no-local-ring",
+            action="store_true",
+            default=env("KVMEM_LOCAL_RING", "1") == "0",
+            help="keep sliding-window layers in the page slots too (every layer paged)",
+        )
         a = p.parse_args(argv)
         return cls(
             listen_addr=a.listen,
@@ -271,4 +278,5 @@ class EngineConfig:
             audit_dir=a.audit_dir,
             cuda_graphs=not a.no_cuda_graphs,
             kernels=a.kernels,
+            local_ring=not a.no_local_ring,
         )

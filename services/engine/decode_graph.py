@@ -8,12 +8,18 @@ scoring runs here instead of StepAttention. The step's inputs live in static buf
     rows, key_pos                   [B, W]  every resident row of the sequence up to its last page,
                                             padded with row 0 at position PAD_POS (always masked)
     local_rows, local_pos (per      [B, L]  the rows of the last ceil((window - 1) / page) + 1 pages only:
-    sliding window)                         a sliding layer reads L rows, not W
+    sliding window, paged)                  a sliding layer reads L rows, not W (pools without local rings)
+
+    ring_base                       [B]     with local rings (local_ring.py): the first row of each
+                                            sequence's ring; a sliding layer's rows and positions
+                                            (the window before the token) are computed in the step
 
 Masks (causal, gaps, padding, sliding window) are computed inside the step from these positions.
-Each layer writes its new K/V with `KVPool.write`, reads the padded window with `KVPool.gather`
-and runs one batched masked SDPA for all B sequences (query heads grouped onto their KV head, K/V
-never repeated). The logits [B, V] are computed in the step; sampling stays outside.
+Each layer writes its new K/V with `KVPool.write`; with the Triton tier and a plain-format layer,
+one flash-decoding kernel (kernels/decode_attention_triton.py) reads the rows in place; otherwise the
+padded window is read with `KVPool.gather` and one batched masked SDPA runs for all B sequences (query
+heads grouped onto their KV head, K/V never repeated). The logits [B, V] are computed in the step;
+sampling stays outside.
 
 On CUDA with `capture`, the first step of a bucket runs eagerly (the warm-up, and this step's
 result) and is then captured; later steps of that bucket replay the graph. All graphs share one
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from services.engine.kernels import triton_module
 from services.engine.kv_pool import KVPool
 from services.engine.models.loader import CausalLM
 from services.engine.scheduler import Work
@@ -89,7 +96,8 @@ class _Buffers:
     key_pos: torch.Tensor  # [B, W]
     local_rows: dict[int, torch.Tensor]  # window -> [B, L]
     local_pos: dict[int, torch.Tensor]  # window -> [B, L]
-    staging: torch.Tensor  # [3, B] host copy of ids, positions, write_rows (pinned on CUDA)
+    ring_base: torch.Tensor  # [B] first row of each sequence's local ring (local rings only)
+    staging: torch.Tensor  # [4, B] host copy of ids, positions, write_rows, ring_base (pinned on CUDA)
     queries: torch.Tensor  # [L, B, Hq, D] each layer's queries (after RoPE), kept for page scoring
     owners: list[tuple[int, ...] | None]  # per batch row: the _SeqRows key its rows came from
     graph: torch.cuda.CUDAGraph | None = None
@@ -102,11 +110,19 @@ class _GraphAttention:
     def __init__(self, pool: KVPool, bufs: _Buffers, dtype: torch.dtype) -> None:
         self.pool = pool
         self.bufs = bufs
+        self.kernels = triton_module("decode_attention_triton", pool.device)
         q_pos = bufs.positions[:, None]  # [B, 1]
         # additive masks [B, 1, 1, W|L], built once per step from the static positions
         self.masks: dict[int | None, torch.Tensor] = {None: _additive(bufs.key_pos <= q_pos, dtype)}
         for w, kpos in bufs.local_pos.items():
             self.masks[w] = _additive((kpos <= q_pos) & (kpos > q_pos - w), dtype)
+        local = pool.local
+        if local is not None:  # the window before each token, in its sequence's ring
+            lpos = q_pos - torch.arange(local.window - 1, -1, -1, device=q_pos.device)  # [B, window]
+            self.ring_rows = bufs.ring_base[:, None] + lpos.remainder(local.span)
+            self.ring_pos = torch.where(lpos >= 0, lpos, PAD_POS)  # before position 0: never visible
+            self.ring_write = bufs.ring_base + bufs.positions.remainder(local.span)
+            self.ring_masks = {w: _additive((lpos >= 0) & (lpos > q_pos - w), dtype) for w in local.windows}
 
     def attend(
         self,
@@ -119,20 +135,44 @@ class _GraphAttention:
     ) -> torch.Tensor:
         """q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D] (one token per sequence)."""
         bufs = self.bufs
+        if self.pool.is_local(layer_idx):
+            assert window is not None
+            self.pool.write(layer_idx, self.ring_write, k, v)
+            return self._sdpa(layer_idx, q, k.shape[1], self.ring_rows, self.ring_pos, window,
+                              self.ring_masks[window], scale)  # fmt: skip
         bufs.queries[layer_idx].copy_(q)  # page scoring reads them after the step (scoring steps)
         self.pool.write(layer_idx, bufs.write_rows, k, v)
         if window is not None and window in bufs.local_rows:
-            rows, mask = bufs.local_rows[window], self.masks[window]
+            rows, key_pos, mask = bufs.local_rows[window], bufs.local_pos[window], self.masks[window]
         else:
-            rows = bufs.rows
+            rows, key_pos = bufs.rows, bufs.key_pos
             mask = self.masks[None]
             if window is not None:  # a window wider than the local read set: mask it over the full rows
                 if window not in self.masks:
                     q_pos = bufs.positions[:, None]
                     self.masks[window] = _additive((bufs.key_pos <= q_pos) & (bufs.key_pos > q_pos - window), q.dtype)
                 mask = self.masks[window]
+        return self._sdpa(layer_idx, q, k.shape[1], rows, key_pos, window, mask, scale)
+
+    def _sdpa(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        num_kv_heads: int,
+        rows: torch.Tensor,
+        key_pos: torch.Tensor,
+        window: int | None,
+        mask: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [B, Hq, D] over the pool rows [B, W] of the layer at positions key_pos [B, W]: the fused kernel
+        where it applies, else gathered rows and SDPA with the additive mask [B, 1, 1, W]."""
         batch, width = rows.shape
-        num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        plain = self.pool.plain_kv(layer_idx)
+        kernels = self.kernels
+        if kernels is not None and plain is not None and kernels.supported(plain[0]) and width % 64 == 0:
+            return kernels.decode_attention(q, plain[0], plain[1], rows, key_pos, self.bufs.positions, scale, window)
+        num_heads, head_dim = q.shape[1], q.shape[2]
         k_w, v_w = self.pool.gather(layer_idx, rows.reshape(-1), q.dtype)  # [B * W, Hkv, D]
         k_w = k_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, W, D]
         v_w = v_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
@@ -164,6 +204,8 @@ class DecodeGraphs:
         # window -> pages a sliding layer can reach from a token in the last page: ceil((w - 1) / size) + 1
         self.local_pages = {w: -(-(w - 1) // size) + 1 for w in windows}
         self.local_pages = {w: n for w, n in self.local_pages.items() if n * size < self.max_window}
+        if pool.local is not None:
+            self.local_pages = {}  # sliding layers read their sequence's local ring instead
         self._seq_rows: dict[Sequence, _SeqRows] = {}
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -250,10 +292,12 @@ class DecodeGraphs:
                 out.append(None)
                 continue
             total = None
-            for layer, block in enumerate(self.model.layers):
+            assert self._last is not None, "page_scores before run"
+            for layer in self.pool.paged_layers:
+                scale = float(self.model.layers[layer].self_attn.scale)  # type: ignore[union-attr, arg-type]
                 q = self._last.queries[layer, i : i + 1]  # [1, Hq, D]
                 s = page_scores(q, ring.summaries.kmin[layer, :num_pages], ring.summaries.kmax[layer, :num_pages],
-                                block.self_attn.scale)  # fmt: skip
+                                scale)  # fmt: skip
                 total = s if total is None else total + s
             out.append(total)
         return out
@@ -287,15 +331,18 @@ class DecodeGraphs:
         bufs = self._buffers.get(key)
         if bufs is None:
             dev, size, cfg = self.device, self.pool.page_size, self.model.config
-            long = dict(dtype=torch.long, device=dev)
             local = {w: pages * size for w, pages in self.local_pages.items()}
+
+            def long(*shape: int, fill: int = 0) -> torch.Tensor:
+                return torch.full(shape, fill, dtype=torch.long, device=dev)
+
             bufs = _Buffers(
-                batch=batch, window=width, ids=torch.zeros(batch, **long), positions=torch.zeros(batch, **long),
-                write_rows=torch.zeros(batch, **long), rows=torch.zeros(batch, width, **long),
-                key_pos=torch.full((batch, width), PAD_POS, **long),
-                local_rows={w: torch.zeros(batch, n, **long) for w, n in local.items()},
-                local_pos={w: torch.full((batch, n), PAD_POS, **long) for w, n in local.items()},
-                staging=torch.zeros(3, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
+                batch=batch, window=width, ids=long(batch), positions=long(batch),
+                write_rows=long(batch), rows=long(batch, width), key_pos=long(batch, width, fill=PAD_POS),
+                local_rows={w: long(batch, n) for w, n in local.items()},
+                local_pos={w: long(batch, n, fill=PAD_POS) for w, n in local.items()},
+                ring_base=long(batch),
+                staging=torch.zeros(4, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
                 queries=torch.zeros(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=dev),
                 owners=[None] * batch,
             )  # fmt: skip
@@ -304,13 +351,14 @@ class DecodeGraphs:
 
     def _fill(self, bufs: _Buffers, works: list[Work], entries: list[_SeqRows]) -> None:
         size = self.pool.page_size
+        span = self.pool.local.span if self.pool.local is not None else 0
         staging = bufs.staging.numpy()
         for i in range(bufs.batch):
             j = i if i < len(works) else 0  # padding repeats sequence 0
             w, e = works[j], entries[j]
             pos = w.start
             slot = w.seq.page_table.slot_ids[pos // size]
-            staging[:, i] = (w.seq.token_at(pos), pos, slot * size + pos % size)
+            staging[:, i] = (w.seq.token_at(pos), pos, slot * size + pos % size, max(0, w.seq.local_ring) * span)
             if bufs.owners[i] != e.key:  # the rows depend on the key only
                 rows, kpos = self._padded(e, bufs.window)
                 bufs.rows[i].copy_(rows, non_blocking=True)
@@ -323,6 +371,7 @@ class DecodeGraphs:
         bufs.ids.copy_(dev[0])
         bufs.positions.copy_(dev[1])
         bufs.write_rows.copy_(dev[2])
+        bufs.ring_base.copy_(dev[3])
 
     def _padded(self, e: _SeqRows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         got = e.padded.get(width)
@@ -376,5 +425,5 @@ class DecodeGraphs:
             rows = torch.arange(slot * size, (slot + 1) * size, device=self.device)
             page_t = torch.tensor([page], dtype=torch.long, device=self.device)
             valid = torch.ones(1, size, dtype=torch.bool, device=self.device)
-            for layer in range(self.pool.num_layers):
+            for layer in self.pool.paged_layers:
                 ring.summaries.update_from_pool(layer, page_t, self.pool, rows, valid)

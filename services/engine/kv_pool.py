@@ -1,5 +1,10 @@
 """KVPool: the device tensors that hold K and V for every slot of every KV-bearing layer.
 
+With LocalRings (local_ring.py) the sliding-window layers keep their K/V in a small ring per running
+sequence instead of the slots: their tensors have the rings' row space, the slots hold the global
+(paged) layers only, and a page's host copy still carries every layer (read_page takes the page's
+local rows from its sequence's ring).
+
 Each layer keeps its own format (services/engine/kv_formats.py): plain formats as tensors of their
 dtype (the fast path, unchanged), quantised ones as packed uint8 rows with their scales. Tokens are
 quantised when written and dequantised when gathered (the attention window, page summaries); whole
@@ -14,8 +19,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from services.engine.kernels import active_tier
+from services.engine.kernels import active_tier, triton_module
 from services.engine.kv_formats import KVFormat, fp4_table, hadamard, hadamard_matrix
+from services.engine.local_ring import LocalRings
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +33,8 @@ class KVPool:
     values of a plain dtype, or W = row_bytes uint8 of a quantised format (formats[layer]).
 
     Row `slot * page_size + offset` holds the token at `offset` inside the page stored in `slot`.
-    `formats` (one per layer) defaults to the plain format of `dtype` in every layer.
+    `formats` (one per layer) defaults to the plain format of `dtype` in every layer. With `local`,
+    the layers in local.layers have local.num_rows rows addressed by LocalRings instead.
     """
 
     def __init__(
@@ -40,8 +47,12 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         formats: Sequence[KVFormat] | None = None,
+        local: LocalRings | None = None,
     ) -> None:
         self.num_layers = num_layers
+        self.local = local
+        local_layers = local.layers if local is not None else frozenset()
+        self.paged_layers = tuple(i for i in range(num_layers) if i not in local_layers)  # K/V in the slots
         self.num_slots = num_slots
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
@@ -64,25 +75,30 @@ class KVPool:
         self._layer_offsets = [0]  # byte offset of each layer's K inside a page
         for nb in self._row_nbytes:
             self._layer_offsets.append(self._layer_offsets[-1] + 2 * page_size * num_kv_heads * nb)
-        rows = num_slots * page_size
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        for fmt in self.formats:
+        for layer, fmt in enumerate(self.formats):
             width = head_dim if fmt.plain else fmt.row_bytes(head_dim)
+            rows = local.num_rows if local is not None and layer in local.layers else num_slots * page_size
             shape = (rows, num_kv_heads, width)
             self.k.append(torch.zeros(shape, dtype=fmt.dtype, device=device))
             self.v.append(torch.zeros(shape, dtype=fmt.dtype, device=device))
         logger.info(
-            "KV pool: %d slots x %d tokens, %d layers, %d kv heads x %d, %s on %s: %.1f MiB",
+            "KV pool: %d slots x %d tokens, %d paged layers, %d kv heads x %d, %s on %s: %.1f MiB",
             num_slots,
             page_size,
-            num_layers,
+            len(self.paged_layers),
             num_kv_heads,
             head_dim,
             self.format_summary,
             device,
             self.nbytes / 2**20,
         )
+        if local is not None:
+            logger.info(
+                "local rings: %d layers (window %d) in %d rings x %d rows: %.1f MiB",
+                len(local.layers), local.window, local.num_rings, local.span, self.local_nbytes / 2**20,
+            )  # fmt: skip
 
     @property
     def format_summary(self) -> str:
@@ -98,8 +114,26 @@ class KVPool:
         return self._layer_offsets[-1]
 
     @property
+    def slot_nbytes(self) -> int:
+        """Device bytes of one slot: K and V of the paged layers (page_nbytes without local rings)."""
+        return sum(self._layer_offsets[i + 1] - self._layer_offsets[i] for i in self.paged_layers)
+
+    @property
     def nbytes(self) -> int:
-        return self.page_nbytes * self.num_slots
+        """Device bytes of the slots."""
+        return self.slot_nbytes * self.num_slots
+
+    @property
+    def local_nbytes(self) -> int:
+        """Device bytes of the local rings (0 without)."""
+        if self.local is None:
+            return 0
+        per_row = sum(self._layer_offsets[i + 1] - self._layer_offsets[i] for i in self.local.layers)
+        return per_row // self.page_size * self.local.num_rows
+
+    def is_local(self, layer: int) -> bool:
+        """The layer's rows are in the local rings, not in the slots."""
+        return self.local is not None and layer in self.local.layers
 
     def rows(self, slot_ids: torch.Tensor) -> torch.Tensor:
         """Row indices of whole pages: [P] slots -> [P * page_size]."""
@@ -112,6 +146,10 @@ class KVPool:
         """Store the K/V of new tokens: rows [N] pool rows; k, v [N, Hkv, D] in the compute dtype."""
         dtype = self._plain[layer]
         if dtype is not None:
+            kernels = triton_module("decode_attention_triton", self.device)
+            if kernels is not None and kernels.supported(self.k[layer]) and k.stride(2) == v.stride(2) == 1:
+                kernels.write_kv(self.k[layer], self.v[layer], rows, k, v)  # K and V in one launch
+                return
             self.k[layer].index_copy_(0, rows, k.to(dtype))
             self.v[layer].index_copy_(0, rows, v.to(dtype))
             return
@@ -127,6 +165,11 @@ class KVPool:
             self.formats[layer], self.v[layer], rows, dtype
         )
 
+    def plain_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's K and V rows [R, Hkv, D] when stored in a plain float dtype (attention kernels read
+        them in place); None for a quantised layer (use gather)."""
+        return (self.k[layer], self.v[layer]) if self._plain[layer] is not None else None
+
     def plain_keys(self, layer: int) -> torch.Tensor | None:
         """The layer's key rows [R, Hkv, D] when stored in a plain float dtype (summary kernels read them
         in place); None for a quantised layer (use gather_keys)."""
@@ -140,9 +183,9 @@ class KVPool:
         return _keys(fmt, lambda dt: self._dequantize_rows(fmt, self.k[layer], rows, dt), dtype)
 
     def copy_rows(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
-        """Copy the first `num_tokens` rows of one slot into another, in every layer."""
+        """Copy the first `num_tokens` rows of one slot into another, in every paged layer."""
         src, dst = src_slot * self.page_size, dst_slot * self.page_size
-        for i in range(self.num_layers):
+        for i in self.paged_layers:
             self.k[i][dst : dst + num_tokens].copy_(self.k[i][src : src + num_tokens])
             self.v[i][dst : dst + num_tokens].copy_(self.v[i][src : src + num_tokens])
 
@@ -172,37 +215,56 @@ class KVPool:
 
     # -- whole pages (write-through, restore): flat bytes in the stored format -----------------------
 
-    def read_page(self, slot: int) -> torch.Tensor:
+    def read_page(self, slot: int, local_row: int | None = None) -> torch.Tensor:
         """A copy of one page as uint8 [page_nbytes] on the pool's device: layer by layer, K then V,
-        each [page_size, Hkv, W] in the layer's stored format (the bytes the host store keeps)."""
-        lo, hi = slot * self.page_size, (slot + 1) * self.page_size
-        parts = [t[lo:hi].reshape(-1) for i in range(self.num_layers) for t in (self.k[i], self.v[i])]
+        each [page_size, Hkv, W] in the layer's stored format (the bytes the host store keeps).
+        With local rings, `local_row` is the page's first row in its sequence's ring (LocalRings.page_row)."""
+        assert (local_row is None) == (self.local is None), "a page of a local-ring pool needs its ring rows"
+        spans = [
+            (local_row, local_row + self.page_size) if self.is_local(i) and local_row is not None
+            else (slot * self.page_size, (slot + 1) * self.page_size)
+            for i in range(self.num_layers)
+        ]  # fmt: skip
+        parts = [t[lo:hi].reshape(-1) for i, (lo, hi) in enumerate(spans) for t in (self.k[i], self.v[i])]
         if self._uniform_plain:
             return torch.cat(parts).view(torch.uint8)
         return torch.cat([p.view(torch.uint8) for p in parts])
 
-    def write_pages(self, slots: list[int], pages: torch.Tensor) -> None:
-        """Inverse of read_page for a batch: pages uint8 [P, page_nbytes] (any device) into `slots`."""
-        if not slots:
+    def write_pages(self, slots: list[int], pages: torch.Tensor, layers: Sequence[int] | None = None) -> None:
+        """Inverse of read_page for a batch: pages uint8 [P, page_nbytes] (any device) into `slots`, the
+        paged layers only (a restored page's local rows are not needed: its window has passed)."""
+        self._write_rows(slots, None, pages, self.paged_layers if layers is None else layers)
+
+    def write_local_pages(self, local_rows: list[int], pages: torch.Tensor) -> None:
+        """The local layers of whole pages (uint8 [P, page_nbytes]) into ring rows starting at `local_rows`
+        (LocalRings.page_row): a reused prefix's last pages, for the window of the first new token."""
+        assert self.local is not None
+        self._write_rows(None, local_rows, pages, sorted(self.local.layers))
+
+    def _write_rows(
+        self, slots: list[int] | None, starts: list[int] | None, pages: torch.Tensor, layers: Sequence[int]
+    ) -> None:
+        count = len(slots) if slots is not None else len(starts or [])
+        if count == 0:
             return
-        rows = self.rows(torch.tensor(slots, dtype=torch.long, device=self.device))
+        if slots is not None:
+            rows = self.rows(torch.tensor(slots, dtype=torch.long, device=self.device))
+        else:
+            base = torch.tensor(starts, dtype=torch.long, device=self.device)
+            rows = (base[:, None] + torch.arange(self.page_size, device=self.device)).reshape(-1)
         h, d = self.num_kv_heads, self.head_dim
         if self._uniform_plain:
             data = pages.to(self.device, non_blocking=True).view(self.k[0].dtype)
-            data = data.view(len(slots), self.num_layers, 2, self.page_size, h, d)
-            for i in range(self.num_layers):
+            data = data.view(count, self.num_layers, 2, self.page_size, h, d)
+            for i in layers:
                 self.k[i].index_copy_(0, rows, data[:, i, 0].reshape(-1, h, d))
                 self.v[i].index_copy_(0, rows, data[:, i, 1].reshape(-1, h, d))
             return
-        data = pages.to(self.device, non_blocking=True).reshape(len(slots), self.page_nbytes)
-        for i in range(self.num_layers):
+        data = pages.to(self.device, non_blocking=True).reshape(count, self.page_nbytes)
+        for i in layers:
             k_bytes, v_bytes = self._layer_bytes(data, i)
             self.k[i].index_copy_(0, rows, self._rows_of(i, k_bytes))
             self.v[i].index_copy_(0, rows, self._rows_of(i, v_bytes))
-
-    def write_page(self, slot: int, page: torch.Tensor) -> None:
-        """One page (uint8 [page_nbytes]) into `slot`."""
-        self.write_pages([slot], page.reshape(1, -1))
 
     def page_kv(self, page: torch.Tensor, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer of a page held as bytes (a host page): [page_size, Hkv, D] each in `dtype`,

@@ -84,6 +84,13 @@ class ModelRunner:
             keep = key_pos < end
             read_rows, key_pos = read_rows[keep], key_pos[keep]
         span = SeqSpan(w.start, w.num_new, write_rows, read_rows, key_pos)
+        local = self.pool.local
+        if local is not None:  # sliding-window layers: the sequence's ring, the window before the new tokens
+            assert w.seq.local_ring >= 0, f"{w.seq.request_id} runs without a local ring"
+            lo, hi = local.window_positions(w.start, end)
+            span.local_key_pos = torch.arange(lo, hi, device=self.device)
+            span.local_read_rows = local.rows(w.seq.local_ring, span.local_key_pos)
+            span.local_write_rows = local.rows(w.seq.local_ring, new_pos)
         ring = w.seq.ring
         if ring is None:
             return span

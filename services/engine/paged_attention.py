@@ -1,6 +1,7 @@
 """StepAttention: the AttentionBackend over the KV pool for one forward step of several sequences.
 
-Each sequence attends exactly its device-resident pages (a page that is not resident is never read);
+Each sequence attends exactly its device-resident pages (sliding-window layers with local rings: the
+window before its new tokens, from its ring) (a page that is not resident is never read);
 with the `exact` policy the pages that only live on the host stream in through a staging buffer and
 are merged with log-sum-exp. The same pass keeps page summaries current and, for sequences that
 asked for it, scores every earlier page against this step's queries (the ring's retrieval signal).
@@ -35,6 +36,9 @@ class SeqSpan:
     score_pages: int = 0  # pages [0, score_pages) are scored
     host_pages: list[torch.Tensor] = field(default_factory=list)  # exact: uint8 [page_nbytes] each, on the device
     host_page_ids: list[int] = field(default_factory=list)  # their logical page indices
+    local_write_rows: torch.Tensor | None = None  # [num_new] ring rows of the new tokens (local rings)
+    local_read_rows: torch.Tensor | None = None  # [L] ring rows of the window before them and of them
+    local_key_pos: torch.Tensor | None = None  # [L] their positions
     scores: torch.Tensor | None = None  # accumulated [score_pages] after the forward
 
 
@@ -53,7 +57,11 @@ class StepAttention:
         self.dtype = dtype
         self.staging_pages = staging_pages
         self.write_rows = torch.cat([s.write_rows for s in spans])  # [N], the step's flattened order
-        self._masks: dict[tuple[int, int | None], torch.Tensor | None] = {}  # (span, window) -> mask
+        self.local_write_rows = (
+            torch.cat([s.local_write_rows for s in spans if s.local_write_rows is not None])
+            if pool.local is not None else None
+        )  # fmt: skip
+        self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}  # (span, window, local) -> mask
 
     def attend(
         self,
@@ -65,6 +73,8 @@ class StepAttention:
         window: int | None = None,
     ) -> torch.Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]; `window`: sliding-window layer (keys > pos - window)."""
+        if self.pool.is_local(layer_idx):
+            return self._attend_local(layer_idx, q, k, v, scale, window)
         self.pool.write(layer_idx, self.write_rows, k, v)
         outs = []
         start = 0
@@ -84,8 +94,28 @@ class StepAttention:
             start += span.num_new
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    def _attend_local(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
+    ) -> torch.Tensor:
+        """A layer in the local rings: each sequence attends the window before its new tokens and them
+        (never scored or summarised: only the paged layers' pages are selected)."""
+        assert self.local_write_rows is not None
+        self.pool.write(layer_idx, self.local_write_rows, k, v)
+        outs = []
+        start = 0
+        for i, span in enumerate(self.spans):
+            assert span.local_read_rows is not None and span.local_key_pos is not None
+            key = (i, window, True)
+            if key not in self._masks:
+                self._masks[key] = _row_mask(span, self.group, self.dtype, self.pool.device, window, span.local_key_pos)
+            k_s, v_s = self.pool.gather(layer_idx, span.local_read_rows, q.dtype)
+            q_s = q[start : start + span.num_new]
+            outs.append(grouped_sdpa(q_s, k_s.transpose(0, 1), v_s.transpose(0, 1), self._masks[key], scale))
+            start += span.num_new
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
     def _mask(self, i: int, span: SeqSpan, window: int | None) -> torch.Tensor | None:
-        key = (i, window)
+        key = (i, window, False)
         if key not in self._masks:
             self._masks[key] = _row_mask(span, self.group, self.dtype, self.pool.device, window)
         return self._masks[key]
@@ -141,10 +171,18 @@ class StepAttention:
 
 
 def _row_mask(
-    span: SeqSpan, group: int, dtype: torch.dtype, device: torch.device, window: int | None = None
+    span: SeqSpan,
+    group: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    window: int | None = None,
+    key_pos: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Additive [G * n, T] causal (and window) mask over the span's read rows; None when not needed."""
-    k_pos = span.key_pos if span.key_pos is not None else torch.arange(span.read_rows.shape[0], device=device)
+    """Additive [G * n, T] causal (and window) mask over the span's read rows (or over keys at `key_pos`);
+    None when not needed."""
+    k_pos = key_pos if key_pos is not None else span.key_pos
+    if k_pos is None:
+        k_pos = torch.arange(span.read_rows.shape[0], device=device)
     if span.num_new == 1 and (window is None or int(k_pos[0]) > span.num_past - window):
         return None  # one new token sees every read row
     q_pos = span.num_past + torch.arange(span.num_new, device=device)

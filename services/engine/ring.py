@@ -165,7 +165,7 @@ class RingManager:
         page_t = torch.tensor(pages, dtype=torch.long, device=self.pool.device)
         rows = self.pool.rows(torch.tensor([slot_ids[p] for p in pages], dtype=torch.long, device=self.pool.device))
         valid = torch.ones(len(pages), size, dtype=torch.bool, device=self.pool.device)
-        for layer in range(self.pool.num_layers):
+        for layer in self.pool.paged_layers:
             ring.summaries.update_from_pool(layer, page_t, self.pool, rows, valid)
 
     def adopt_host_prefix(
@@ -186,7 +186,7 @@ class RingManager:
         size = self.limits.page_size
         ids = torch.arange(first, first + count, device=device)
         valid = torch.ones(count, size, dtype=torch.bool, device=device)
-        for layer in range(ring.summaries.kmin.shape[0]):
+        for layer in self.pool.paged_layers:
             keys = torch.stack([self.pool.page_kv(page, layer, torch.float32)[0] for page in pages])
             ring.summaries.update(layer, ids, keys, valid)
         page_table.extend([NOT_RESIDENT] * count)

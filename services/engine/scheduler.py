@@ -257,6 +257,10 @@ class Scheduler:
                 self.slots.release(slot)
         if seq.ring is not None and self.ring is not None:
             self.ring.release(seq.ring)
+        if seq.local_ring >= 0:
+            assert self.pool is not None and self.pool.local is not None
+            self.pool.local.release(seq.local_ring)
+            seq.local_ring = -1
         seq.page_table = PageTable()
         seq.num_computed = 0
         seq.ring = None
@@ -268,6 +272,8 @@ class Scheduler:
         size = self.page_size
         table = seq.page_table
         last, filled = divmod(seq.num_computed, size)
+        if self.pool is not None and self.pool.local is not None:
+            return  # the tail page's local rows leave with the sequence's ring
         if filled == 0 or last >= len(table.slot_ids) or table.slot_ids[last] == NOT_RESIDENT:
             return
         if len(table.page_hashes) != last:
@@ -288,7 +294,7 @@ class Scheduler:
                 n += 1
             if n > best:
                 best_slot, best = slot, n
-        if best == 0 or self.pool is None or self.slots.num_available() < 2:
+        if best == 0 or self.pool is None or self.pool.local is not None or self.slots.num_available() < 2:
             return
         self.slots.acquire(best_slot)  # keep it from being the slot we allocate
         dst = self.slots.allocate()
@@ -302,9 +308,14 @@ class Scheduler:
         (at least one token is always recomputed)."""
         if seq.num_computed or seq.page_table.slot_ids:
             return
+        local = self.pool.local if self.pool is not None else None
+        if local is not None:
+            seq.local_ring = local.allocate()
         if self._new_ring is not None:
             self._new_ring(seq)
         reusable = (seq.num_tokens - 1) // self.page_size
+        if local is not None and self.host is None:
+            reusable = 0  # a prefix's local rows come from its host copy: without one, no reuse
         hashes = chain_hashes(
             seq.token_ids[: reusable * self.page_size], self.page_size, self.model_id, self.kv_format, seq.namespace
         )
@@ -325,8 +336,32 @@ class Scheduler:
             self._restore_host_prefix(seq, hashes[device_pages:])
         seq.num_computed = len(seq.page_table.slot_ids) * self.page_size
         self._match_partial(seq)
+        if local is not None and seq.num_computed and not self._fill_local_ring(seq):
+            self._release_all(seq, keep_partial=False)  # recomputed from the start
+            seq.local_ring = local.allocate()
+            if self._new_ring is not None:
+                self._new_ring(seq)
         if not seq.admitted_once:
             seq.num_cached = seq.num_computed
+
+    def _fill_local_ring(self, seq: Sequence) -> bool:
+        """A reused prefix's last pages into the sequence's local ring (the window of its first new token),
+        from their host copies; False when they cannot be had (the prefix is then dropped)."""
+        assert self.pool is not None and self.pool.local is not None and self.host is not None
+        local, size = self.pool.local, self.page_size
+        end = seq.num_computed  # whole pages: partial tail pages are not reused with local rings
+        pages = list(range(max(0, end - local.window + 1) // size, end // size))
+        hashes = [seq.page_table.page_hashes[p] for p in pages]
+        if not self.host.wait(hashes, timeout_s=10.0):  # pages this engine wrote may still be in flight
+            logger.info("%s: the host copies of its prefix's last pages are missing; recomputing", seq.request_id)
+            return False
+        try:
+            data = self.host.fetch_to(hashes, self.pool.device)
+        except PagesLostError:
+            logger.info("%s: its prefix's last pages left the host store; recomputing", seq.request_id)
+            return False
+        self.pool.write_local_pages([local.page_row(seq.local_ring, p) for p in pages], data)
+        return True
 
     def _restore_host_prefix(self, seq: Sequence, chain: list[bytes]) -> None:
         """Without a ring every page is resident: the leading pages of `chain` the host store holds come

@@ -83,6 +83,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     page_table: PageTable = field(default_factory=PageTable)
     ring: SeqRing | None = None  # set at admission when the engine runs a ring
+    local_ring: int = -1  # its ring of the sliding-window layers (LocalRings), while admitted
     num_computed: int = 0  # tokens whose K/V has been computed (resident or on the host)
     num_cached: int = 0  # prompt tokens reused from the prefix cache (first admission)
     admitted_once: bool = False

@@ -12,6 +12,7 @@ from services.engine.attention import ContiguousKV
 from services.engine.engine import Engine, EngineLimits
 from services.engine.host_pages import KVStoreHostPages
 from services.engine.kv_pool import KVPool
+from services.engine.local_ring import LocalRings, ring_span
 from services.engine.model_runner import ModelRunner
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM
@@ -63,12 +64,19 @@ def make_engine(
     store_address: str = "",
     default_policy: str = "sparse",
     store_factory: Callable[[], Any] | None = None,
+    local_ring: bool = True,
 ) -> Engine:
-    """An engine on the CPU; with `ring`, pages go through a real kvstore process at `store_address`."""
+    """An engine on the CPU; with `ring`, pages go through a real kvstore process at `store_address`.
+    Sliding-window layers get local rings (one per running sequence) unless `local_ring` is False."""
     cfg = model.config
+    windows = {i: w for i, w in enumerate(cfg.layer_windows) if w is not None}
+    local = None
+    if windows and local_ring:
+        local = LocalRings(windows, ring_span(max(windows.values()), prefill_chunk, page_size), max_running, page_size)
     pool = KVPool(
-        cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu")
-    )
+        cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"),
+        local=local,
+    )  # fmt: skip
     write_through = host = None
     if store_address or store_factory:
         new_client = store_factory or (lambda: KVStoreClient(store_address))

@@ -2,7 +2,8 @@
 
 CPU (fp32, eager): the runner's logits equal StepAttention's (max |diff| < 1e-4 on logits whose
 spread is several units), and greedy decoding equals tests/engine/helpers.reference_greedy, for tiny
-Llama and tiny Gemma (sliding window 8 over pages of 4: the local read set is exercised), batches of
+Llama and tiny Gemma (sliding window 8 over pages of 4: the local read set is exercised; and again
+with the sliding layers in local rings, `gemma-local`), batches of
 1-3 sequences of different lengths on scattered slots, and a ring sequence with pages that are not
 resident (gaps). Engine level: greedy output with the decode runner equals output without it, with
 and without the ring. GPU (`gpu` marker): a captured graph replayed equals the eager step, for
@@ -19,6 +20,7 @@ import torch
 from services.common.tokenizer import Tokenizer
 from services.engine.decode_graph import DecodeGraphs, batch_bucket, window_bucket
 from services.engine.kv_pool import KVPool
+from services.engine.local_ring import LocalRings, ring_span
 from services.engine.model_runner import ModelRunner
 from services.engine.ring import SeqRing
 from services.engine.sampling import SamplingParams
@@ -44,9 +46,13 @@ ATOL = 1e-4
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma"])
+@pytest.fixture(scope="module", params=["llama", "gemma", "gemma-local"])
 def model(request: pytest.FixtureRequest) -> torch.nn.Module:
-    return tiny_model(VOCAB, seed=3) if request.param == "llama" else tiny_gemma(VOCAB, seed=3, window=8)
+    if request.param == "llama":
+        return tiny_model(VOCAB, seed=3)
+    m = tiny_gemma(VOCAB, seed=3, window=8)
+    m.test_local_rings = request.param == "gemma-local"  # the Harness's pool puts sliding layers in local rings
+    return m
 
 
 def _seq(prompt: list[int], name: str) -> Sequence:
@@ -66,7 +72,11 @@ class Harness:
                  device: torch.device = CPU, capture: bool = False) -> None:  # fmt: skip
         cfg = model.config
         dtype = model.embed_tokens.weight.dtype
-        self.pool = KVPool(cfg.num_layers, num_slots, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        local = None
+        if getattr(model, "test_local_rings", False):
+            windows = {i: w for i, w in enumerate(cfg.layer_windows) if w is not None}
+            local = LocalRings(windows, ring_span(8, max(lengths), PAGE), 4, PAGE)
+        self.pool = KVPool(cfg.num_layers, num_slots, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, device, local=local)
         self.step_runner = ModelRunner(model, self.pool, device, decode_runner=False)
         self.graphs = DecodeGraphs(model, self.pool, device, max_batch=4, capture=capture)
         rng = random.Random(seed)
@@ -77,6 +87,7 @@ class Harness:
             prompt = [rng.randrange(VOCAB) for _ in range(n)]
             seq = _seq(prompt, f"s{i}")
             seq.page_table.slot_ids = [free.pop() for _ in range(-(-(n + 24) // PAGE))]
+            seq.local_ring = local.allocate() if local is not None else -1
             self.seqs.append(seq)
         self.model = model
         logits, _ = self.step_runner.run([Work(s, 0, len(s.prompt_ids)) for s in self.seqs])
@@ -131,7 +142,7 @@ def test_ring_sequence_with_gaps_matches_step_attention(model) -> None:
             page = ring_seq.num_computed // PAGE
             slot = ring_seq.page_table.slot_ids[page]
             filled.append(page)
-            for layer in range(cfg.num_layers):
+            for layer in h.pool.paged_layers:
                 keys = h.pool.gather_keys(layer, torch.arange(slot * PAGE, (slot + 1) * PAGE))
                 assert torch.equal(summaries.kmin[layer, page], keys.amin(0))
                 assert torch.equal(summaries.kmax[layer, page], keys.amax(0))
@@ -156,7 +167,7 @@ def test_scoring_decode_step_gives_step_attentions_page_scores(model) -> None:
     pages = ring_seq.num_computed // PAGE
     rows = h.pool.rows(torch.tensor(ring_seq.page_table.slot_ids[:pages]))
     valid = torch.ones(pages, PAGE, dtype=torch.bool)
-    for layer in range(cfg.num_layers):
+    for layer in h.pool.paged_layers:
         summaries.update_from_pool(layer, torch.arange(pages), h.pool, rows, valid)
     works = [Work(ring_seq, ring_seq.num_computed, 1, score_tokens=1), Work(h.seqs[1], h.seqs[1].num_computed, 1)]
     assert h.graphs.accepts(works)
@@ -166,7 +177,8 @@ def test_scoring_decode_step_gives_step_attentions_page_scores(model) -> None:
     assert got[1] is None and expected[1] is None
     assert got[0] is not None and expected[0] is not None and got[0].shape == (pages,)
     torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=1e-5)
-    assert got[0].sum().item() == pytest.approx(cfg.num_layers * cfg.num_heads, rel=1e-4)  # unit mass per head
+    num_paged = len(h.pool.paged_layers)  # local-ring layers are not scored
+    assert got[0].sum().item() == pytest.approx(num_paged * cfg.num_heads, rel=1e-4)  # unit mass per head
 
 
 def test_exact_ring_sequence_with_host_pages_is_refused(model) -> None:
@@ -270,3 +282,32 @@ def test_batch_and_window_buckets_each_capture_once(model) -> None:
         assert torch.allclose(got, expected, rtol=0, atol=1e-5), (subset, (got - expected).abs().max().item())
     # (1, 256), (2, 256), (4, 1024) captured once each; the repeats replayed
     assert h.graphs.num_captures == 3 and h.graphs.num_replays == 2
+
+
+def test_fused_decode_attention_matches_step_attention(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner with the Triton decode-attention kernel (interpreted on the CPU; the other kernels stay
+    torch): paged layers read their rows in place (the 256-row window bucket); sliding layers whose read
+    set is not a page multiple (tiny Gemma's 12 rows, or its 8-row ring window) keep SDPA."""
+    from services.engine import decode_graph
+    from services.engine.kernels import decode_attention_triton
+
+    calls = []
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[3].shape)  # rows [B, W]
+        return real(*args, **kwargs)
+
+    real = decode_attention_triton.decode_attention
+    monkeypatch.setattr(decode_graph, "triton_module", lambda name, device: decode_attention_triton)
+    monkeypatch.setattr(decode_attention_triton, "decode_attention", counted)
+    h = Harness(model, [13, 30])
+    for _ in range(2):
+        works = h.works()
+        expected, _ = h.step_runner.run(works)
+        got = h.graphs.run(works)
+        assert (got - expected).abs().max().item() < ATOL
+        h.advance(got)
+    global_layers = sum(1 for w in model.config.layer_windows if w is None)
+    assert calls == [(2, 256)] * (2 * global_layers)
+    for s in h.seqs:
+        assert s.output_ids == reference_greedy(h.model, s.prompt_ids, len(s.output_ids))

@@ -1,0 +1,79 @@
+"""LocalRings: the device rows of the sliding-window layers, a small ring per running sequence.
+
+A sliding-window layer (Gemma 3's local layers) never reads a key older than its window, so its K/V
+does not go through the page pool: each running sequence owns one ring of `span` rows per local layer,
+and the token at position p lives in row `ring_id * span + p % span`. Only the global layers' K/V
+occupies pool slots (KVPool keeps the local layers' tensors in this row space), so a slot costs
+global layers only and the same device bytes hold num_layers / num_global_layers times more pages.
+
+`span` is a whole number of pages, so a page's local rows are contiguous (the write-through reads a
+finished page's local rows from the ring into the host copy, which keeps every layer). It holds a
+step's new tokens plus the window before the first of them, and the start of the page the step begins
+in: span >= max_step_tokens + max(window - 1, page_size - 1), rounded up to pages. A step writes its
+new rows before it reads, so a smaller ring would overwrite keys that the step's first queries still see.
+
+The ring ids are allocated by the scheduler when a sequence is admitted and released with its slots;
+there are as many rings as sequences may run at once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class LocalRingsExhaustedError(RuntimeError):
+    """Every ring is in use (more running sequences than rings: a scheduler bug, not a request error)."""
+
+
+def ring_span(window: int, max_step_tokens: int, page_size: int) -> int:
+    """Rows one sequence's ring needs (a multiple of page_size): a step's tokens plus the window before them."""
+    rows = max_step_tokens + max(window - 1, page_size - 1)
+    return -(-rows // page_size) * page_size
+
+
+class LocalRings:
+    """Ring ids of running sequences and the row arithmetic of the local layers' row space."""
+
+    def __init__(self, layer_windows: dict[int, int], span: int, num_rings: int, page_size: int) -> None:
+        self.layers = frozenset(layer_windows)  # model layer indices that live here (sliding-window layers)
+        self.windows = frozenset(layer_windows.values())
+        self.window = max(self.windows)  # the largest window among them
+        assert span % page_size == 0 and span >= self.window, (span, self.window, page_size)
+        self.span = span  # rows per ring
+        self.num_rings = num_rings
+        self.page_size = page_size
+        self._free = list(range(num_rings - 1, -1, -1))  # stack: ring 0 is handed out first
+
+    @property
+    def num_rows(self) -> int:
+        return self.span * self.num_rings
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise LocalRingsExhaustedError(f"all {self.num_rings} local rings are in use")
+        return self._free.pop()
+
+    def release(self, ring_id: int) -> None:
+        assert 0 <= ring_id < self.num_rings and ring_id not in self._free, (ring_id, self._free)
+        self._free.append(ring_id)
+
+    def rows(self, ring_id: int, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of token positions [N] (int64, >= 0) in ring `ring_id`."""
+        return ring_id * self.span + positions % self.span
+
+    def page_row(self, ring_id: int, page: int) -> int:
+        """First row of logical page `page` (its page_size rows follow contiguously)."""
+        return ring_id * self.span + (page * self.page_size) % self.span
+
+    def window_positions(self, first: int, end: int) -> tuple[int, int]:
+        """The key positions [lo, end) a step over new positions [first, end) reads: the window before
+        its first token and the new tokens (`lo` clamped at 0)."""
+        assert end - first + self.window - 1 <= self.span, (first, end, self.window, self.span)
+        return max(0, first - self.window + 1), end

@@ -1,0 +1,184 @@
+"""Local rings (services/engine/local_ring.py): Gemma's sliding-window layers keep a small ring per running
+sequence; only the global layers' K/V occupies pool slots. Row arithmetic, pool bytes, pages that
+still carry every layer on the host, and engines (with and without a host store, with the KVMem ring)
+whose greedy output equals the dense reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.common.tokenizer import Tokenizer
+from services.engine.kv_pool import KVPool
+from services.engine.local_ring import LocalRings, LocalRingsExhaustedError, ring_span
+from tests.conftest import StartStore
+from tests.engine.helpers import (
+    drain,
+    events_of,
+    greedy,
+    make_engine,
+    reference_greedy,
+    ring_limits,
+    run_until_done,
+    tiny_gemma,
+)
+
+VOCAB = 49152
+PAGE = 4
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def gemma() -> torch.nn.Module:
+    return tiny_gemma(VOCAB, seed=7, window=8)  # layers S F S S F S: 4 local, 2 paged
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, VOCAB) for _ in range(n)]
+
+
+# -- row arithmetic --------------------------------------------------------------------------------
+
+
+def test_ring_span_holds_a_step_and_the_window_before_it() -> None:
+    assert ring_span(window=512, max_step_tokens=512, page_size=64) == 1024  # 512 + 511 -> 16 pages
+    assert ring_span(window=512, max_step_tokens=2048, page_size=64) == 2560
+    assert ring_span(window=8, max_step_tokens=16, page_size=4) == 24  # 16 + 7 -> 6 pages
+    assert ring_span(window=2, max_step_tokens=1, page_size=64) == 64  # the page a step starts in: 1 + 63
+
+
+def test_rings_are_handed_out_and_taken_back() -> None:
+    rings = LocalRings({0: 8, 2: 8, 3: 6}, span=24, num_rings=2, page_size=PAGE)
+    assert rings.layers == frozenset({0, 2, 3}) and rings.window == 8 and rings.windows == frozenset({6, 8})
+    assert rings.num_rows == 48
+    assert [rings.allocate(), rings.allocate()] == [0, 1]
+    with pytest.raises(LocalRingsExhaustedError):
+        rings.allocate()
+    rings.release(0)
+    assert rings.num_free() == 1 and rings.allocate() == 0
+
+
+def test_positions_wrap_around_the_ring_and_pages_stay_contiguous() -> None:
+    rings = LocalRings({0: 8}, span=24, num_rings=3, page_size=PAGE)
+    assert rings.rows(1, torch.tensor([0, 5, 23, 24, 30])).tolist() == [24, 29, 47, 24, 30]
+    assert [rings.page_row(2, p) for p in (0, 1, 5, 6, 7)] == [48, 52, 68, 48, 52]
+    assert rings.window_positions(3, 10) == (0, 10)
+    assert rings.window_positions(20, 36) == (13, 36)  # 7 keys before the first new token
+    with pytest.raises(AssertionError):
+        rings.window_positions(20, 38)  # 18 new + 7 before > 24 rows: the step would overwrite its own keys
+
+
+# -- the pool ----------------------------------------------------------------------------------------
+
+
+def _pool(local: LocalRings | None, num_slots: int = 6) -> KVPool:
+    return KVPool(6, num_slots, PAGE, 2, 16, torch.float32, CPU, local=local)
+
+
+def test_slots_hold_the_paged_layers_only() -> None:
+    local = LocalRings({0: 8, 2: 8, 3: 8, 5: 8}, span=24, num_rings=2, page_size=PAGE)
+    paged, full = _pool(local), _pool(None)
+    layer_page = 2 * PAGE * 2 * 16 * 4  # K and V of one layer of one page: 512 bytes
+    assert paged.paged_layers == (1, 4) and full.paged_layers == tuple(range(6))
+    assert paged.page_nbytes == full.page_nbytes == 6 * layer_page  # the host copy keeps every layer
+    assert paged.slot_nbytes == 2 * layer_page and full.slot_nbytes == 6 * layer_page
+    assert paged.nbytes == 6 * 2 * layer_page
+    assert paged.local_nbytes == 4 * 48 // PAGE * layer_page  # 4 layers x 48 rows
+    assert paged.k[0].shape[0] == 48 and paged.k[1].shape[0] == 6 * PAGE
+
+
+def test_a_page_reads_its_local_rows_from_the_ring_and_restores_them() -> None:
+    torch.manual_seed(0)
+    local = LocalRings({0: 8, 2: 8, 3: 8, 5: 8}, span=24, num_rings=2, page_size=PAGE)
+    pool = _pool(local)
+    for t in (*pool.k, *pool.v):
+        t.normal_()
+    page = pool.read_page(slot=3, local_row=local.page_row(1, 7))  # ring 1, page 7: rows 28..31 of the ring
+    other = _pool(LocalRings({0: 8, 2: 8, 3: 8, 5: 8}, span=24, num_rings=2, page_size=PAGE))
+    other.write_pages([5], page[None])
+    other.write_local_pages([local.page_row(0, 2)], page[None])  # ring 0, page 2: rows 8..11
+    for layer in range(6):
+        if layer in local.layers:
+            src, dst = slice(24 + 4, 24 + 8), slice(8, 12)
+        else:
+            src, dst = slice(3 * PAGE, 4 * PAGE), slice(5 * PAGE, 6 * PAGE)
+        assert torch.equal(other.k[layer][dst], pool.k[layer][src]), layer
+        assert torch.equal(other.v[layer][dst], pool.v[layer][src]), layer
+    assert not other.k[1][: 5 * PAGE].any()  # the local layers' bytes did not land in the slots
+    with pytest.raises(AssertionError):
+        pool.read_page(3)  # a page of a local-ring pool needs its ring rows
+
+
+# -- engines -------------------------------------------------------------------------------------------
+
+
+def test_engine_pool_with_local_rings_is_smaller_and_greedy_is_the_reference(gemma, smol_tokenizer: Tokenizer) -> None:
+    with_rings = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8)
+    without = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8, local_ring=False)
+    assert with_rings.pool.slot_nbytes * 3 == without.pool.slot_nbytes  # 2 of 6 layers paged
+    prompts = [_prompt(n, 10 + n) for n in (37, 5, 22)]
+    outs = []
+    for engine in (with_rings, without):
+        seqs = [engine.submit(f"s{i}", p, greedy(14)) for i, p in enumerate(prompts)]
+        run_until_done(engine, seqs)
+        outs.append([drain(events_of(s))[0] for s in seqs])
+        assert engine.pool.local is None or engine.pool.local.num_free() == engine.pool.local.num_rings
+    assert outs[0] == outs[1] == [reference_greedy(gemma, p, 14) for p in prompts]
+
+
+def test_without_a_host_store_a_prefix_is_recomputed(gemma, smol_tokenizer: Tokenizer) -> None:
+    """The device still holds the prefix's global pages, but its local rows left with the first ring."""
+    engine = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8)
+    prompt = _prompt(30, 1)
+    run_until_done(engine, [engine.submit("t1", prompt, greedy(2))])
+    seq = engine.submit("t2", prompt + [5, 6, 7], greedy(4))
+    run_until_done(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert done.cached_tokens == 0
+    assert tokens == reference_greedy(gemma, prompt + [5, 6, 7], 4)
+
+
+def test_a_reused_prefix_fills_the_ring_from_the_host_copy(
+    gemma, smol_tokenizer: Tokenizer, start_store: StartStore
+) -> None:
+    """Turn 2 on the same engine (global pages still on the device) and on a second engine (every page
+    from the host store): the ring gets the last pages' local rows, the answer is the reference."""
+    address = start_store(host_kv_mib=32).address
+    first = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8, store_address=address)
+    prompt = _prompt(41, 2)
+    run_until_done(first, [first.submit("t1", prompt, greedy(3))])
+    first.write_through.flush()
+    turn2 = prompt + [901, 902, 903]
+    second = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8, store_address=address)
+    for engine in (first, second):
+        seq = engine.submit("t2", turn2, greedy(6))
+        run_until_done(engine, [seq])
+        tokens, done = drain(events_of(seq))
+        assert done.cached_tokens == 40  # the 10 whole prompt pages
+        assert tokens == reference_greedy(gemma, turn2, 6)
+        engine.slots.check_integrity()
+    assert second.scheduler.num_host_restored == 10
+    for engine in (first, second):
+        engine.stop()
+
+
+def test_the_kvmem_ring_with_local_rings_matches_the_reference(
+    gemma, smol_tokenizer: Tokenizer, start_store: StartStore
+) -> None:
+    """An 8-page budget under 90 tokens (23 pages) with `exact`: global pages leave and come back, the
+    sliding layers never need them (exact streams them through staging); two sequences share the pool and two rings."""
+    address = start_store(host_kv_mib=32).address
+    engine = make_engine(gemma, smol_tokenizer, num_slots=20, ring=ring_limits(budget_pages=8), ring_chunk=8,
+                         prefill_chunk=8, store_address=address, default_policy="exact")  # fmt: skip
+    prompts = [_prompt(90, 3), _prompt(70, 4)]
+    seqs = [engine.submit(f"x{i}", p, greedy(10)) for i, p in enumerate(prompts)]
+    run_until_done(engine, seqs)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        tokens, done = drain(events_of(seq))
+        assert done.prefill_policy == "exact"
+        assert tokens == reference_greedy(gemma, prompt, 10)
+    assert engine.ring is not None and engine.ring.num_demotions > 0  # exact streamed them back from the host
+    engine.stop()
