@@ -166,7 +166,8 @@ def main() -> int:
     p.add_argument(
         "--configs",
         default="dense,ring,noretrieval,exact",
-        help="comma list of dense, ring, noretrieval, exact; ring:S sets retrieval_share S",
+        help="comma list of dense, ring, noretrieval, exact; ring:S sets retrieval_share S; ring@FMT the KV format "
+        '("/" for ",": ring@nvfp4/global=bf16)',
     )
     p.add_argument("--kvstore", default="")
     p.add_argument("--host-kv-mib", type=int, default=8192)
@@ -217,10 +218,12 @@ def _bench(a: argparse.Namespace, lengths: list[int], tasks: list[str], store: s
         "exact": replace(ring, prefill_policy="exact"),
     }
     chosen = a.configs.split(",")
-    for name in chosen:  # "ring:0.8" = the ring with retrieval_share 0.8
-        if ":" in name:
-            kind, share = name.split(":")
-            configs[name] = replace(configs[kind], retrieval_share=float(share))
+    for name in chosen:  # "ring:0.8": retrieval_share 0.8; "ring@fp8": KV format fp8 ("/" for ",": nvfp4/global=bf16)
+        kind, _, spec = name.partition("@")
+        kind, _, share = kind.partition(":")
+        if name not in configs:
+            configs[name] = replace(configs[kind], retrieval_share=float(share or configs[kind].retrieval_share),
+                                    kv_format=spec.replace("/", ",") if spec else configs[kind].kv_format)  # fmt: skip
     caps = {k: int(v) for k, v in (x.split("=") for x in a.max_cases.split(",") if x)}
     results: dict[str, list[dict]] = {}
     cases: list[Case] | None = None
