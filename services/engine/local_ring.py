@@ -12,13 +12,19 @@ step's new tokens plus the window before the first of them, and the start of the
 in: span >= max_step_tokens + max(window - 1, page_size - 1), rounded up to pages. A step writes its
 new rows before it reads, so a smaller ring would overwrite keys that the step's first queries still see.
 
-The ring ids are allocated by the scheduler when a sequence is admitted and released with its slots;
-there are as many rings as sequences may run at once.
+The ring ids are allocated by the scheduler when a sequence is admitted; there are as many rings as
+sequences may run at once. A sequence that leaves with its ring intact *parks* it under the hash of its
+last full page: a later request whose cached prefix ends at that page (the next turn of a chat) takes
+the parked ring over as its own (positions map to the same rows, nothing is copied), together with the
+start of the tail page that the parked ring also holds. Parked rings count as free: allocate() reclaims
+the oldest one when no ring is free.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +41,14 @@ def ring_span(window: int, max_step_tokens: int, page_size: int) -> int:
     return -(-rows // page_size) * page_size
 
 
+class ParkedRing(NamedTuple):
+    """A ring left by a sequence: the rows of positions [end - span, end) hold its K/V (of its tokens)."""
+
+    ring_id: int
+    end: int  # the positions the sequence had computed
+    tail: tuple[int, ...]  # its tokens after the last full page, up to `end`
+
+
 class LocalRings:
     """Ring ids of running sequences and the row arithmetic of the local layers' row space."""
 
@@ -47,22 +61,43 @@ class LocalRings:
         self.num_rings = num_rings
         self.page_size = page_size
         self._free = list(range(num_rings - 1, -1, -1))  # stack: ring 0 is handed out first
+        self._parked: OrderedDict[bytes, ParkedRing] = OrderedDict()  # by last full page hash, oldest first
 
     @property
     def num_rows(self) -> int:
         return self.span * self.num_rings
 
     def num_free(self) -> int:
-        return len(self._free)
+        """Rings a sequence can get now: free ones and parked ones (reclaimed oldest first)."""
+        return len(self._free) + len(self._parked)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
 
     def allocate(self) -> int:
+        if not self._free and self._parked:
+            _, oldest = self._parked.popitem(last=False)
+            self._free.append(oldest.ring_id)
         if not self._free:
             raise LocalRingsExhaustedError(f"all {self.num_rings} local rings are in use")
         return self._free.pop()
 
     def release(self, ring_id: int) -> None:
         assert 0 <= ring_id < self.num_rings and ring_id not in self._free, (ring_id, self._free)
+        assert all(p.ring_id != ring_id for p in self._parked.values()), f"ring {ring_id} is parked"
         self._free.append(ring_id)
+
+    def park(self, page_hash: bytes, ring_id: int, end: int, tail: tuple[int, ...]) -> None:
+        """Keep a leaving sequence's ring for a later request whose prefix ends at the page `page_hash`."""
+        replaced = self._parked.pop(page_hash, None)
+        if replaced is not None:
+            self._free.append(replaced.ring_id)
+        self._parked[page_hash] = ParkedRing(ring_id, end, tail)
+
+    def take(self, page_hash: bytes) -> ParkedRing | None:
+        """The ring parked under `page_hash`, now owned by the caller (None when there is none)."""
+        return self._parked.pop(page_hash, None)
 
     def rows(self, ring_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows of token positions [N] (int64, >= 0) in ring `ring_id`."""

@@ -150,6 +150,7 @@ class Scheduler:
         return want
 
     def _work(self, seq: Sequence, want: int) -> Work:
+        seq.local_end = max(seq.local_end, seq.num_computed + want)  # the step writes these ring rows
         ring = seq.ring
         if ring is None or self.ring is None or not self._over_budget(seq) or ring.policy != "sparse":
             return Work(seq, seq.num_computed, want)
@@ -248,7 +249,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _release_all(self, seq: Sequence, keep_partial: bool = True) -> None:
+    def _release_all(self, seq: Sequence, keep_partial: bool = True, park: bool = True) -> None:
         self._room_keys.pop(seq, None)
         if keep_partial:
             self._keep_partial(seq)
@@ -258,12 +259,24 @@ class Scheduler:
         if seq.ring is not None and self.ring is not None:
             self.ring.release(seq.ring)
         if seq.local_ring >= 0:
-            assert self.pool is not None and self.pool.local is not None
-            self.pool.local.release(seq.local_ring)
-            seq.local_ring = -1
+            self._park_or_release_local(seq, park)
         seq.page_table = PageTable()
         seq.num_computed = 0
         seq.ring = None
+
+    def _park_or_release_local(self, seq: Sequence, park: bool) -> None:
+        """Park the sequence's local ring under its last full page when the ring holds exactly what it
+        computed (no failed step or scoring pass wrote ahead); otherwise free it."""
+        assert self.pool is not None and self.pool.local is not None
+        table, size = seq.page_table, self.page_size
+        start = len(table.page_hashes) * size
+        if park and table.page_hashes and seq.local_end == seq.num_computed >= start:
+            tail = tuple(seq.token_ids[start : seq.num_computed])
+            self.pool.local.park(table.page_hashes[-1], seq.local_ring, seq.num_computed, tail)
+        else:
+            self.pool.local.release(seq.local_ring)
+        seq.local_ring = -1
+        seq.local_end = 0
 
     # -- prefix cache ----------------------------------------------------------------------------
 
@@ -272,8 +285,6 @@ class Scheduler:
         size = self.page_size
         table = seq.page_table
         last, filled = divmod(seq.num_computed, size)
-        if self.pool is not None and self.pool.local is not None:
-            return  # the tail page's local rows leave with the sequence's ring
         if filled == 0 or last >= len(table.slot_ids) or table.slot_ids[last] == NOT_RESIDENT:
             return
         if len(table.page_hashes) != last:
@@ -281,12 +292,16 @@ class Scheduler:
         parent = table.page_hashes[-1] if table.page_hashes else root_hash(seq.namespace)
         self.slots.register_partial(table.slot_ids[last], parent, tuple(seq.token_ids[last * size : seq.num_computed]))
 
-    def _match_partial(self, seq: Sequence) -> None:
-        """After the full pages, copy the longest matching start of a cached tail page (leaving >= 1 token)."""
+    def _match_partial(self, seq: Sequence, limit: int | None = None) -> None:
+        """After the full pages, copy the longest matching start of a cached tail page (leaving >= 1 token),
+        at most `limit` tokens (local rings: what the adopted parked ring holds)."""
         size = self.page_size
         table = seq.page_table
         parent = table.page_hashes[-1] if table.page_hashes else root_hash(seq.namespace)
-        want = seq.token_ids[seq.num_computed : min(seq.num_tokens - 1, seq.num_computed + size)]
+        end = min(seq.num_tokens - 1, seq.num_computed + size)
+        if limit is not None:
+            end = min(end, seq.num_computed + limit)
+        want = seq.token_ids[seq.num_computed : end]
         best_slot, best = -1, 0
         for slot, tokens in self.slots.lookup_partial(parent):
             n = 0
@@ -294,7 +309,7 @@ class Scheduler:
                 n += 1
             if n > best:
                 best_slot, best = slot, n
-        if best == 0 or self.pool is None or self.pool.local is not None or self.slots.num_available() < 2:
+        if best == 0 or self.pool is None or self.slots.num_available() < 2:
             return
         self.slots.acquire(best_slot)  # keep it from being the slot we allocate
         dst = self.slots.allocate()
@@ -309,13 +324,9 @@ class Scheduler:
         if seq.num_computed or seq.page_table.slot_ids:
             return
         local = self.pool.local if self.pool is not None else None
-        if local is not None:
-            seq.local_ring = local.allocate()
         if self._new_ring is not None:
             self._new_ring(seq)
         reusable = (seq.num_tokens - 1) // self.page_size
-        if local is not None and self.host is None:
-            reusable = 0  # a prefix's local rows come from its host copy: without one, no reuse
         hashes = chain_hashes(
             seq.token_ids[: reusable * self.page_size], self.page_size, self.model_id, self.kv_format, seq.namespace
         )
@@ -335,19 +346,39 @@ class Scheduler:
         elif self.host is not None and self.pool is not None and device_pages < len(hashes):
             self._restore_host_prefix(seq, hashes[device_pages:])
         seq.num_computed = len(seq.page_table.slot_ids) * self.page_size
-        self._match_partial(seq)
-        if local is not None and seq.num_computed and not self._fill_local_ring(seq):
-            self._release_all(seq, keep_partial=False)  # recomputed from the start
+        if local is None:
+            self._match_partial(seq)
+        elif not self._local_prefix(seq):
+            self._release_all(seq, keep_partial=False, park=False)  # recomputed from the start
             seq.local_ring = local.allocate()
             if self._new_ring is not None:
                 self._new_ring(seq)
         if not seq.admitted_once:
             seq.num_cached = seq.num_computed
 
+    def _local_prefix(self, seq: Sequence) -> bool:
+        """The local ring of a sequence whose cached prefix of whole pages was just matched: the ring a
+        previous sequence parked at that page (with as much of the tail page as both share), else a
+        fresh ring filled from the host copies of the prefix's last pages. False when neither can be had."""
+        assert self.pool is not None and self.pool.local is not None
+        local, table = self.pool.local, seq.page_table
+        parked = local.take(table.page_hashes[-1]) if table.page_hashes else None
+        if parked is not None:
+            seq.local_ring = parked.ring_id
+            ahead = seq.token_ids[seq.num_computed : seq.num_computed + len(parked.tail)]
+            shared = next((i for i, (a, b) in enumerate(zip(ahead, parked.tail, strict=False)) if a != b), len(ahead))
+            self._match_partial(seq, limit=shared)
+            seq.local_end = seq.num_computed  # rows past it are the parked sequence's: overwritten, never read
+            return True
+        seq.local_ring = local.allocate()
+        return seq.num_computed == 0 or self._fill_local_ring(seq)
+
     def _fill_local_ring(self, seq: Sequence) -> bool:
         """A reused prefix's last pages into the sequence's local ring (the window of its first new token),
         from their host copies; False when they cannot be had (the prefix is then dropped)."""
-        assert self.pool is not None and self.pool.local is not None and self.host is not None
+        assert self.pool is not None and self.pool.local is not None
+        if self.host is None:
+            return False
         local, size = self.pool.local, self.page_size
         end = seq.num_computed  # whole pages: partial tail pages are not reused with local rings
         pages = list(range(max(0, end - local.window + 1) // size, end // size))

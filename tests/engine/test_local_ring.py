@@ -50,6 +50,21 @@ def test_ring_span_holds_a_step_and_the_window_before_it() -> None:
     assert ring_span(window=2, max_step_tokens=1, page_size=64) == 64  # the page a step starts in: 1 + 63
 
 
+def test_parked_rings_are_taken_by_their_page_and_reclaimed_oldest_first() -> None:
+    rings = LocalRings({0: 8}, span=24, num_rings=3, page_size=PAGE)
+    a, b, c = rings.allocate(), rings.allocate(), rings.allocate()
+    rings.park(b"page-a", a, end=10, tail=(1, 2))
+    rings.park(b"page-b", b, end=20, tail=())
+    assert rings.num_free() == 2 and rings.num_parked == 2
+    assert rings.take(b"page-b") == (b, 20, ()) and rings.take(b"page-b") is None
+    assert rings.allocate() == a  # no free ring: the oldest parked one is reclaimed
+    assert rings.take(b"page-a") is None and rings.num_free() == 0
+    rings.park(b"page-c", c, end=5, tail=(3,))
+    rings.park(b"page-c", b, end=6, tail=(4,))  # the same page again: the older ring is freed
+    assert rings.num_parked == 1 and rings.take(b"page-c") == (b, 6, (4,))
+    assert rings.allocate() == c
+
+
 def test_rings_are_handed_out_and_taken_back() -> None:
     rings = LocalRings({0: 8, 2: 8, 3: 6}, span=24, num_rings=2, page_size=PAGE)
     assert rings.layers == frozenset({0, 2, 3}) and rings.window == 8 and rings.windows == frozenset({6, 8})
@@ -129,11 +144,35 @@ def test_engine_pool_with_local_rings_is_smaller_and_greedy_is_the_reference(gem
     assert outs[0] == outs[1] == [reference_greedy(gemma, p, 14) for p in prompts]
 
 
-def test_without_a_host_store_a_prefix_is_recomputed(gemma, smol_tokenizer: Tokenizer) -> None:
-    """The device still holds the prefix's global pages, but its local rows left with the first ring."""
+def test_the_next_turn_takes_the_parked_ring_and_the_tail_page(gemma, smol_tokenizer: Tokenizer) -> None:
+    """No host store: turn 1's ring is parked under its last full page; turn 2 (history + answer + a new
+    question) takes it over, with the start of the tail page: everything turn 1 computed is reused."""
     engine = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8)
+    prompt = _prompt(41, 1)
+    first = engine.submit("t1", prompt, greedy(3))
+    run_until_done(engine, [first])
+    answer = drain(events_of(first))[0]
+    assert engine.pool.local is not None and engine.pool.local.num_parked == 1
+    turn2 = prompt + answer + [5, 6, 7]
+    seq = engine.submit("t2", turn2, greedy(4))
+    run_until_done(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert done.cached_tokens == 43  # 41 + 3 - 1 (the last answer token was never fed): 10 pages + 3 tokens
+    assert tokens == reference_greedy(gemma, turn2, 4)
+    other = engine.submit("t3", _prompt(30, 9) + prompt, greedy(2))  # no parked ring fits: computed afresh
+    run_until_done(engine, [other])
+    tokens, done = drain(events_of(other))
+    assert done.cached_tokens == 0 and tokens == reference_greedy(gemma, _prompt(30, 9) + prompt, 2)
+
+
+def test_a_prefix_without_its_ring_or_host_copy_is_recomputed(gemma, smol_tokenizer: Tokenizer) -> None:
+    """The device still holds the prefix's global pages, but the parked ring was reclaimed by other
+    sequences and there is no host copy: the prefix is computed again, and the answer is the reference."""
+    engine = make_engine(gemma, smol_tokenizer, num_slots=64, prefill_chunk=8, max_running=2)
     prompt = _prompt(30, 1)
     run_until_done(engine, [engine.submit("t1", prompt, greedy(2))])
+    others = [engine.submit(f"o{i}", _prompt(9, 20 + i), greedy(2)) for i in range(2)]
+    run_until_done(engine, others)  # both rings in use at once: the parked one was reclaimed
     seq = engine.submit("t2", prompt + [5, 6, 7], greedy(4))
     run_until_done(engine, [seq])
     tokens, done = drain(events_of(seq))
@@ -144,8 +183,8 @@ def test_without_a_host_store_a_prefix_is_recomputed(gemma, smol_tokenizer: Toke
 def test_a_reused_prefix_fills_the_ring_from_the_host_copy(
     gemma, smol_tokenizer: Tokenizer, start_store: StartStore
 ) -> None:
-    """Turn 2 on the same engine (global pages still on the device) and on a second engine (every page
-    from the host store): the ring gets the last pages' local rows, the answer is the reference."""
+    """Turn 2 on a second engine (every page from the host store): its ring gets the last pages' local rows
+    from their host copies; on the first engine, the parked ring (and the tail page's first token)."""
     address = start_store(host_kv_mib=32).address
     first = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8, store_address=address)
     prompt = _prompt(41, 2)
@@ -153,11 +192,11 @@ def test_a_reused_prefix_fills_the_ring_from_the_host_copy(
     first.write_through.flush()
     turn2 = prompt + [901, 902, 903]
     second = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8, store_address=address)
-    for engine in (first, second):
+    for engine, cached in ((first, 41), (second, 40)):  # 10 whole pages (+ 1 token of the tail page)
         seq = engine.submit("t2", turn2, greedy(6))
         run_until_done(engine, [seq])
         tokens, done = drain(events_of(seq))
-        assert done.cached_tokens == 40  # the 10 whole prompt pages
+        assert done.cached_tokens == cached
         assert tokens == reference_greedy(gemma, turn2, 6)
         engine.slots.check_integrity()
     assert second.scheduler.num_host_restored == 10
