@@ -1,7 +1,8 @@
 """Local rings end to end: a tiny random Gemma 3 (sliding window 16 tokens, 2 of 6 layers global) served by
-the real stack (gateway, cache guard, engine, kvstore, redis), prompts sent as token ids. Turn 2 of a conversation reuses turn 1's
-pages and takes its parked local ring; a third request that shares only turn 1's prompt fills its ring
-from the host copies of the prompt's last pages. Every answer equals the dense reference computed here."""
+the real stack (gateway, cache guard, engine, kvstore, redis), prompts sent as token ids. Turn 2 of a
+conversation reuses turn 1's pages and takes its parked local ring; a third request that shares only
+turn 1's prompt fills its ring from the host copies of the prompt's last pages. Every answer equals the
+dense reference computed here."""
 
 from __future__ import annotations
 
