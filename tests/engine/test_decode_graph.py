@@ -75,7 +75,7 @@ class Harness:
         local = None
         if getattr(model, "test_local_rings", False):
             windows = {i: w for i, w in enumerate(cfg.layer_windows) if w is not None}
-            local = LocalRings(windows, ring_span(8, max(lengths), PAGE), 4, PAGE)
+            local = LocalRings(windows, ring_span(max(windows.values()), max(lengths), PAGE), 4, PAGE)
         self.pool = KVPool(cfg.num_layers, num_slots, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, device, local=local)
         self.step_runner = ModelRunner(model, self.pool, device, decode_runner=False)
         self.graphs = DecodeGraphs(model, self.pool, device, max_batch=4, capture=capture)
@@ -309,5 +309,35 @@ def test_fused_decode_attention_matches_step_attention(model, monkeypatch: pytes
         h.advance(got)
     global_layers = sum(1 for w in model.config.layer_windows if w is None)
     assert calls == [(2, 256)] * (2 * global_layers)
+    for s in h.seqs:
+        assert s.output_ids == reference_greedy(h.model, s.prompt_ids, len(s.output_ids))
+
+
+def test_fused_decode_attention_over_local_rings_before_the_window_fills(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sliding layers of 64 tokens in local rings read their ring through the kernel too; sequences shorter
+    than the window have ring rows before position 0 (padded as never visible)."""
+    from services.engine import decode_graph
+    from services.engine.kernels import decode_attention_triton
+
+    m = tiny_gemma(VOCAB, seed=4, window=64)
+    m.test_local_rings = True
+    widths = []
+    real = decode_attention_triton.decode_attention
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        widths.append(args[3].shape[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_graph, "triton_module", lambda name, device: decode_attention_triton)
+    monkeypatch.setattr(decode_attention_triton, "decode_attention", counted)
+    h = Harness(m, [13, 30])
+    for _ in range(2):
+        works = h.works()
+        expected, _ = h.step_runner.run(works)
+        got = h.graphs.run(works)
+        assert (got - expected).abs().max().item() < ATOL
+        h.advance(got)
+    local = sum(1 for w in m.config.layer_windows if w is not None)
+    assert sorted(widths) == sorted([64] * (2 * local) + [256] * (2 * (m.config.num_layers - local)))
     for s in h.seqs:
         assert s.output_ids == reference_greedy(h.model, s.prompt_ids, len(s.output_ids))
