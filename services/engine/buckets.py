@@ -10,6 +10,7 @@ window, including the partial page and the chunk being written), `free` (budget 
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,8 +48,9 @@ class BucketPlan:
     evidence: frozenset[int]
     recent: frozenset[int]
 
-    @property
+    @functools.cached_property
     def resident(self) -> frozenset[int]:
+        """Every resident page (computed once per plan: the scheduler asks for it per page)."""
         return self.protect | self.skeleton | self.evidence | self.recent
 
     def bucket_of(self, page: int) -> Bucket:

@@ -279,7 +279,8 @@ class RingManager:
             return
         scores = ring.scores[:num_candidate_pages]
         excluded = set(range(lim.protect_pages)) | ring.skeleton
-        order = [int(p) for p in torch.argsort(scores, descending=True, stable=True) if int(p) not in excluded]
+        ranked: list[int] = torch.argsort(scores, descending=True, stable=True).tolist()
+        order = [p for p in ranked if p not in excluded]
         chosen: list[int] = []
         for p in order:
             for q in [p, *range(p + 1, p + 1 + lim.neighbor_pages), *range(p - 1, p - 1 - lim.neighbor_pages, -1)]:

@@ -219,7 +219,7 @@ class Scheduler:
             plan = self.ring.plan(seq.ring, end)
             self.ring.demote(table.slot_ids, table.page_hashes, plan.resident, seq.ring)
             computed_pages = seq.num_computed // self.page_size
-            hidden = sum(1 for p in range(computed_pages) if p not in plan.resident)
+            hidden = computed_pages - sum(1 for p in plan.resident if p < computed_pages)
             if seq.ring.policy == "sparse":
                 seq.ring.hidden_pages = max(seq.ring.hidden_pages, hidden)
         while self._needed(seq, want) > self.slots.num_available():
