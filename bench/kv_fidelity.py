@@ -155,9 +155,12 @@ def memory_rows(a: argparse.Namespace, cfg: ModelConfig, specs: list[str], dtype
         paged = sum(b for b, w in zip(layer_bytes, cfg.layer_windows, strict=True) if not (local and w is not None))
         ring_rows = (per_token - paged) * span  # one sequence's local rings
         full_max = int((free - ring_rows) // paged)
-        ring_dev = paged * a.ring_budget + ring_rows
+        # the ring's page summaries (kmin, kmax, kmean fp32 per kv head) of every logical page, paged layers
+        num_paged = sum(1 for w in cfg.layer_windows if not (local and w is not None))
+        summary_per_token = 3 * 4 * cfg.num_kv_heads * cfg.head_dim * num_paged / 64
+        ring_dev = paged * a.ring_budget + ring_rows + summary_per_token * a.ring_context
         rows.append(
-            f"| {s} | {per_token:,} | {paged:,} | {ring_rows / 2**20:.1f} MiB "
+            f"| {s} | {per_token:,} | {paged:,} | {ring_rows / 2**20:.1f} MiB | {summary_per_token:,.0f} "
             f"| {full_max:,} ({min(full_max, cfg.max_position_embeddings):,}) | {ring_dev / 2**20:.1f} MiB "
             f"| {ring_dev / a.ring_context:,.0f} | {int(free // ring_dev):,} "
             f"| {int(a.host_gb * 1e9 // per_token):,} |"
@@ -171,13 +174,15 @@ def print_memory(a: argparse.Namespace, cfg: ModelConfig, specs: list[str], dtyp
     print(
         "host bytes/token: every layer (the kvstore's copy); slot bytes/token: the layers kept in pool slots "
         "(without the sliding-window layers when they live in local rings, --no-local-ring keeps them paged); "
-        f"local rings: per sequence, window + a {a.chunk}-token chunk; full context: every token resident; "
+        f"local rings: per sequence, window + a {a.chunk}-token chunk; summaries: the ring's page summaries "
+        "(every logical page, scored layers); full context: every token resident; "
         f"ring: {a.ring_budget} resident tokens per sequence, the rest in a {a.host_gb:.0f} GB host store.\n"
     )
-    print("| format | host bytes/token | slot bytes/token | local rings | full context: max tokens (model limit) "
+    print("| format | host bytes/token | slot bytes/token | local rings | summaries bytes/token "
+          "| full context: max tokens (model limit) "
           f"| ring: device per sequence | ring: device bytes/logical token at {a.ring_context:,} "
           "| ring: sequences on the GPU | ring: max context (host) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in memory_rows(a, cfg, specs, dtype, weight_bytes):
         print(row)
 

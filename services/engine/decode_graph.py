@@ -296,8 +296,7 @@ class DecodeGraphs:
             for layer in self.pool.paged_layers:
                 scale = float(self.model.layers[layer].self_attn.scale)  # type: ignore[union-attr, arg-type]
                 q = self._last.queries[layer, i : i + 1]  # [1, Hq, D]
-                s = page_scores(q, ring.summaries.kmin[layer, :num_pages], ring.summaries.kmax[layer, :num_pages],
-                                scale)  # fmt: skip
+                s = page_scores(q, *ring.summaries.bounds(layer, num_pages), scale)
                 total = s if total is None else total + s
             out.append(total)
         return out

@@ -291,7 +291,9 @@ class Engine:
         cfg = self.runner.model.config
         size = self.limits.page_size
         max_pages = -(-min(self.limits.max_context, len(seq.prompt_ids) + seq.max_tokens) // size)
-        summaries = PageSummaries(cfg.num_layers, max_pages, cfg.num_kv_heads, cfg.head_dim, self.pool.device)
+        summaries = PageSummaries(
+            cfg.num_layers, max_pages, cfg.num_kv_heads, cfg.head_dim, self.pool.device, self.pool.paged_layers
+        )
         query_start = seq.query_start
         if query_start < 0:
             query_start = max(0, len(seq.prompt_ids) - self.ring.limits.query_tail)

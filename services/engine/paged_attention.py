@@ -130,8 +130,7 @@ class StepAttention:
         if span.score_pages == 0:
             return
         q_sel = q_s[-span.score_tokens :]  # [Tq, Hq, D]
-        kmin = span.summaries.kmin[layer_idx, : span.score_pages]
-        kmax = span.summaries.kmax[layer_idx, : span.score_pages]
+        kmin, kmax = span.summaries.bounds(layer_idx, span.score_pages)
         scores = page_scores(q_sel, kmin, kmax, scale)
         span.scores = scores if span.scores is None else span.scores + scores
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -55,18 +56,39 @@ def _kernels(device: torch.device) -> ModuleType | None:
 
 
 class PageSummaries:
-    """kmin, kmax, kmean: [num_layers, max_pages, num_kv_heads, head_dim] per sequence (pool device)."""
+    """kmin, kmax, kmean: [L, max_pages, num_kv_heads, head_dim] per sequence (pool device), one row per
+    summarised layer: every layer, or only `layers` (the paged ones: local-ring layers are never scored).
+    Methods take model layer indices."""
 
-    def __init__(self, num_layers: int, max_pages: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
-        shape = (num_layers, max_pages, num_kv_heads, head_dim)
+    def __init__(
+        self,
+        num_layers: int,
+        max_pages: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        layers: Sequence[int] | None = None,
+    ) -> None:
+        self.layers = tuple(range(num_layers)) if layers is None else tuple(layers)
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+        shape = (len(self.layers), max_pages, num_kv_heads, head_dim)
         self.kmin = torch.zeros(shape, dtype=torch.float32, device=device)
         self.kmax = torch.zeros(shape, dtype=torch.float32, device=device)
         self.kmean = torch.zeros(shape, dtype=torch.float32, device=device)
         self.num_pages = 0  # pages summarised so far (0..num_pages-1 valid)
 
+    def bounds(self, layer_idx: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """kmin, kmax [num_pages, Hkv, D] of a layer's first pages (what page scoring reads)."""
+        row = self._row[layer_idx]
+        return self.kmin[row, :num_pages], self.kmax[row, :num_pages]
+
+    def _tables(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        row = self._row[layer_idx]
+        return self.kmin[row], self.kmax[row], self.kmean[row]
+
     def update(self, layer_idx: int, page_ids: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> None:
         """keys: [P, page_size, Hkv, D] of pages `page_ids` [P]; valid: [P, page_size] bool (real tokens)."""
-        tables = self.kmin[layer_idx], self.kmax[layer_idx], self.kmean[layer_idx]
+        tables = self._tables(layer_idx)
         kernels = _kernels(keys.device)
         if kernels is None:
             summary_update_reference(*tables, page_ids, keys, valid)
@@ -90,7 +112,7 @@ class PageSummaries:
     ) -> None:
         """The same from token rows without a gathered copy: src [R, Hkv, D] (a pool layer's keys in a
         plain float dtype), rows [P * page_size] the pages' rows in token order; valid [P, page_size]."""
-        tables = self.kmin[layer_idx], self.kmax[layer_idx], self.kmean[layer_idx]
+        tables = self._tables(layer_idx)
         kernels = _kernels(src.device)
         if kernels is None:
             keys = src.index_select(0, rows.reshape(-1)).view(*valid.shape, *src.shape[1:])

@@ -214,6 +214,10 @@ def test_the_kvmem_ring_with_local_rings_matches_the_reference(
                          prefill_chunk=8, store_address=address, default_policy="exact")  # fmt: skip
     prompts = [_prompt(90, 3), _prompt(70, 4)]
     seqs = [engine.submit(f"x{i}", p, greedy(10)) for i, p in enumerate(prompts)]
+    engine.poll()
+    engine.step()
+    summaries = seqs[0].ring.summaries  # page summaries only for the paged (global) layers: 2 of 6
+    assert summaries.layers == engine.pool.paged_layers == (1, 4) and summaries.kmin.shape[0] == 2
     run_until_done(engine, seqs)
     for seq, prompt in zip(seqs, prompts, strict=True):
         tokens, done = drain(events_of(seq))
