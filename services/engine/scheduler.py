@@ -61,6 +61,8 @@ class Scheduler:
         self.pool = pool  # for copying matched tail pages
         self.host = host  # the kvstore: prefixes whose pages left the device come back from it
         self.num_host_restored = 0  # pages a sequence without a ring took from the host store
+        self.num_local_reuses = 0  # prefixes that took over a parked local ring
+        self.num_local_fills = 0  # prefixes whose local ring was filled from host copies
         self.slots = slots
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
@@ -365,6 +367,7 @@ class Scheduler:
         parked = local.take(table.page_hashes[-1]) if table.page_hashes else None
         if parked is not None:
             seq.local_ring = parked.ring_id
+            self.num_local_reuses += 1
             ahead = seq.token_ids[seq.num_computed : seq.num_computed + len(parked.tail)]
             shared = next((i for i, (a, b) in enumerate(zip(ahead, parked.tail, strict=False)) if a != b), len(ahead))
             self._match_partial(seq, limit=shared)
@@ -392,6 +395,7 @@ class Scheduler:
             logger.info("%s: its prefix's last pages left the host store; recomputing", seq.request_id)
             return False
         self.pool.write_local_pages([local.page_row(seq.local_ring, p) for p in pages], data)
+        self.num_local_fills += 1
         return True
 
     def _restore_host_prefix(self, seq: Sequence, chain: list[bytes]) -> None:

@@ -129,6 +129,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         counts = e.slots.counts()
         wt = e.write_through
         s = e.stats
+        local = e.pool.local
         return pb.GetStatsResponse(
             num_slots=counts.total,
             free_slots=counts.free,
@@ -151,6 +152,12 @@ class EngineServicer(pb_grpc.EngineServicer):
             restored_bytes_total=e.ring.restored_bytes if e.ring else 0,
             demotions_total=e.ring.num_demotions if e.ring else 0,
             preemptions_total=e.scheduler.num_preemptions,
+            local_rings=local.num_rings if local else 0,
+            local_rings_free=local.num_free() if local else 0,
+            local_rings_parked=local.num_parked if local else 0,
+            local_ring_reuses_total=e.scheduler.num_local_reuses,
+            local_ring_fills_total=e.scheduler.num_local_fills,
+            device_kv_bytes=e.pool.nbytes + e.pool.local_nbytes,
         )
 
 

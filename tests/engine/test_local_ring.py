@@ -158,6 +158,7 @@ def test_the_next_turn_takes_the_parked_ring_and_the_tail_page(gemma, smol_token
     run_until_done(engine, [seq])
     tokens, done = drain(events_of(seq))
     assert done.cached_tokens == 43  # 41 + 3 - 1 (the last answer token was never fed): 10 pages + 3 tokens
+    assert (engine.scheduler.num_local_reuses, engine.scheduler.num_local_fills) == (1, 0)
     assert tokens == reference_greedy(gemma, turn2, 4)
     other = engine.submit("t3", _prompt(30, 9) + prompt, greedy(2))  # no parked ring fits: computed afresh
     run_until_done(engine, [other])
@@ -200,6 +201,7 @@ def test_a_reused_prefix_fills_the_ring_from_the_host_copy(
         assert tokens == reference_greedy(gemma, turn2, 6)
         engine.slots.check_integrity()
     assert second.scheduler.num_host_restored == 10
+    assert (first.scheduler.num_local_reuses, second.scheduler.num_local_fills) == (1, 1)
     for engine in (first, second):
         engine.stop()
 

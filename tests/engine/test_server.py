@@ -84,6 +84,7 @@ def test_cancelled_stream_frees_its_slots(stub) -> None:
         time.sleep(0.05)
     assert stats.running_sequences == 0
     assert stats.free_slots + stats.cached_slots == stats.num_slots
+    assert stats.local_rings == 0 and stats.device_kv_bytes > 0  # a Llama: every layer in the slots
 
 
 def test_model_info(stub) -> None:
