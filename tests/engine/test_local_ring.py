@@ -227,3 +227,16 @@ def test_the_kvmem_ring_with_local_rings_matches_the_reference(
         assert tokens == reference_greedy(gemma, prompt, 10)
     assert engine.ring is not None and engine.ring.num_demotions > 0  # exact streamed them back from the host
     engine.stop()
+
+
+def test_preempted_sequences_take_their_parked_ring_back(gemma, smol_tokenizer: Tokenizer) -> None:
+    """A pool too small for four sequences at once: the youngest are preempted (their rings parked under
+    their last page) and re-admitted later, taking their own ring back; every answer is the reference."""
+    engine = make_engine(gemma, smol_tokenizer, num_slots=14, prefill_chunk=8, max_running=4)
+    prompts = [_prompt(n, 40 + n) for n in (21, 26, 17, 30)]
+    seqs = [engine.submit(f"p{i}", p, greedy(14)) for i, p in enumerate(prompts)]
+    run_until_done(engine, seqs)
+    assert engine.scheduler.num_preemptions >= 1
+    assert engine.scheduler.num_local_reuses >= 1  # a preempted sequence came back to its parked ring
+    assert [drain(events_of(s))[0] for s in seqs] == [reference_greedy(gemma, p, 14) for p in prompts]
+    assert engine.pool.local is not None and engine.pool.local.num_free() == engine.pool.local.num_rings
