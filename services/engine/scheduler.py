@@ -28,6 +28,9 @@ from services.engine.slots import SlotAllocator
 logger = logging.getLogger(__name__)
 
 
+LOCAL_FILL_WAIT_S = 2.0  # how long a prefix waits for its last pages' host copies before recomputing
+
+
 class Work(NamedTuple):
     """`num_new` tokens of `seq` starting at position `start` go through the model this step."""
 
@@ -383,12 +386,15 @@ class Scheduler:
         if self.host is None:
             return False
         local, size = self.pool.local, self.page_size
-        end = seq.num_computed  # whole pages: partial tail pages are not reused with local rings
+        end = seq.num_computed  # whole pages (a tail page is matched only with a parked ring)
         pages = list(range(max(0, end - local.window + 1) // size, end // size))
         hashes = [seq.page_table.page_hashes[p] for p in pages]
-        if not self.host.wait(hashes, timeout_s=10.0):  # pages this engine wrote may still be in flight
-            logger.info("%s: the host copies of its prefix's last pages are missing; recomputing", seq.request_id)
-            return False
+        missing = [h for h in hashes if not self.host.has(h)]
+        if missing and self.host.leading_present(missing) < len(missing):
+            # pages this engine computed may still be on their way to the store: wait a little, not the loop
+            if not self.host.wait(missing, timeout_s=LOCAL_FILL_WAIT_S):
+                logger.info("%s: its prefix's last pages have no host copy; recomputing", seq.request_id)
+                return False
         try:
             data = self.host.fetch_to(hashes, self.pool.device)
         except PagesLostError:
