@@ -11,6 +11,7 @@ from services.common.tokenizer import Tokenizer
 from services.engine.attention import ContiguousKV
 from services.engine.engine import Engine, EngineLimits
 from services.engine.host_pages import KVStoreHostPages
+from services.engine.kv_formats import parse_format
 from services.engine.kv_pool import KVPool
 from services.engine.local_ring import LocalRings, ring_span
 from services.engine.model_runner import ModelRunner
@@ -65,9 +66,11 @@ def make_engine(
     default_policy: str = "sparse",
     store_factory: Callable[[], Any] | None = None,
     local_ring: bool = True,
+    kv_format: str = "fp32",
 ) -> Engine:
     """An engine on the CPU; with `ring`, pages go through a real kvstore process at `store_address`.
-    Sliding-window layers get local rings (one per running sequence) unless `local_ring` is False."""
+    Sliding-window layers get local rings (one per running sequence) unless `local_ring` is False;
+    `kv_format` (one format for every layer, kv_formats.py) is the pool's and the page hashes'."""
     cfg = model.config
     windows = {i: w for i, w in enumerate(cfg.layer_windows) if w is not None}
     local = None
@@ -75,12 +78,12 @@ def make_engine(
         local = LocalRings(windows, ring_span(max(windows.values()), prefill_chunk, page_size), max_running, page_size)
     pool = KVPool(
         cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"),
-        local=local,
+        [parse_format(kv_format)] * cfg.num_layers, local=local,
     )  # fmt: skip
     write_through = host = None
     if store_address or store_factory:
         new_client = store_factory or (lambda: KVStoreClient(store_address))
-        write_through = WriteThrough(new_client(), "fp32", 256)
+        write_through = WriteThrough(new_client(), kv_format, 256)
         host = KVStoreHostPages(new_client(), write_through, pool.page_nbytes, "engine-test")
     limits = EngineLimits(
         max_context=max_context,
@@ -90,7 +93,7 @@ def make_engine(
         max_waiting=64,
         vocab_size=cfg.vocab_size,
         model_id="tiny",
-        kv_format="fp32",
+        kv_format=kv_format,
         default_policy=default_policy,
         ring=ring,
         ring_chunk=ring_chunk,

@@ -240,3 +240,38 @@ def test_preempted_sequences_take_their_parked_ring_back(gemma, smol_tokenizer: 
     assert engine.scheduler.num_local_reuses >= 1  # a preempted sequence came back to its parked ring
     assert [drain(events_of(s))[0] for s in seqs] == [reference_greedy(gemma, p, 14) for p in prompts]
     assert engine.pool.local is not None and engine.pool.local.num_free() == engine.pool.local.num_rings
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "int8+h", "nvfp4"])
+def test_quantised_local_rings_equal_quantised_slots(
+    gemma, smol_tokenizer: Tokenizer, start_store: StartStore, kv_format: str
+) -> None:
+    """Rows are quantised per token and head, so a sliding layer's ring holds the very bytes its slots would:
+    greedy tokens with local rings equal those with every layer paged, also when a second engine fills its
+    ring from the first one's quantised host pages."""
+    address = start_store(host_kv_mib=32).address
+    prompt = _prompt(45, 60)
+    turn2 = prompt + [901, 902, 903]
+    paged = make_engine(gemma, smol_tokenizer, num_slots=40, prefill_chunk=8, local_ring=False, kv_format=kv_format)
+    expected = []
+    for ids in (prompt, turn2):
+        seq = paged.submit(f"p{len(ids)}", ids, greedy(6))
+        run_until_done(paged, [seq])
+        expected.append(drain(events_of(seq))[0])
+    first = make_engine(
+        gemma, smol_tokenizer, num_slots=40, prefill_chunk=8, store_address=address, kv_format=kv_format
+    )
+    seq = first.submit("t1", prompt, greedy(6))
+    run_until_done(first, [seq])
+    assert drain(events_of(seq))[0] == expected[0]
+    first.write_through.flush()
+    second = make_engine(
+        gemma, smol_tokenizer, num_slots=40, prefill_chunk=8, store_address=address, kv_format=kv_format
+    )
+    seq = second.submit("t2", turn2, greedy(6))
+    run_until_done(second, [seq])
+    tokens, done = drain(events_of(seq))
+    assert done.cached_tokens == 44 and second.scheduler.num_local_fills == 1
+    assert tokens == expected[1]
+    for engine in (first, second):
+        engine.stop()
