@@ -146,7 +146,7 @@ def memory_rows(a: argparse.Namespace, cfg: ModelConfig, specs: list[str], dtype
     ones when the sliding layers live in local rings, a fixed ring of `ring_span` rows per sequence)."""
     free = a.gpu_gb * 1e9 - weight_bytes - a.reserve_gb * 1e9
     windows = [] if a.no_local_ring else [w for w in cfg.layer_windows if w is not None]
-    span = ring_span(max(windows), a.chunk, 64) if windows else 0
+    span = ring_span(max(windows), 64) if windows else 0
     rows = []
     for s in ["bf16", *specs]:
         layer_bytes = [2 * cfg.num_kv_heads * f.row_bytes(cfg.head_dim) for f in pool_formats(cfg, s, dtype)]
@@ -174,7 +174,7 @@ def print_memory(a: argparse.Namespace, cfg: ModelConfig, specs: list[str], dtyp
     print(
         "host bytes/token: every layer (the kvstore's copy); slot bytes/token: the layers kept in pool slots "
         "(without the sliding-window layers when they live in local rings, --no-local-ring keeps them paged); "
-        f"local rings: per sequence, window + a {a.chunk}-token chunk; summaries: the ring's page summaries "
+        "local rings: per sequence, the window in whole pages; summaries: the ring's page summaries "
         "(every logical page, scored layers); full context: every token resident; "
         f"ring: {a.ring_budget} resident tokens per sequence, the rest in a {a.host_gb:.0f} GB host store.\n"
     )

@@ -123,7 +123,7 @@ def local_rings(model_config: ModelConfig, config: EngineConfig) -> LocalRings |
     windows = {i: w for i, w in enumerate(model_config.layer_windows) if w is not None}
     if not windows:
         return None
-    span = ring_span(max(windows.values()), config.prefill_chunk, config.page_size)
+    span = ring_span(max(windows.values()), config.page_size)
     return LocalRings(windows, span, config.max_running, config.page_size)
 
 

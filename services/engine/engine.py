@@ -332,9 +332,8 @@ class Engine:
             table.page_hashes.append(h)
             self.slots.register(table.slot_ids[i], h)
             if self.write_through is not None and self.write_through.wants(h):
-                local = self.pool.local  # the page's local rows are still in the ring: it was filled this step
-                local_row = local.page_row(seq.local_ring, i) if local is not None else None
-                self.write_through.submit(h, self.pool.read_page(table.slot_ids[i], local_row), size)
+                local = (seq.local_ring, i) if self.pool.local is not None else None  # staged or in the ring
+                self.write_through.submit(h, self.pool.read_page(table.slot_ids[i], local), size)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         matched = seq.detokenizer.matched_stop or ""

@@ -3,7 +3,7 @@
 With LocalRings (local_ring.py) the sliding-window layers keep their K/V in a small ring per running
 sequence instead of the slots: their tensors have the rings' row space, the slots hold the global
 (paged) layers only, and a page's host copy still carries every layer (read_page takes the page's
-local rows from its sequence's ring).
+local rows from `local_stage` when the step that finished it staged them, else from the ring).
 
 Each layer keeps its own format (services/engine/kv_formats.py): plain formats as tensors of their
 dtype (the fast path, unchanged), quantised ones as packed uint8 rows with their scales. Tokens are
@@ -53,6 +53,9 @@ class KVPool:
         self.local = local
         local_layers = local.layers if local is not None else frozenset()
         self.paged_layers = tuple(i for i in range(num_layers) if i not in local_layers)  # K/V in the slots
+        # (ring id, page) -> local layer -> (K, V) stored rows [page_size, Hkv, W]: pages a prefill step
+        # finished, kept for their write-through (StepAttention fills it; cleared before each step)
+        self.local_stage: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.num_slots = num_slots
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
@@ -165,6 +168,28 @@ class KVPool:
             self.formats[layer], self.v[layer], rows, dtype
         )
 
+    def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows `write` would store for k, v [N, Hkv, D]: the layer's stored format (torch code)."""
+        dtype = self._plain[layer]
+        if dtype is not None:
+            return k.to(dtype), v.to(dtype)
+        fmt = self.formats[layer]
+        return fmt.quantize(hadamard(k) if fmt.hadamard else k), fmt.quantize(v)
+
+    def decode(
+        self, layer: int, k_rows: torch.Tensor, v_rows: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `gather` returns for stored rows: K and V [N, Hkv, D] in `dtype`."""
+        if self._plain[layer] is not None:
+            return k_rows.to(dtype), v_rows.to(dtype)
+        fmt = self.formats[layer]
+        return _keys(fmt, lambda dt: fmt.dequantize(k_rows, dt), dtype), fmt.dequantize(v_rows, dtype)
+
+    def write_stored(self, layer: int, rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
+        """Store rows already in the layer's stored format (from `encode`)."""
+        self.k[layer].index_copy_(0, rows, k_rows)
+        self.v[layer].index_copy_(0, rows, v_rows)
+
     def plain_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's K and V rows [R, Hkv, D] when stored in a plain float dtype (attention kernels read
         them in place); None for a quantised layer (use gather)."""
@@ -215,17 +240,24 @@ class KVPool:
 
     # -- whole pages (write-through, restore): flat bytes in the stored format -----------------------
 
-    def read_page(self, slot: int, local_row: int | None = None) -> torch.Tensor:
+    def read_page(self, slot: int, local: tuple[int, int] | None = None) -> torch.Tensor:
         """A copy of one page as uint8 [page_nbytes] on the pool's device: layer by layer, K then V,
         each [page_size, Hkv, W] in the layer's stored format (the bytes the host store keeps).
-        With local rings, `local_row` is the page's first row in its sequence's ring (LocalRings.page_row)."""
-        assert (local_row is None) == (self.local is None), "a page of a local-ring pool needs its ring rows"
-        spans = [
-            (local_row, local_row + self.page_size) if self.is_local(i) and local_row is not None
-            else (slot * self.page_size, (slot + 1) * self.page_size)
-            for i in range(self.num_layers)
-        ]  # fmt: skip
-        parts = [t[lo:hi].reshape(-1) for i, (lo, hi) in enumerate(spans) for t in (self.k[i], self.v[i])]
+        With local rings, `local` = (ring id, logical page): the local layers' rows come from the stage
+        when the page's step staged them, else from the ring."""
+        assert (local is None) == (self.local is None), "a page of a local-ring pool needs its ring"
+        lo, hi = slot * self.page_size, (slot + 1) * self.page_size
+        staged = self.local_stage.get(local, {}) if local is not None else {}
+        parts: list[torch.Tensor] = []
+        for i in range(self.num_layers):
+            if i in staged:
+                rows = staged[i]
+            elif self.local is not None and local is not None and self.is_local(i):
+                start = self.local.page_row(*local)
+                rows = self.k[i][start : start + self.page_size], self.v[i][start : start + self.page_size]
+            else:
+                rows = self.k[i][lo:hi], self.v[i][lo:hi]
+            parts.extend(t.reshape(-1) for t in rows)
         if self._uniform_plain:
             return torch.cat(parts).view(torch.uint8)
         return torch.cat([p.view(torch.uint8) for p in parts])

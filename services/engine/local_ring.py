@@ -6,11 +6,13 @@ and the token at position p lives in row `ring_id * span + p % span`. Only the g
 occupies pool slots (KVPool keeps the local layers' tensors in this row space), so a slot costs
 global layers only and the same device bytes hold num_layers / num_global_layers times more pages.
 
-`span` is a whole number of pages, so a page's local rows are contiguous (the write-through reads a
-finished page's local rows from the ring into the host copy, which keeps every layer). It holds a
-step's new tokens plus the window before the first of them, and the start of the page the step begins
-in: span >= max_step_tokens + max(window - 1, page_size - 1), rounded up to pages. A step writes its
-new rows before it reads, so a smaller ring would overwrite keys that the step's first queries still see.
+`span` is the window (at least a page), rounded up to whole pages, so a page's local rows are
+contiguous. A decode step writes its token's row, then reads the window ending at it; the page it
+fills is still in the ring for the write-through (the host copy keeps every layer). A prefill step of
+n tokens attends the ring's rows before its first token plus its own new rows, passed in directly
+(StepAttention), and then keeps only the last min(n, span) of them: the ring never holds more than a
+window. The pages such a step finishes are staged (KVPool.local_stage) for the write-through, since
+their first rows may already have left the ring.
 
 The ring ids are allocated by the scheduler when a sequence is admitted; there are as many rings as
 sequences may run at once. A sequence that leaves with its ring intact *parks* it under the hash of its
@@ -35,10 +37,9 @@ class LocalRingsExhaustedError(RuntimeError):
     """Every ring is in use (more running sequences than rings: a scheduler bug, not a request error)."""
 
 
-def ring_span(window: int, max_step_tokens: int, page_size: int) -> int:
-    """Rows one sequence's ring needs (a multiple of page_size): a step's tokens plus the window before them."""
-    rows = max_step_tokens + max(window - 1, page_size - 1)
-    return -(-rows // page_size) * page_size
+def ring_span(window: int, page_size: int) -> int:
+    """Rows one sequence's ring holds: the window, at least one page, rounded up to whole pages."""
+    return -(-max(window, page_size) // page_size) * page_size
 
 
 class ParkedRing(NamedTuple):
@@ -106,9 +107,3 @@ class LocalRings:
     def page_row(self, ring_id: int, page: int) -> int:
         """First row of logical page `page` (its page_size rows follow contiguously)."""
         return ring_id * self.span + (page * self.page_size) % self.span
-
-    def window_positions(self, first: int, end: int) -> tuple[int, int]:
-        """The key positions [lo, end) a step over new positions [first, end) reads: the window before
-        its first token and the new tokens (`lo` clamped at 0)."""
-        assert end - first + self.window - 1 <= self.span, (first, end, self.window, self.span)
-        return max(0, first - self.window + 1), end

@@ -41,6 +41,7 @@ class ModelRunner:
     def run(self, works: list[Work]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Forward every work item; (logits [num_sampling_works, V] float32 in work order, per work the
         page scores of its scoring tokens, [pages] summed over layers, or None when it scored nothing)."""
+        self.pool.local_stage.clear()  # the last step's pages have been written through
         if self.decode is not None and self.decode.accepts(works):
             logits = self.decode.run(works)
             return logits, self.decode.page_scores(works)
@@ -65,6 +66,26 @@ class ModelRunner:
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.logits(hidden.index_select(0, rows_t)), scores  # [M, V]
 
+    def _local_span(self, span: SeqSpan, w: Work, end: int) -> None:
+        """Sliding-window layers: the ring rows of the window before the new tokens (they attend those and
+        their own new rows), the ring rows their last min(n, span) tokens are kept in, and the pages the
+        step finishes, staged for the write-through with the ring rows they start in."""
+        local, ring_id, size = self.pool.local, w.seq.local_ring, self.pool.page_size
+        assert local is not None and ring_id >= 0, f"{w.seq.request_id} runs without a local ring"
+        first = w.start
+        lo = max(0, first - local.window + 1)
+        dev = self.device
+        span.local_ring = ring_id
+        span.local_key_pos = torch.arange(lo, end, device=dev)
+        span.local_read_rows = local.rows(ring_id, torch.arange(lo, first, device=dev))
+        kept = min(end - first, local.span)
+        span.local_write_rows = local.rows(ring_id, torch.arange(end - kept, end, device=dev))
+        span.local_stage = []
+        for page in range(first // size, end // size):
+            begin = max(page * size, first)  # the page's tokens before `begin` are in the ring already
+            before = local.rows(ring_id, torch.arange(page * size, begin, device=dev))
+            span.local_stage.append((page, before, begin - first, (page + 1) * size - first))
+
     def _span(self, w: Work) -> SeqSpan:
         """Rows to write and read for one sequence; summaries, scoring and host pages when it has a ring."""
         size = self.pool.page_size
@@ -84,13 +105,8 @@ class ModelRunner:
             keep = key_pos < end
             read_rows, key_pos = read_rows[keep], key_pos[keep]
         span = SeqSpan(w.start, w.num_new, write_rows, read_rows, key_pos)
-        local = self.pool.local
-        if local is not None:  # sliding-window layers: the sequence's ring, the window before the new tokens
-            assert w.seq.local_ring >= 0, f"{w.seq.request_id} runs without a local ring"
-            lo, hi = local.window_positions(w.start, end)
-            span.local_key_pos = torch.arange(lo, hi, device=self.device)
-            span.local_read_rows = local.rows(w.seq.local_ring, span.local_key_pos)
-            span.local_write_rows = local.rows(w.seq.local_ring, new_pos)
+        if self.pool.local is not None:
+            self._local_span(span, w, end)
         ring = w.seq.ring
         if ring is None:
             return span

@@ -36,9 +36,14 @@ class SeqSpan:
     score_pages: int = 0  # pages [0, score_pages) are scored
     host_pages: list[torch.Tensor] = field(default_factory=list)  # exact: uint8 [page_nbytes] each, on the device
     host_page_ids: list[int] = field(default_factory=list)  # their logical page indices
-    local_write_rows: torch.Tensor | None = None  # [num_new] ring rows of the new tokens (local rings)
-    local_read_rows: torch.Tensor | None = None  # [L] ring rows of the window before them and of them
-    local_key_pos: torch.Tensor | None = None  # [L] their positions
+    # local rings (sliding-window layers): the window before the new tokens comes from the ring, the new
+    # tokens' own K/V straight from the step; the ring keeps the last min(num_new, span) of them
+    local_ring: int = -1
+    local_read_rows: torch.Tensor | None = None  # [R] ring rows of positions [num_past - R, num_past)
+    local_key_pos: torch.Tensor | None = None  # [R + num_new] positions of those rows, then of the new tokens
+    local_write_rows: torch.Tensor | None = None  # [K] ring rows of the last K new tokens (K = min(num_new, span))
+    # pages the step finishes: (page, ring rows of its tokens before the step, new-token range [lo, hi))
+    local_stage: list[tuple[int, torch.Tensor, int, int]] = field(default_factory=list)
     scores: torch.Tensor | None = None  # accumulated [score_pages] after the forward
 
 
@@ -57,10 +62,6 @@ class StepAttention:
         self.dtype = dtype
         self.staging_pages = staging_pages
         self.write_rows = torch.cat([s.write_rows for s in spans])  # [N], the step's flattened order
-        self.local_write_rows = (
-            torch.cat([s.local_write_rows for s in spans if s.local_write_rows is not None])
-            if pool.local is not None else None
-        )  # fmt: skip
         self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}  # (span, window, local) -> mask
 
     def attend(
@@ -97,21 +98,32 @@ class StepAttention:
     def _attend_local(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
     ) -> torch.Tensor:
-        """A layer in the local rings: each sequence attends the window before its new tokens and them
-        (never scored or summarised: only the paged layers' pages are selected)."""
-        assert self.local_write_rows is not None
-        self.pool.write(layer_idx, self.local_write_rows, k, v)
+        """A layer in the local rings: each sequence attends the ring's window before its new tokens and the
+        new tokens' own rows (as the ring would return them), then stages the pages it finishes and keeps
+        its last rows in the ring (never scored or summarised: only the paged layers' pages are selected)."""
+        pool = self.pool
         outs = []
         start = 0
         for i, span in enumerate(self.spans):
             assert span.local_read_rows is not None and span.local_key_pos is not None
+            assert span.local_write_rows is not None
+            n = span.num_new
             key = (i, window, True)
             if key not in self._masks:
-                self._masks[key] = _row_mask(span, self.group, self.dtype, self.pool.device, window, span.local_key_pos)
-            k_s, v_s = self.pool.gather(layer_idx, span.local_read_rows, q.dtype)
-            q_s = q[start : start + span.num_new]
-            outs.append(grouped_sdpa(q_s, k_s.transpose(0, 1), v_s.transpose(0, 1), self._masks[key], scale))
-            start += span.num_new
+                self._masks[key] = _row_mask(span, self.group, self.dtype, pool.device, window, span.local_key_pos)
+            k_new, v_new = pool.encode(layer_idx, k[start : start + n], v[start : start + n])  # stored rows
+            k_past, v_past = pool.gather(layer_idx, span.local_read_rows, q.dtype)
+            k_now, v_now = pool.decode(layer_idx, k_new, v_new, q.dtype)
+            k_s = torch.cat((k_past, k_now)).transpose(0, 1)  # [Hkv, R + n, D]
+            v_s = torch.cat((v_past, v_now)).transpose(0, 1)
+            outs.append(grouped_sdpa(q[start : start + n], k_s, v_s, self._masks[key], scale))
+            for page, before, lo, hi in span.local_stage:  # before the ring rows they start in are reused
+                rows = (torch.cat((pool.k[layer_idx][before], k_new[lo:hi])),
+                        torch.cat((pool.v[layer_idx][before], v_new[lo:hi])))  # fmt: skip
+                pool.local_stage.setdefault((span.local_ring, page), {})[layer_idx] = rows
+            kept = span.local_write_rows.shape[0]
+            pool.write_stored(layer_idx, span.local_write_rows, k_new[n - kept :], v_new[n - kept :])
+            start += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _mask(self, i: int, span: SeqSpan, window: int | None) -> torch.Tensor | None:

@@ -75,7 +75,7 @@ def make_engine(
     windows = {i: w for i, w in enumerate(cfg.layer_windows) if w is not None}
     local = None
     if windows and local_ring:
-        local = LocalRings(windows, ring_span(max(windows.values()), prefill_chunk, page_size), max_running, page_size)
+        local = LocalRings(windows, ring_span(max(windows.values()), page_size), max_running, page_size)
     pool = KVPool(
         cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"),
         [parse_format(kv_format)] * cfg.num_layers, local=local,

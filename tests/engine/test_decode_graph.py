@@ -75,7 +75,7 @@ class Harness:
         local = None
         if getattr(model, "test_local_rings", False):
             windows = {i: w for i, w in enumerate(cfg.layer_windows) if w is not None}
-            local = LocalRings(windows, ring_span(max(windows.values()), max(lengths), PAGE), 4, PAGE)
+            local = LocalRings(windows, ring_span(max(windows.values()), PAGE), 4, PAGE)
         self.pool = KVPool(cfg.num_layers, num_slots, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, device, local=local)
         self.step_runner = ModelRunner(model, self.pool, device, decode_runner=False)
         self.graphs = DecodeGraphs(model, self.pool, device, max_batch=4, capture=capture)

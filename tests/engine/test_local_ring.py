@@ -43,11 +43,11 @@ def _prompt(n: int, seed: int) -> list[int]:
 # -- row arithmetic --------------------------------------------------------------------------------
 
 
-def test_ring_span_holds_a_step_and_the_window_before_it() -> None:
-    assert ring_span(window=512, max_step_tokens=512, page_size=64) == 1024  # 512 + 511 -> 16 pages
-    assert ring_span(window=512, max_step_tokens=2048, page_size=64) == 2560
-    assert ring_span(window=8, max_step_tokens=16, page_size=4) == 24  # 16 + 7 -> 6 pages
-    assert ring_span(window=2, max_step_tokens=1, page_size=64) == 64  # the page a step starts in: 1 + 63
+def test_ring_span_is_the_window_in_whole_pages() -> None:
+    assert ring_span(window=512, page_size=64) == 512
+    assert ring_span(window=500, page_size=64) == 512
+    assert ring_span(window=8, page_size=4) == 8
+    assert ring_span(window=2, page_size=64) == 64  # at least a page: a decode step's page stays for the write-through
 
 
 def test_parked_rings_are_taken_by_their_page_and_reclaimed_oldest_first() -> None:
@@ -80,10 +80,6 @@ def test_positions_wrap_around_the_ring_and_pages_stay_contiguous() -> None:
     rings = LocalRings({0: 8}, span=24, num_rings=3, page_size=PAGE)
     assert rings.rows(1, torch.tensor([0, 5, 23, 24, 30])).tolist() == [24, 29, 47, 24, 30]
     assert [rings.page_row(2, p) for p in (0, 1, 5, 6, 7)] == [48, 52, 68, 48, 52]
-    assert rings.window_positions(3, 10) == (0, 10)
-    assert rings.window_positions(20, 36) == (13, 36)  # 7 keys before the first new token
-    with pytest.raises(AssertionError):
-        rings.window_positions(20, 38)  # 18 new + 7 before > 24 rows: the step would overwrite its own keys
 
 
 # -- the pool ----------------------------------------------------------------------------------------
@@ -111,7 +107,7 @@ def test_a_page_reads_its_local_rows_from_the_ring_and_restores_them() -> None:
     pool = _pool(local)
     for t in (*pool.k, *pool.v):
         t.normal_()
-    page = pool.read_page(slot=3, local_row=local.page_row(1, 7))  # ring 1, page 7: rows 28..31 of the ring
+    page = pool.read_page(slot=3, local=(1, 7))  # ring 1, page 7: rows 28..31 of the ring
     other = _pool(LocalRings({0: 8, 2: 8, 3: 8, 5: 8}, span=24, num_rings=2, page_size=PAGE))
     other.write_pages([5], page[None])
     other.write_local_pages([local.page_row(0, 2)], page[None])  # ring 0, page 2: rows 8..11
@@ -125,6 +121,12 @@ def test_a_page_reads_its_local_rows_from_the_ring_and_restores_them() -> None:
     assert not other.k[1][: 5 * PAGE].any()  # the local layers' bytes did not land in the slots
     with pytest.raises(AssertionError):
         pool.read_page(3)  # a page of a local-ring pool needs its ring rows
+    staged = {layer: (torch.full_like(pool.k[layer][:PAGE], 7.0), torch.full_like(pool.v[layer][:PAGE], 8.0))
+              for layer in local.layers}  # fmt: skip
+    pool.local_stage[(1, 7)] = staged  # a prefill step finished page 7: its local rows come from the stage
+    again = pool.read_page(slot=3, local=(1, 7)).view(torch.float32).view(6, 2, PAGE, 2, 16)
+    assert (again[0, 0] == 7.0).all() and (again[0, 1] == 8.0).all() and (again[5, 0] == 7.0).all()
+    assert torch.equal(again[1, 0], pool.k[1][3 * PAGE : 4 * PAGE])  # a paged layer: from its slot
 
 
 # -- engines -------------------------------------------------------------------------------------------
