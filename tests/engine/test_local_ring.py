@@ -277,3 +277,17 @@ def test_quantised_local_rings_equal_quantised_slots(
     assert tokens == expected[1]
     for engine in (first, second):
         engine.stop()
+
+
+def test_local_rings_on_the_triton_tier(gemma, smol_tokenizer: Tokenizer, triton_tier: None) -> None:
+    """The Triton kernels (interpreted here, compiled on a GPU) write and read the rings: fused norms, the
+    one-launch K/V row write, decode attention where the window is a page multiple (not tiny Gemma's 8)."""
+    engine = make_engine(gemma, smol_tokenizer, num_slots=16, prefill_chunk=8)
+    reference = make_engine(gemma, smol_tokenizer, num_slots=16, prefill_chunk=8, local_ring=False)
+    prompt = _prompt(11, 70)
+    outs = []
+    for e in (engine, reference):
+        seq = e.submit("t", prompt, greedy(3))
+        run_until_done(e, [seq])
+        outs.append(drain(events_of(seq))[0])
+    assert outs[0] == outs[1] == reference_greedy(gemma, prompt, 3)
