@@ -6,9 +6,10 @@ and the token at position p lives in row `ring_id * span + p % span`. Only the g
 occupies pool slots (KVPool keeps the local layers' tensors in this row space), so a slot costs
 global layers only and the same device bytes hold num_layers / num_global_layers times more pages.
 
-`span` is the window (at least a page), rounded up to whole pages, so a page's local rows are
-contiguous. A decode step writes its token's row, then reads the window ending at it; the page it
-fills is still in the ring for the write-through (the host copy keeps every layer). A prefill step of
+`span` is the window plus a page less one token, rounded up to whole pages, so a page's local rows are
+contiguous and a parked ring still holds the window before the start of the page its sequence ended
+in. A decode step writes its token's row, then reads the window ending at it; the page it fills is
+still in the ring for the write-through (the host copy keeps every layer). A prefill step of
 n tokens attends the ring's rows before its first token plus its own new rows, passed in directly
 (StepAttention), and then keeps only the last min(n, span) of them: the ring never holds more than a
 window. The pages such a step finishes are staged (KVPool.local_stage) for the write-through, since
@@ -38,8 +39,9 @@ class LocalRingsExhaustedError(RuntimeError):
 
 
 def ring_span(window: int, page_size: int) -> int:
-    """Rows one sequence's ring holds: the window, at least one page, rounded up to whole pages."""
-    return -(-max(window, page_size) // page_size) * page_size
+    """Rows one sequence's ring holds: the window and the page_size - 1 tokens a sequence may have computed
+    past its last full page, rounded up to whole pages."""
+    return -(-(window + page_size - 1) // page_size) * page_size
 
 
 class ParkedRing(NamedTuple):
@@ -99,6 +101,10 @@ class LocalRings:
     def take(self, page_hash: bytes) -> ParkedRing | None:
         """The ring parked under `page_hash`, now owned by the caller (None when there is none)."""
         return self._parked.pop(page_hash, None)
+
+    def covers(self, parked: ParkedRing, position: int) -> bool:
+        """The parked ring still holds the window before `position` (<= its end)."""
+        return parked.end - self.span <= max(0, position - self.window + 1) and position <= parked.end
 
     def rows(self, ring_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows of token positions [N] (int64, >= 0) in ring `ring_id`."""

@@ -368,6 +368,9 @@ class Scheduler:
         assert self.pool is not None and self.pool.local is not None
         local, table = self.pool.local, seq.page_table
         parked = local.take(table.page_hashes[-1]) if table.page_hashes else None
+        if parked is not None and not local.covers(parked, seq.num_computed):
+            local.release(parked.ring_id)  # cannot happen with ring_span's size; never read a stale row
+            parked = None
         if parked is not None:
             seq.local_ring = parked.ring_id
             self.num_local_reuses += 1

@@ -12,7 +12,7 @@ import torch
 
 from services.common.tokenizer import Tokenizer
 from services.engine.kv_pool import KVPool
-from services.engine.local_ring import LocalRings, LocalRingsExhaustedError, ring_span
+from services.engine.local_ring import LocalRings, LocalRingsExhaustedError, ParkedRing, ring_span
 from tests.conftest import StartStore
 from tests.engine.helpers import (
     drain,
@@ -43,11 +43,18 @@ def _prompt(n: int, seed: int) -> list[int]:
 # -- row arithmetic --------------------------------------------------------------------------------
 
 
-def test_ring_span_is_the_window_in_whole_pages() -> None:
-    assert ring_span(window=512, page_size=64) == 512
-    assert ring_span(window=500, page_size=64) == 512
-    assert ring_span(window=8, page_size=4) == 8
-    assert ring_span(window=2, page_size=64) == 64  # at least a page: a decode step's page stays for the write-through
+def test_ring_span_is_the_window_and_a_page_in_whole_pages() -> None:
+    assert ring_span(window=512, page_size=64) == 576  # 512 + 63 -> 9 pages
+    assert ring_span(window=500, page_size=64) == 576
+    assert ring_span(window=8, page_size=4) == 12
+    assert ring_span(window=2, page_size=64) == 128
+
+
+def test_a_parked_ring_covers_the_window_before_any_later_position() -> None:
+    rings = LocalRings({0: 8}, span=12, num_rings=2, page_size=PAGE)
+    parked = ParkedRing(ring_id=0, end=43, tail=(1, 2, 3))  # computed 10 pages + 3 tokens; holds [31, 43)
+    assert rings.covers(parked, 40) and rings.covers(parked, 43) and not rings.covers(parked, 44)
+    assert not LocalRings({0: 8}, span=8, num_rings=1, page_size=PAGE).covers(parked, 40)  # [35, 43) lacks 33
 
 
 def test_parked_rings_are_taken_by_their_page_and_reclaimed_oldest_first() -> None:
@@ -291,3 +298,17 @@ def test_local_rings_on_the_triton_tier(gemma, smol_tokenizer: Tokenizer, triton
         run_until_done(e, [seq])
         outs.append(drain(events_of(seq))[0])
     assert outs[0] == outs[1] == reference_greedy(gemma, prompt, 3)
+
+
+def test_a_parked_ring_serves_a_prefix_ending_at_a_page_boundary(gemma, smol_tokenizer: Tokenizer) -> None:
+    """Turn 1 computed 3 tokens past its last full page; a request that shares only the whole pages (it
+    differs right after them) still finds the window before the page boundary in the parked ring."""
+    engine = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8)
+    prompt = _prompt(41, 5)
+    run_until_done(engine, [engine.submit("t1", prompt, greedy(3))])  # computed 43 = 10 pages + 3
+    other = prompt[:40] + [7, 7, 7, 7, 7]
+    seq = engine.submit("t2", other, greedy(5))
+    run_until_done(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert done.cached_tokens == 40 and engine.scheduler.num_local_reuses == 1
+    assert tokens == reference_greedy(gemma, other, 5)
