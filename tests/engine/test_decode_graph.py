@@ -284,20 +284,20 @@ def test_batch_and_window_buckets_each_capture_once(model) -> None:
     assert h.graphs.num_captures == 3 and h.graphs.num_replays == 2
 
 
-def test_fused_decode_attention_matches_step_attention(model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runner with the Triton decode-attention kernel (interpreted on the CPU; the other kernels stay
-    torch): paged layers read their rows in place (the 256-row window bucket); sliding layers whose read
-    set is not a page multiple (tiny Gemma's 12 rows, or its 8-row ring window) keep SDPA."""
+def _decode_with_the_fused_kernel(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Two decode steps of two sequences on the runner with the Triton decode-attention kernel (interpreted
+    on the CPU; the other kernels stay torch), each equal to StepAttention's, then greedy equal to the
+    reference; returns the [B, W] row shapes the kernel was called with."""
     from services.engine import decode_graph
     from services.engine.kernels import decode_attention_triton
 
     calls = []
+    real = decode_attention_triton.decode_attention
 
     def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(args[3].shape)  # rows [B, W]
+        calls.append(tuple(args[3].shape))  # rows [B, W]
         return real(*args, **kwargs)
 
-    real = decode_attention_triton.decode_attention
     monkeypatch.setattr(decode_graph, "triton_module", lambda name, device: decode_attention_triton)
     monkeypatch.setattr(decode_attention_triton, "decode_attention", counted)
     h = Harness(model, [13, 30])
@@ -307,37 +307,24 @@ def test_fused_decode_attention_matches_step_attention(model, monkeypatch: pytes
         got = h.graphs.run(works)
         assert (got - expected).abs().max().item() < ATOL
         h.advance(got)
-    global_layers = sum(1 for w in model.config.layer_windows if w is None)
-    assert calls == [(2, 256)] * (2 * global_layers)
     for s in h.seqs:
         assert s.output_ids == reference_greedy(h.model, s.prompt_ids, len(s.output_ids))
+    return calls
+
+
+def test_fused_decode_attention_matches_step_attention(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paged layers read their rows in place (the 256-row window bucket); sliding layers whose read set is
+    not a page multiple (tiny Gemma's 12 rows, or its 8-row ring window) keep SDPA."""
+    calls = _decode_with_the_fused_kernel(model, monkeypatch)
+    global_layers = sum(1 for w in model.config.layer_windows if w is None)
+    assert calls == [(2, 256)] * (2 * global_layers)
 
 
 def test_fused_decode_attention_over_local_rings_before_the_window_fills(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sliding layers of 64 tokens in local rings read their ring through the kernel too; sequences shorter
     than the window have ring rows before position 0 (padded as never visible)."""
-    from services.engine import decode_graph
-    from services.engine.kernels import decode_attention_triton
-
     m = tiny_gemma(VOCAB, seed=4, window=64)
     m.test_local_rings = True
-    widths = []
-    real = decode_attention_triton.decode_attention
-
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        widths.append(args[3].shape[1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decode_graph, "triton_module", lambda name, device: decode_attention_triton)
-    monkeypatch.setattr(decode_attention_triton, "decode_attention", counted)
-    h = Harness(m, [13, 30])
-    for _ in range(2):
-        works = h.works()
-        expected, _ = h.step_runner.run(works)
-        got = h.graphs.run(works)
-        assert (got - expected).abs().max().item() < ATOL
-        h.advance(got)
+    calls = _decode_with_the_fused_kernel(m, monkeypatch)
     local = sum(1 for w in m.config.layer_windows if w is not None)
-    assert sorted(widths) == sorted([64] * (2 * local) + [256] * (2 * (m.config.num_layers - local)))
-    for s in h.seqs:
-        assert s.output_ids == reference_greedy(h.model, s.prompt_ids, len(s.output_ids))
+    assert sorted(calls) == sorted([(2, 64)] * (2 * local) + [(2, 256)] * (2 * (m.config.num_layers - local)))

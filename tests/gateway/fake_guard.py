@@ -132,10 +132,11 @@ class FakeGuard(cacheguard_pb2_grpc.CacheGuardServicer):
 
 
 class FakeGuardServer:
-    """The fake on a free loopback port, served by its own event loop in a daemon thread."""
+    """A fake cache guard (FakeGuard unless another servicer is given) on a free loopback port, served by
+    its own event loop in a daemon thread."""
 
-    def __init__(self) -> None:
-        self.servicer = FakeGuard()
+    def __init__(self, servicer: cacheguard_pb2_grpc.CacheGuardServicer | None = None) -> None:
+        self.servicer = servicer if servicer is not None else FakeGuard()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -7,10 +7,8 @@ with progress chunks, and errors during a plan; the real model runs in tests/e2e
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -22,6 +20,7 @@ from services.common.protos import cacheguard_pb2, cacheguard_pb2_grpc, engine_p
 from services.gateway.app import create_app
 from services.gateway.config import ConfigError, GatewayConfig
 from services.gateway.guard_client import GuardClient
+from tests.gateway.fake_guard import FakeGuardServer
 
 pytestmark = pytest.mark.anyio
 
@@ -90,44 +89,22 @@ class ToyGuard(cacheguard_pb2_grpc.CacheGuardServicer):
         return engine_pb2.GetModelInfoResponse(model_id="toy", max_context=4 * POOL, kv_capacity=POOL, page_size=64)
 
 
-class ToyGuardServer:
-    def __init__(self) -> None:
-        self.servicer = ToyGuard()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server, port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        self.addr = f"127.0.0.1:{port}"
-
-    async def _start(self) -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server()
-        cacheguard_pb2_grpc.add_CacheGuardServicer_to_server(self.servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
 
 
 @pytest.fixture(scope="module")
-def toy_server() -> Iterator[ToyGuardServer]:
-    server = ToyGuardServer()
+def toy_server() -> Iterator[FakeGuardServer]:
+    server = FakeGuardServer(ToyGuard())
     yield server
     server.stop()
 
 
 @pytest.fixture
-def toy(toy_server: ToyGuardServer) -> ToyGuard:
+def toy(toy_server: FakeGuardServer) -> ToyGuard:
     toy_server.servicer.requests.clear()
-    return toy_server.servicer
+    return toy_server.servicer  # type: ignore[return-value]
 
 
 async def _client(config: GatewayConfig) -> AsyncIterator[httpx.AsyncClient]:
@@ -141,7 +118,7 @@ async def _client(config: GatewayConfig) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest.fixture
-async def client(toy_server: ToyGuardServer, toy: ToyGuard) -> AsyncIterator[httpx.AsyncClient]:
+async def client(toy_server: FakeGuardServer, toy: ToyGuard) -> AsyncIterator[httpx.AsyncClient]:
     async for c in _client(GatewayConfig(cacheguard_addr=toy_server.addr, planner_answer_reserve=32)):
         yield c
 
@@ -286,7 +263,7 @@ async def test_a_failed_call_is_an_http_error_or_an_sse_error(client: httpx.Asyn
     assert 'kvmem_gateway_stream_errors_total{route="/v1/chat/completions",type="service_unavailable"} 1.0' in metrics
 
 
-async def test_server_default_policy(toy_server: ToyGuardServer, toy: ToyGuard) -> None:
+async def test_server_default_policy(toy_server: FakeGuardServer, toy: ToyGuard) -> None:
     async for c in _client(GatewayConfig(cacheguard_addr=toy_server.addr, over_pool_policy="refuse")):
         r = await c.post("/v1/chat/completions", json=passkey_chat())
         assert r.json()["kvmem"]["plan"]["refusal"]["reason"] == "over_pool"
