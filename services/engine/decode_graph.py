@@ -14,7 +14,8 @@ scoring runs here instead of StepAttention. The step's inputs live in static buf
                                             sequence's ring; a sliding layer's rows and positions
                                             (the window before the token) are computed in the step
 
-Masks (causal, gaps, padding, sliding window) are computed inside the step from these positions.
+Masks (causal, gaps, padding, sliding window) are computed inside the step from these positions, once
+per read set and window, and only for layers that take the SDPA path.
 Each layer writes its new K/V with `KVPool.write`; with the Triton tier and a plain-format layer,
 one flash-decoding kernel (kernels/decode_attention_triton.py) reads the rows in place; otherwise the
 padded window is read with `KVPool.gather` and one batched masked SDPA runs for all B sequences (query
@@ -110,19 +111,18 @@ class _GraphAttention:
     def __init__(self, pool: KVPool, bufs: _Buffers, dtype: torch.dtype) -> None:
         self.pool = pool
         self.bufs = bufs
+        self.dtype = dtype
         self.kernels = triton_module("decode_attention_triton", pool.device)
-        q_pos = bufs.positions[:, None]  # [B, 1]
-        # additive masks [B, 1, 1, W|L], built once per step from the static positions
-        self.masks: dict[int | None, torch.Tensor] = {None: _additive(bufs.key_pos <= q_pos, dtype)}
-        for w, kpos in bufs.local_pos.items():
-            self.masks[w] = _additive((kpos <= q_pos) & (kpos > q_pos - w), dtype)
+        # additive masks [B, 1, 1, W|L] by (read set, window), built on first use: only the SDPA path needs
+        # them (the fused kernel masks from the positions itself)
+        self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
         local = pool.local
         if local is not None:  # the window before each token, in its sequence's ring
+            q_pos = bufs.positions[:, None]  # [B, 1]
             lpos = q_pos - torch.arange(local.window - 1, -1, -1, device=q_pos.device)  # [B, window]
             self.ring_rows = bufs.ring_base[:, None] + lpos.remainder(local.span)
             self.ring_pos = torch.where(lpos >= 0, lpos, PAD_POS)  # before position 0: never visible
             self.ring_write = bufs.ring_base + bufs.positions.remainder(local.span)
-            self.ring_masks = {w: _additive((lpos >= 0) & (lpos > q_pos - w), dtype) for w in local.windows}
 
     def attend(
         self,
@@ -138,35 +138,27 @@ class _GraphAttention:
         if self.pool.is_local(layer_idx):
             assert window is not None
             self.pool.write(layer_idx, self.ring_write, k, v)
-            return self._sdpa(layer_idx, q, k.shape[1], self.ring_rows, self.ring_pos, window,
-                              self.ring_masks[window], scale)  # fmt: skip
+            return self._sdpa(layer_idx, q, k.shape[1], "ring", self.ring_rows, self.ring_pos, window, scale)
         bufs.queries[layer_idx].copy_(q)  # page scoring reads them after the step (scoring steps)
         self.pool.write(layer_idx, bufs.write_rows, k, v)
-        if window is not None and window in bufs.local_rows:
-            rows, key_pos, mask = bufs.local_rows[window], bufs.local_pos[window], self.masks[window]
-        else:
-            rows, key_pos = bufs.rows, bufs.key_pos
-            mask = self.masks[None]
-            if window is not None:  # a window wider than the local read set: mask it over the full rows
-                if window not in self.masks:
-                    q_pos = bufs.positions[:, None]
-                    self.masks[window] = _additive((bufs.key_pos <= q_pos) & (bufs.key_pos > q_pos - window), q.dtype)
-                mask = self.masks[window]
-        return self._sdpa(layer_idx, q, k.shape[1], rows, key_pos, window, mask, scale)
+        if window is not None and window in bufs.local_rows:  # a sliding layer's last pages only
+            return self._sdpa(layer_idx, q, k.shape[1], "local", bufs.local_rows[window], bufs.local_pos[window],
+                              window, scale)  # fmt: skip
+        return self._sdpa(layer_idx, q, k.shape[1], "rows", bufs.rows, bufs.key_pos, window, scale)
 
     def _sdpa(
         self,
         layer_idx: int,
         q: torch.Tensor,
         num_kv_heads: int,
+        read_set: str,
         rows: torch.Tensor,
         key_pos: torch.Tensor,
         window: int | None,
-        mask: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
         """q [B, Hq, D] over the pool rows [B, W] of the layer at positions key_pos [B, W]: the fused kernel
-        where it applies, else gathered rows and SDPA with the additive mask [B, 1, 1, W]."""
+        where it applies, else gathered rows and SDPA with the additive mask of (read_set, window)."""
         batch, width = rows.shape
         plain = self.pool.plain_kv(layer_idx)
         kernels = self.kernels
@@ -177,8 +169,20 @@ class _GraphAttention:
         k_w = k_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, W, D]
         v_w = v_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
         q_g = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+        mask = self._mask(read_set, key_pos, window)
         out = F.scaled_dot_product_attention(q_g, k_w, v_w, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
         return out.reshape(batch, num_heads, head_dim)
+
+    def _mask(self, read_set: str, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Causal (and sliding-window) additive mask of the keys at key_pos [B, W], once per step."""
+        mask = self._masks.get((read_set, window))
+        if mask is None:
+            q_pos = self.bufs.positions[:, None]  # [B, 1]
+            allowed = key_pos <= q_pos
+            if window is not None:
+                allowed &= key_pos > q_pos - window
+            mask = self._masks[(read_set, window)] = _additive(allowed, self.dtype)
+        return mask
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
