@@ -15,7 +15,7 @@ kernel tier is Triton, else the torch reference.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -116,10 +116,14 @@ class KVPool:
         """Bytes of one page in its stored format: K and V of every layer (the host copy's size)."""
         return self._layer_offsets[-1]
 
+    def _page_nbytes_of(self, layers: Iterable[int]) -> int:
+        """Bytes of these layers' K and V in one page."""
+        return sum(self._layer_offsets[i + 1] - self._layer_offsets[i] for i in layers)
+
     @property
     def slot_nbytes(self) -> int:
         """Device bytes of one slot: K and V of the paged layers (page_nbytes without local rings)."""
-        return sum(self._layer_offsets[i + 1] - self._layer_offsets[i] for i in self.paged_layers)
+        return self._page_nbytes_of(self.paged_layers)
 
     @property
     def nbytes(self) -> int:
@@ -131,8 +135,7 @@ class KVPool:
         """Device bytes of the local rings (0 without)."""
         if self.local is None:
             return 0
-        per_row = sum(self._layer_offsets[i + 1] - self._layer_offsets[i] for i in self.local.layers)
-        return per_row // self.page_size * self.local.num_rows
+        return self._page_nbytes_of(self.local.layers) // self.page_size * self.local.num_rows
 
     def is_local(self, layer: int) -> bool:
         """The layer's rows are in the local rings, not in the slots."""
@@ -252,7 +255,7 @@ class KVPool:
         for i in range(self.num_layers):
             if i in staged:
                 rows = staged[i]
-            elif self.local is not None and local is not None and self.is_local(i):
+            elif local is not None and self.local is not None and i in self.local.layers:
                 start = self.local.page_row(*local)
                 rows = self.k[i][start : start + self.page_size], self.v[i][start : start + self.page_size]
             else:
@@ -262,10 +265,10 @@ class KVPool:
             return torch.cat(parts).view(torch.uint8)
         return torch.cat([p.view(torch.uint8) for p in parts])
 
-    def write_pages(self, slots: list[int], pages: torch.Tensor, layers: Sequence[int] | None = None) -> None:
+    def write_pages(self, slots: list[int], pages: torch.Tensor) -> None:
         """Inverse of read_page for a batch: pages uint8 [P, page_nbytes] (any device) into `slots`, the
         paged layers only (a restored page's local rows are not needed: its window has passed)."""
-        self._write_rows(slots, None, pages, self.paged_layers if layers is None else layers)
+        self._write_rows(slots, None, pages, self.paged_layers)
 
     def write_local_pages(self, local_rows: list[int], pages: torch.Tensor) -> None:
         """The local layers of whole pages (uint8 [P, page_nbytes]) into ring rows starting at `local_rows`

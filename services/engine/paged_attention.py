@@ -1,7 +1,7 @@
 """StepAttention: the AttentionBackend over the KV pool for one forward step of several sequences.
 
-Each sequence attends exactly its device-resident pages (sliding-window layers with local rings: the
-window before its new tokens, from its ring) (a page that is not resident is never read);
+Each sequence attends exactly its device-resident pages (a page that is not resident is never read;
+sliding-window layers with local rings attend the window before the new tokens, from the ring);
 with the `exact` policy the pages that only live on the host stream in through a staging buffer and
 are merged with log-sum-exp. The same pass keeps page summaries current and, for sequences that
 asked for it, scores every earlier page against this step's queries (the ring's retrieval signal).
