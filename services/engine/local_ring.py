@@ -11,8 +11,8 @@ contiguous and a parked ring still holds the window before the start of the page
 in. A decode step writes its token's row, then reads the window ending at it; the page it fills is
 still in the ring for the write-through (the host copy keeps every layer). A prefill step of
 n tokens attends the ring's rows before its first token plus its own new rows, passed in directly
-(StepAttention), and then keeps only the last min(n, span) of them: the ring never holds more than a
-window. The pages such a step finishes are staged (KVPool.local_stage) for the write-through, since
+(StepAttention), and then keeps only the last min(n, span) of them: a ring's size never depends on
+the prefill chunk. The pages such a step finishes are staged (KVPool.local_stage) for the write-through, since
 their first rows may already have left the ring.
 
 The ring ids are allocated by the scheduler when a sequence is admitted; there are as many rings as
