@@ -8,20 +8,27 @@ from services.common.tokenizer import Tokenizer
 class Detokenizer:
     """Turns the growing list of output token ids into safe-to-send text deltas.
 
-    Text is held back while it ends in an incomplete UTF-8 sequence or in a prefix of a stop string.
+    Each update decodes a few tokens only (constant work per token, not the whole output): the tokens
+    since the last commit, behind the tokens of that commit as context (a leading-space or byte-level
+    token decodes differently alone). Text is committed once it no longer ends in an incomplete
+    UTF-8 sequence; it is held back while it ends in one or in a prefix of a stop string.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
         self._tokenizer = tokenizer
         self._stop = stop
         self._max_stop = max((len(s) for s in stop), default=0)
-        self._text = ""
+        self._committed = ""  # the text of output ids [0, _read)
+        self._prefix = 0  # the window [_prefix, _read) is decoded again as context for the new tokens
+        self._read = 0
+        self._text = ""  # committed text + the new tokens' text (may end in an incomplete character)
         self._sent = 0  # characters of _text already emitted
         self.matched_stop: str | None = None
 
     def update(self, output_ids: list[int]) -> str:
-        """Decode the whole output so far; return the new text that may be emitted now."""
-        self._text = self._tokenizer.decode(output_ids)
+        """Take the output so far (the previous call's ids and more); return the text that may be emitted now."""
+        pending = self._decode_new(output_ids)
+        self._text = self._committed + pending
         if self._stop:
             start = max(0, self._sent - self._max_stop)
             hits = [(i, s) for s in self._stop if (i := self._text.find(s, start)) != -1]
@@ -48,6 +55,21 @@ class Detokenizer:
     def text(self) -> str:
         """Everything emitted so far."""
         return self._text[: self._sent]
+
+    def _decode_new(self, output_ids: list[int]) -> str:
+        """The text of output ids [_read, end); committed (window moved on) when it ends in a whole character."""
+        decode = self._tokenizer.decode
+        context = decode(output_ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        full = decode(output_ids[self._prefix :])
+        if full.startswith(context):
+            new = full[len(context) :]
+        else:  # the context decodes differently with what follows it: decode the whole output once
+            new = decode(output_ids)[len(self._committed) :]
+        if new and not new.endswith("\ufffd"):
+            self._committed += new
+            self._prefix, self._read = self._read, len(output_ids)
+            return ""
+        return new
 
     def _emit(self, upto: int) -> str:
         delta = self._text[self._sent : upto] if upto > self._sent else ""

@@ -50,3 +50,28 @@ def test_incomplete_utf8_is_held_back(smol_tokenizer: Tokenizer) -> None:
     d = Detokenizer(smol_tokenizer, ())
     assert d.update(ids[:1]) == ""
     assert d.update(ids) == "✓"
+
+
+class _CountingTokenizer:
+    """Wraps a tokenizer and records how many ids each decode call gets."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.lengths: list[int] = []
+
+    def decode(self, token_ids: list[int]) -> str:
+        self.lengths.append(len(token_ids))
+        return self.tok.decode(token_ids)
+
+
+def test_long_output_decodes_a_few_tokens_per_update(smol_tokenizer: Tokenizer) -> None:
+    """Constant work per token: a 2,000-token output is never decoded whole, and the deltas still add up."""
+    text = ("Grüße, 世界! The 42nd line ✓ ends here.\n" * 120)[:4000]
+    ids = smol_tokenizer.encode(text)
+    assert len(ids) > 1000
+    counting = _CountingTokenizer(smol_tokenizer)
+    d = Detokenizer(counting, ("NEVER",))  # type: ignore[arg-type]
+    deltas = [d.update(ids[:i]) for i in range(1, len(ids) + 1)]
+    deltas.append(d.flush())
+    assert "".join(deltas) == text
+    assert max(counting.lengths) <= 8, max(counting.lengths)
