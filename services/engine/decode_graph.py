@@ -31,7 +31,7 @@ the same K/V into the same row, so padding never touches another page.
 
 Per-step host work: a sequence's padded rows are rebuilt only when its page table (up to its last
 page) changed, and copied into a bucket's buffers only when that batch row held something else;
-otherwise a step copies 3 x B integers to the device. The page summary of a ring sequence's page
+otherwise a step copies 4 x B integers to the device, in one copy. The page summary of a ring sequence's page
 is brought up to date once, eagerly, on the step that fills the page (only full pages are ever
 scored or demoted), instead of per step inside the graph.
 """
@@ -98,7 +98,8 @@ class _Buffers:
     local_rows: dict[int, torch.Tensor]  # window -> [B, L]
     local_pos: dict[int, torch.Tensor]  # window -> [B, L]
     ring_base: torch.Tensor  # [B] first row of each sequence's local ring (local rings only)
-    staging: torch.Tensor  # [4, B] host copy of ids, positions, write_rows, ring_base (pinned on CUDA)
+    inputs: torch.Tensor  # [4, B] ids, positions, write_rows and ring_base are its rows
+    staging: torch.Tensor  # [4, B] host copy of `inputs` (pinned on CUDA)
     queries: torch.Tensor  # [L, B, Hq, D] each layer's queries (after RoPE), kept for page scoring
     owners: list[tuple[int, ...] | None]  # per batch row: the _SeqRows key its rows came from
     graph: torch.cuda.CUDAGraph | None = None
@@ -339,12 +340,13 @@ class DecodeGraphs:
             def long(*shape: int, fill: int = 0) -> torch.Tensor:
                 return torch.full(shape, fill, dtype=torch.long, device=dev)
 
+            inputs = long(4, batch)  # one copy from `staging` a step: ids, positions, write_rows, ring_base
             bufs = _Buffers(
-                batch=batch, window=width, ids=long(batch), positions=long(batch),
-                write_rows=long(batch), rows=long(batch, width), key_pos=long(batch, width, fill=PAD_POS),
+                batch=batch, window=width, ids=inputs[0], positions=inputs[1],
+                write_rows=inputs[2], rows=long(batch, width), key_pos=long(batch, width, fill=PAD_POS),
                 local_rows={w: long(batch, n) for w, n in local.items()},
                 local_pos={w: long(batch, n, fill=PAD_POS) for w, n in local.items()},
-                ring_base=long(batch),
+                ring_base=inputs[3], inputs=inputs,
                 staging=torch.zeros(4, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
                 queries=torch.zeros(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=dev),
                 owners=[None] * batch,
@@ -370,11 +372,7 @@ class DecodeGraphs:
                     bufs.local_rows[win][i].copy_(lrows, non_blocking=True)
                     bufs.local_pos[win][i].copy_(lpos, non_blocking=True)
                 bufs.owners[i] = e.key
-        dev = bufs.staging.to(self.device, non_blocking=True)
-        bufs.ids.copy_(dev[0])
-        bufs.positions.copy_(dev[1])
-        bufs.write_rows.copy_(dev[2])
-        bufs.ring_base.copy_(dev[3])
+        bufs.inputs.copy_(bufs.staging, non_blocking=True)
 
     def _padded(self, e: _SeqRows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         got = e.padded.get(width)
