@@ -96,7 +96,7 @@ def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
     from services.engine.kernels import norm_triton
 
     calls: dict[str, int] = {}
-    for name in ("rms_norm", "qk_norm_rope", "gelu_tanh_mul"):  # count: the fused path must really run
+    for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "gelu_tanh_mul"):  # the fused path must really run
         real = getattr(norm_triton, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):  # type: ignore[no-untyped-def]
@@ -104,13 +104,24 @@ def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(norm_triton, name, counted)
+    from services.engine.kernels import linear_triton
+
+    real_linear = linear_triton.linear
+
+    def counted_linear(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["linear"] = calls.get("linear", 0) + 1
+        return real_linear(*args, **kwargs)
+
+    monkeypatch.setattr(linear_triton, "linear", counted_linear)
     model = tiny_gemma(64)
     ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(12)
     with torch.no_grad():
         fused = model.logits(model(ids, pos, ContiguousKV(6)))
-        # per layer: input, pre-feedforward, two post-norms (with the residual) + the final norm; q/k; GELU
-        assert calls == {"rms_norm": 6 * 4 + 1, "qk_norm_rope": 6, "gelu_tanh_mul": 6}
+        # the first input norm; per layer two post-norms, each with its residual add and the next norm (the
+        # pre-feedforward norm, the next layer's input norm or the final norm); q/k; four projections, the
+        # down projection computing GELU(gate) * up from the gate/up projection itself
+        assert calls == {"rms_norm": 1, "add_rms_norm": 6 * 2, "qk_norm_rope": 6, "linear": 24}
         kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
         plain = model.logits(model(ids, pos, ContiguousKV(6)))
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
@@ -132,6 +143,29 @@ def test_rms_norm_with_residual_matches_add_after_norm(where: str, dtype: torch.
     got = norm_triton.rms_norm(x, module.weight, 1e-6, gemma=True, residual=residual)
     tol = 1e-5 if dtype == torch.float32 else 4e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
+@pytest.mark.parametrize("gemma", [True, False])
+def test_add_rms_norm_matches_add_then_the_next_norm(where: str, dtype: torch.dtype, gemma: bool) -> None:
+    from services.engine.kernels import norm_triton
+
+    device = _device(where)
+    torch.manual_seed(3)
+    cls = GemmaRMSNorm if gemma else RMSNorm
+    first, second = cls(40, 1e-6).to(device, dtype), cls(40, 1e-6).to(device, dtype)
+    with torch.no_grad():
+        first.weight.normal_(0.0, 0.5)
+        second.weight.normal_(1.0, 0.5)
+    x = (torch.randn(6, 48, device=device) * 3).to(dtype)[:, :40]  # rows wider than D
+    residual = (torch.randn(6, 40, device=device) * 3).to(dtype)
+    with torch.no_grad():  # the torch modules (the tier is torch outside the triton_tier fixture)
+        want_sum = residual + first(x)
+        want_next = second(want_sum)
+    got_sum, got_next = norm_triton.add_rms_norm(x, first.weight, residual, second.weight, 1e-6, gemma=gemma)
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    torch.testing.assert_close(got_sum.float(), want_sum.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_next.float(), want_next.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))

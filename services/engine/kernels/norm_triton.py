@@ -17,11 +17,12 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, res_ptr, out_ptr, num_heads, dim, stride_n, stride_h, eps, w_offset,
-    GEMMA: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr, w_ptr, res_ptr, out_ptr, w2_ptr, out2_ptr, num_heads, dim, stride_n, stride_h, eps, w_offset,
+    GEMMA: tl.constexpr, RESIDUAL: tl.constexpr, NEXT: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, head) row of D values. GEMMA: x * r * (w + w_offset) in fp32, then cast;
-    else (Llama): cast(x * r) * w in the model dtype. RESIDUAL: res + that, added in the model dtype."""
+    else (Llama): cast(x * r) * w in the model dtype. RESIDUAL: res + that, added in the model dtype.
+    NEXT: also the norm (weight w2) of the stored result, into out2 (the next norm of a Gemma layer)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -37,7 +38,17 @@ def _rms_norm_kernel(
     if RESIDUAL:  # residual rows are contiguous [N * H, D], like the output
         res = tl.load(res_ptr + (n * num_heads + h) * dim + offs, mask=mask, other=0.0).to(tl.float32)
         y = res + y.to(out_ty).to(tl.float32)
-    tl.store(out_ptr + (n * num_heads + h) * dim + offs, y.to(out_ty), mask=mask)
+    y = y.to(out_ty)
+    tl.store(out_ptr + (n * num_heads + h) * dim + offs, y, mask=mask)
+    if NEXT:
+        z = y.to(tl.float32)
+        r2 = tl.rsqrt(tl.sum(z * z, axis=0) / dim + eps)
+        w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if GEMMA:
+            z = z * r2 * (w2 + w_offset)
+        else:
+            z = (z * r2).to(out_ty).to(tl.float32) * w2
+        tl.store(out2_ptr + (n * num_heads + h) * dim + offs, z.to(out_ty), mask=mask)
 
 
 def rms_norm(
@@ -54,10 +65,30 @@ def rms_norm(
         assert residual.shape == x.shape and residual.is_contiguous() and residual.dtype == x.dtype
     if n:
         _rms_norm_kernel[(n, h)](
-            x3, weight, residual if residual is not None else out, out, h, d, x3.stride(0), x3.stride(1), eps,
-            1.0 if gemma else 0.0, GEMMA=gemma, RESIDUAL=residual is not None, BLOCK_D=triton.next_power_of_2(d),
+            x3, weight, residual if residual is not None else out, out, weight, out, h, d, x3.stride(0),
+            x3.stride(1), eps, 1.0 if gemma else 0.0, GEMMA=gemma, RESIDUAL=residual is not None, NEXT=False,
+            BLOCK_D=triton.next_power_of_2(d),
         )  # fmt: skip
     return out.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, next_weight: torch.Tensor, eps: float, gemma: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm'(s)) with s = residual + norm(x) (`rms_norm` with `residual`) and norm' the same norm with
+    `next_weight`, in one launch: a Gemma layer's post-norm, residual add and the next pre-norm.
+    x: [N, D] (last dim contiguous); residual [N, D] contiguous, x's dtype."""
+    assert x.dim() == 2 and x.stride(1) == 1, "x: [N, D] with a contiguous last dimension"
+    assert residual.shape == x.shape and residual.is_contiguous() and residual.dtype == x.dtype
+    n, d = x.shape
+    out = torch.empty_like(residual)
+    out2 = torch.empty_like(residual)
+    if n:
+        _rms_norm_kernel[(n, 1)](
+            x, weight, residual, out, next_weight, out2, 1, d, x.stride(0), 0, eps, 1.0 if gemma else 0.0,
+            GEMMA=gemma, RESIDUAL=True, NEXT=True, BLOCK_D=triton.next_power_of_2(d),
+        )  # fmt: skip
+    return out, out2
 
 
 @triton.jit
@@ -67,13 +98,20 @@ def _gelu_tanh_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
     n = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
-    g = tl.load(gate_up_ptr + n * 2 * inter + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gate_up_ptr + n * 2 * inter + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_up_ptr + n * 2 * inter + offs, mask=mask, other=0.0)
+    u = tl.load(gate_up_ptr + n * 2 * inter + inter + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + n * inter + offs, gelu_tanh_mul_values(g, u, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gelu_tanh_mul_values(g, u, out_ty: tl.constexpr):
+    """gelu_tanh(g) * u in out_ty, rounded to out_ty after the GELU (also the gated input of
+    linear_triton's down projection)."""
+    g = g.to(tl.float32)
     inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
     tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
-    out_ty = out_ptr.dtype.element_ty
     act = (0.5 * g * (1.0 + tanh)).to(out_ty).to(tl.float32)
-    tl.store(out_ptr + n * inter + offs, (act * u).to(out_ty), mask=mask)
+    return (act * u.to(tl.float32)).to(out_ty)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:

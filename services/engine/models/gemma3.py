@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from services.engine.attention import AttentionBackend
 from services.engine.models.config import ModelConfig
-from services.engine.models.llama import MLP, RotaryEmbedding, apply_rope, fused_kernels
+from services.engine.models.llama import MLP, RotaryEmbedding, apply_rope, fused_kernels, project
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,15 @@ class GemmaRMSNorm(nn.Module):
         if kernels is not None and residual.is_contiguous():
             return kernels.rms_norm(x, self.weight, self.eps, gemma=True, residual=residual)
         return residual + self(x)
+
+    def add_then(self, residual: Tensor, x: Tensor, nxt: GemmaRMSNorm) -> tuple[Tensor, Tensor]:
+        """(s, nxt(s)) with s = residual + self(x): a post-norm, its residual add and the next pre-norm,
+        one launch with the fused kernels."""
+        kernels = fused_kernels(x)
+        if kernels is not None and residual.is_contiguous() and x.dim() == 2 and x.stride(1) == 1:
+            return kernels.add_rms_norm(x, self.weight, residual, nxt.weight, self.eps, gemma=True)  # type: ignore[no-any-return]
+        s = self.add_to(residual, x)
+        return s, nxt(s)
 
     def reference(self, x: Tensor) -> Tensor:
         """The torch code (the fused kernel's reference)."""
@@ -81,7 +90,7 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = project(self.qkv_proj, x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # [N, H*, D]
         kernels = fused_kernels(x)
         if kernels is not None:  # norms and RoPE in one launch
@@ -93,7 +102,7 @@ class Gemma3Attention(nn.Module):
             qk = apply_rope(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), cos, sin)  # [N, Hq + Hkv, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
         out = attn.attend(self.layer_idx, q, k, v, self.scale, window=self.window)  # out: [N, Hq, D]
-        return self.o_proj(out.reshape(n, -1))
+        return project(self.o_proj, out.reshape(n, -1))
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -101,7 +110,8 @@ def gelu_tanh(x: Tensor) -> Tensor:
 
 
 class Gemma3DecoderLayer(nn.Module):
-    """Sandwich norms: x + post_norm(block(pre_norm(x))) for attention, then for the MLP."""
+    """Sandwich norms: x + post_norm(block(pre_norm(x))) for attention, then for the MLP; a layer takes its
+    input already normed and returns its output's next norm too (the norms fuse pairwise)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -113,9 +123,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = MLP(config, activation=gelu_tanh, fused="gelu_tanh_mul")
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        x = self.post_attention_layernorm.add_to(x, self.self_attn(self.input_layernorm(x), cos, sin, attn))
-        return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(
+        self, x: Tensor, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, nxt: GemmaRMSNorm
+    ) -> tuple[Tensor, Tensor]:
+        """x: the residual stream, h = input_layernorm(x) -> (the new residual, nxt(it)): nxt is the next
+        layer's input norm (the final norm after the last layer), so each norm pair is one launch."""
+        x, h = self.post_attention_layernorm.add_then(x, self.self_attn(h, cos, sin, attn), self.pre_feedforward_layernorm)
+        return self.post_feedforward_layernorm.add_then(x, self.mlp(h), nxt)
 
 
 class Gemma3ForCausalLM(nn.Module):
@@ -144,10 +158,12 @@ class Gemma3ForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # x: [N, hidden]
         x = x * embed_scale(self.config.hidden_size, x.dtype)
         rope = self._rope_tables(positions, x.dtype)
-        for layer, is_sliding in zip(self.layers, self.layer_is_sliding, strict=True):
+        h = self.layers[0].input_layernorm(x)
+        nxt = [*(layer.input_layernorm for layer in self.layers[1:]), self.norm]
+        for layer, is_sliding, norm in zip(self.layers, self.layer_is_sliding, nxt, strict=True):
             cos, sin = rope[is_sliding]  # [N, 1, D] each
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, h = layer(x, h, cos, sin, attn, norm)
+        return h
 
     def _rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict[bool, tuple[Tensor, Tensor]]:
         """is_sliding -> (cos, sin) [N, 1, D], only for the layer kinds the model has."""

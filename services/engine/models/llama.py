@@ -28,6 +28,15 @@ def fused_kernels(x: Tensor) -> ModuleType | None:
     return triton_module("norm_triton", x.device)
 
 
+def project(layer: nn.Linear, x: Tensor) -> Tensor:
+    """layer(x); a decode-sized x (kernels/linear_triton.py: at most 16 rows) on the Triton tier takes the
+    skinny-product kernel, which reads the weight at a higher share of the bandwidth than cuBLAS."""
+    kernels = triton_module("linear_triton", x.device)
+    if kernels is not None and kernels.supported(x, layer.weight):
+        return kernels.linear(x, layer.weight, layer.bias)  # type: ignore[no-any-return]
+    return layer(x)  # type: ignore[no-any-return]
+
+
 class RMSNorm(nn.Module):
     """RMSNorm in float32, scaled in the input dtype (as transformers does it)."""
 
@@ -123,7 +132,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         n, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(x).view(n, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qkv = project(self.qkv_proj, x).view(n, num_qk_heads + self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([num_qk_heads, self.num_kv_heads], dim=1)  # qk: [N, Hq + Hkv, D]; v: [N, Hkv, D]
         kernels = fused_kernels(x) if self.q_norm is not None and self.k_norm is not None else None
         if kernels is not None and self.q_norm is not None and self.k_norm is not None:  # one launch
@@ -133,14 +142,14 @@ class Attention(nn.Module):
             )  # fmt: skip
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             out = attn.attend(self.layer_idx, q, k, v, self.scale)
-            return self.o_proj(out.reshape(n, -1))
+            return project(self.o_proj, out.reshape(n, -1))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k rotated together
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
         out = attn.attend(self.layer_idx, q, k, v, self.scale)  # out: [N, Hq, D]
-        return self.o_proj(out.reshape(n, -1))
+        return project(self.o_proj, out.reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -156,12 +165,15 @@ class MLP(nn.Module):
         self.fused = fused  # the kernels/norm_triton.py function computing activation(gate) * up, if any
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)  # [N, 2I]
+        gate_up = project(self.gate_up_proj, x)  # [N, 2I]
+        linear = triton_module("linear_triton", x.device) if self.fused == "gelu_tanh_mul" else None
+        if linear is not None and linear.supported(gate_up, self.down_proj.weight, gated=True):
+            return linear.linear(gate_up, self.down_proj.weight, self.down_proj.bias, gated=True)  # type: ignore[no-any-return]
         kernels = fused_kernels(x) if self.fused else None
         if kernels is not None and self.fused and gate_up.dim() == 2:
-            return self.down_proj(getattr(kernels, self.fused)(gate_up))  # activation and product: one launch
+            return project(self.down_proj, getattr(kernels, self.fused)(gate_up))  # activation and product: one launch
         gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
-        return self.down_proj(self.activation(gate) * up)
+        return project(self.down_proj, self.activation(gate) * up)
 
 
 class DecoderLayer(nn.Module):
