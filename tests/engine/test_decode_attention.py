@@ -210,13 +210,13 @@ def test_only_one_key_visible(where: str, last: bool) -> None:
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_partial_last_split_and_direct_path(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Splits of up to 512 rows: W 576 is two splits of 320 rows, the last one ending past W (masked);
-    W 256 is one split written by the split kernel itself (no merge)."""
+    """Splits of up to 512 rows: W 1216 is three splits of 448 rows (64-row steps), the last one ending
+    past W (masked); W 256 is one split written by the split kernel itself (no merge)."""
     from services.engine.kernels import decode_attention_triton as dat
 
     monkeypatch.setattr(dat, "TARGET_PROGRAMS", 1)
-    assert dat.split_rows(2, 2, 576) == 320 and dat.split_rows(2, 2, 256) == 256
-    for width in (576, 256):
+    assert dat.split_rows(2, 2, 1216) == 448 and dat.split_rows(2, 2, 256) == 256
+    for width in (1216, 256):
         _check(_inputs(1, (4, 1), 64, width, torch.float32, _device(where), seed=width), window=None)
 
 
@@ -250,10 +250,10 @@ def test_strided_query_and_given_output(where: str) -> None:
 def test_split_rows_is_a_function_of_the_shapes() -> None:
     from services.engine.kernels.decode_attention_triton import split_rows
 
-    assert [split_rows(1, 1, w) for w in (64, 2048, 8192)] == [64, 64, 64]
+    assert [split_rows(1, 1, w) for w in (64, 512, 2048, 8192)] == [32, 32, 64, 64]  # one step per split
     assert [split_rows(8, 1, w) for w in (2048, 8192, 65536)] == [64, 256, 512]
     assert split_rows(64, 4, 4096) == 512  # a large batch: few long splits
-    assert split_rows(64, 4, 576) == 320 and split_rows(64, 4, 448) == 448  # even splits; one split
+    assert split_rows(64, 4, 576) == 288 and split_rows(64, 4, 448) == 448  # even splits; one split
 
 
 def test_wrapper_refuses_bad_shapes() -> None:
@@ -317,16 +317,18 @@ def test_captured_in_a_cuda_graph(window: int | None) -> None:
 
 @pytest.mark.gpu
 def test_new_widths_and_batches_compile_nothing() -> None:
-    """W, the split size and the split count are runtime ints: other window buckets reuse the variants."""
+    """W, the split size and the split count are runtime ints: other window buckets reuse the variants
+    (one per loop step size, block_rows: windows up to SHORT_WIDTH and longer ones)."""
     from services.engine.kernels import decode_attention_triton as dat
 
     device = _device("cuda")
-    _check(_inputs(1, (4, 1), 256, 512, torch.bfloat16, device, seed=1), window=None)
+    for width in (512, 2048):
+        _check(_inputs(1, (4, 1), 256, width, torch.bfloat16, device, seed=1), window=None)
     caches = [
         dat._split_kernel.device_caches[torch.cuda.current_device()][0],
         dat._merge_kernel.device_caches[torch.cuda.current_device()][0],
     ]
     before = [len(c) for c in caches]
-    for batch, width in ((1, 1024), (3, 2048), (2, 4096), (5, 1088)):
+    for batch, width in ((1, 1024), (3, 256), (3, 2048), (2, 4096), (5, 1088)):
         _check(_inputs(batch, (4, 1), 256, width, torch.bfloat16, device, seed=width), window=None)
     assert [len(c) for c in caches] == before

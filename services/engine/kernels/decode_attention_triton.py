@@ -7,7 +7,7 @@ torch path (decode_graph) gathers the rows (two index_select), builds an additiv
 here two launches read K/V straight from the pool tensors:
 
     split kernel   grid (B, Hkv, S): program (b, kv, s) walks rows [s * R, (s + 1) * R) of sequence b
-                   in blocks of BLOCK_N, once for all G = Hq / Hkv query heads of KV head kv (the G
+                   in blocks of BLOCK_N (block_rows), once for all G = Hq / Hkv query heads of KV head kv (the G
                    rows padded to 16 for tl.dot), keeps an online softmax in fp32 (base 2) and writes
                    its partial (max, sum, acc) to scratch. Rows that are not visible are not loaded.
     merge kernel   grid (B, Hq): the S partials of one query head -> the normalised output.
@@ -39,9 +39,7 @@ MIN_BLOCK_G = 16  # tl.dot needs M >= 16: the G query heads of a KV head are pad
 MAX_SPLIT_ROWS = 512  # rows of one split program at most
 TARGET_PROGRAMS = 256  # split until B * Hkv * S reaches this (about two programs per SM of an H200)
 MERGE_BLOCK_S = 16  # partials per iteration of the merge kernel
-# rows per iteration of a split: sm_90 ptxas fits 32 rows of D <= 256 without spills (4 warps; 8 for fp32 dots),
-# 64 rows spill at D >= 64
-BLOCK_N = 32
+SHORT_WIDTH = 1024  # windows up to this many rows are read in blocks of 32 rows, longer ones of 64
 LOG2E = 1.4426950408889634
 _PLAIN = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -55,14 +53,25 @@ def supported(k_store: torch.Tensor) -> bool:
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
+def block_rows(width: int) -> int:
+    """Rows per loop step of a split (BLOCK_N). A split's steps run one after another, each a chain of
+    dependent loads (positions and rows, then K and V); the merge pays per split. Measured on the H200
+    (B 1, Gemma's 4 x 256 heads, 18 layers, bench/RESULTS.md): a 512-row window is fastest in 16 splits
+    of one 32-row step (6.5 us a layer vs 8.6 in 8 splits of two), a 2K-4K window in 64-row steps
+    (fewer partials to merge; 9.8 and 13.3 us vs 11.0 and 14.3 in 32-row steps). 64 rows of D 256 spill
+    some registers on sm_90 at 4 warps and still win there."""
+    return 32 if width <= SHORT_WIDTH else 64
+
+
 def split_rows(batch: int, num_kv_heads: int, width: int) -> int:
-    """Rows per split program (whole pages): splits of at most MAX_SPLIT_ROWS, halved until the grid has
-    TARGET_PROGRAMS programs (a small batch spreads a long window over the device) or they are one page,
-    then evened out over the W rows. A function of the shapes only."""
+    """Rows per split program (whole loop steps): splits of at most MAX_SPLIT_ROWS, halved until the grid
+    has TARGET_PROGRAMS programs (a small batch spreads a long window over the device) or they are one
+    step, then evened out over the W rows. A function of the shapes only."""
+    step = block_rows(width)
     rows = MAX_SPLIT_ROWS
-    while rows > PAGE_ROWS and batch * num_kv_heads * triton.cdiv(width, rows) < TARGET_PROGRAMS:
+    while rows > step and batch * num_kv_heads * triton.cdiv(width, rows) < TARGET_PROGRAMS:
         rows //= 2
-    return triton.cdiv(triton.cdiv(width, triton.cdiv(width, rows)), PAGE_ROWS) * PAGE_ROWS
+    return triton.cdiv(triton.cdiv(width, triton.cdiv(width, rows)), step) * step
 
 
 # -- torch references ----------------------------------------------------------------------------------
@@ -173,7 +182,7 @@ def _split_kernel(
         ok = in_w & (pos <= q_pos)
         if HAS_WINDOW:
             ok = ok & (pos > q_pos - window)
-        row = tl.load(rows_ptr + b * width + n, mask=ok, other=0)
+        row = tl.load(rows_ptr + b * width + n, mask=in_w, other=0)  # with the positions, not after them
         k = tl.load(k_ptr + row[:, None] * stride_kr + kv * stride_kh + d[None, :], mask=ok[:, None], other=0.0)
         v = tl.load(v_ptr + row[:, None] * stride_vr + kv * stride_vh + d[None, :], mask=ok[:, None], other=0.0)
         if DOT_FP32:
@@ -301,6 +310,7 @@ def decode_attention(
         return out
     group = num_heads // num_kv_heads
     per_split = split_rows(batch, num_kv_heads, width)
+    block_n = block_rows(width)
     num_splits = triton.cdiv(width, per_split)
     direct = num_splits == 1
     if direct:  # the split kernel writes `out`; the scratch pointers are never read
@@ -317,9 +327,9 @@ def decode_attention(
         width, per_split, num_splits, window if window is not None else 0, scale * LOG2E,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
         out.stride(0), out.stride(1),
-        G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=BLOCK_N,
+        G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
-        SPLIT_BLOCKS=per_split // BLOCK_N if INTERPRETED else 0, num_warps=8 if dot_fp32 else 4, num_stages=2,
+        SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, num_warps=8 if dot_fp32 else 4, num_stages=2,
     )  # fmt: skip
     if not direct:
         _merge_kernel[(batch, num_heads)](
