@@ -190,6 +190,7 @@ def test_fetch_to_cuda_is_byte_identical_to_the_cpu_read(
         else:
             assert mapping is None and host.num_staged == len(order)
         del mapping
+        host.settle()  # pins are released off the step's path
         assert writer.info().num_pinned_pages == 0
     finally:
         host.close()
@@ -227,6 +228,7 @@ def test_prepare_registers_the_arena_before_the_first_fetch(_redis_server: None,
         assert [(a.address, a.nbytes) for a in pinned_arenas().registered if a.replica_id == store.replica_id] == [
             arena
         ]  # not registered again
+        host.settle()
         assert writer.info().num_pinned_pages == 0
     finally:
         host.close()
