@@ -31,6 +31,9 @@ padded as decode_graph pads it), all 18 layers, bf16:
 
 Both run as CUDA-graph replays on CUDA (as decode steps do), so launch overhead is not counted;
 `err` is the largest difference from the torch path relative to the largest output value.
+
+The third table (CUDA only) is Gemma 3 270M's four projections of a decode step over all 18 layers:
+cuBLAS (F.linear) vs kernels/linear_triton.py, with the weight bandwidth the kernel reaches.
 """
 
 from __future__ import annotations
@@ -282,6 +285,40 @@ def _decode_table(
             del case
 
 
+LINEAR_SHAPES = (("qkv", 1536, 640), ("o", 640, 1024), ("gate_up", 4096, 640), ("down", 640, 2048))  # Gemma 3 270M
+
+
+def _linear_table(device: torch.device, batches: list[int], reps: int) -> None:
+    """The projection rows: cuBLAS (F.linear) vs kernels/linear_triton.py, 18 layers' distinct weights
+    (537 MB with the head: nothing stays in L2)."""
+    from services.engine.kernels import linear_triton
+
+    print("| projection | N x K | batch | torch us | triton us | triton x | triton err | triton GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    layers = SHAPES[0].num_layers
+    for name, n, k in LINEAR_SHAPES:
+        g = torch.Generator(device=device).manual_seed(n + k)
+        weights = [torch.randn(n, k, generator=g, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(layers)]
+        for batch in batches:
+            x = torch.randn(batch, k, generator=g, device=device, dtype=torch.bfloat16)
+
+            def torch_path(x: torch.Tensor = x) -> None:
+                for w in weights:
+                    F.linear(x, w)
+
+            def triton_path(x: torch.Tensor = x) -> None:
+                for w in weights:
+                    linear_triton.linear(x, w)
+
+            ref = _timer(device, _graphed(device, torch_path), reps)
+            t = _timer(device, _graphed(device, triton_path), reps)
+            want = linear_triton.linear_reference(x, weights[0]).float()
+            err = float((linear_triton.linear(x, weights[0]).float() - want).abs().max() / want.abs().max())
+            gbs = layers * n * k * 2 / (t * 1e-6) / 1e9
+            print(f"| {name} | {n} x {k} | {batch} | {ref:.0f} | {t:.0f} | {ref / t:.2f} | {err:.1e} | {gbs:.0f} |",
+                  flush=True)  # fmt: skip
+
+
 def _backends(device: torch.device, wanted: list[str]) -> dict[str, object]:
     """Kernel modules that can run here (triton, cupy), by name."""
     found: dict[str, object] = {}
@@ -327,7 +364,7 @@ def main() -> int:
     p.add_argument("--contexts", default="2048,8192,32768", help="context lengths in tokens")
     p.add_argument("--backends", default="triton,cupy")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--tables", default="summary,decode", help="which tables: summary, decode")
+    p.add_argument("--tables", default="summary,decode,linear", help="which tables: summary, decode, linear")
     p.add_argument("--decode-widths", default="2048,4096,8192", help="decode attention: rows read per sequence")
     p.add_argument("--decode-batches", default="1,8", help="decode attention: sequences per step")
     a = p.parse_args()
@@ -340,6 +377,9 @@ def main() -> int:
     if "decode" in tables:
         print()
         _decode_table(device, backends, _ints(a.decode_widths), _ints(a.decode_batches), a.reps)
+    if "linear" in tables and device.type == "cuda":  # CUDA only: the interpreter is for tests
+        print()
+        _linear_table(device, _ints(a.decode_batches), a.reps)
     return 0
 
 

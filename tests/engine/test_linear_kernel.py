@@ -43,25 +43,6 @@ def test_matches_f_linear(where: str, dtype: torch.dtype, m: int, n: int, k: int
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize(("where", "dtype"), _params())
-def test_gated_input_matches_gelu_then_multiply(where: str, dtype: torch.dtype) -> None:
-    """gated: x = [gate | up] of 2K values a row; the product's input is gelu_tanh(gate) * up."""
-    from services.engine.kernels.linear_triton import linear, linear_reference, supported
-
-    if where == "cuda" and not CUDA:
-        pytest.skip("no CUDA device")
-    device = torch.device(where)
-    g = torch.Generator().manual_seed(7)
-    k = 200  # not a multiple of the K step: the up half starts mid-tile
-    gate_up = (torch.randn(3, 2 * k, generator=g) * 2).to(device=device, dtype=dtype)
-    weight = (torch.randn(48, k, generator=g) / k**0.5).to(device=device, dtype=dtype)
-    assert supported(gate_up, weight, gated=True) and not supported(gate_up, weight)
-    got = linear(gate_up, weight, gated=True)
-    want = linear_reference(gate_up, weight, gated=True)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-
-
 def test_supported_takes_decode_batches_only() -> None:
     from services.engine.kernels.linear_triton import MAX_COLS, MAX_ROWS, config, linear, supported
 

@@ -119,9 +119,8 @@ def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
     with torch.no_grad():
         fused = model.logits(model(ids, pos, ContiguousKV(6)))
         # the first input norm; per layer two post-norms, each with its residual add and the next norm (the
-        # pre-feedforward norm, the next layer's input norm or the final norm); q/k; four projections, the
-        # down projection computing GELU(gate) * up from the gate/up projection itself
-        assert calls == {"rms_norm": 1, "add_rms_norm": 6 * 2, "qk_norm_rope": 6, "linear": 24}
+        # pre-feedforward norm, the next layer's input norm or the final norm); q/k; GELU; four projections
+        assert calls == {"rms_norm": 1, "add_rms_norm": 6 * 2, "qk_norm_rope": 6, "gelu_tanh_mul": 6, "linear": 24}
         kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
         plain = model.logits(model(ids, pos, ContiguousKV(6)))
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)

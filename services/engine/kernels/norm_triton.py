@@ -105,8 +105,7 @@ def _gelu_tanh_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
 
 @triton.jit
 def gelu_tanh_mul_values(g, u, out_ty: tl.constexpr):
-    """gelu_tanh(g) * u in out_ty, rounded to out_ty after the GELU (also the gated input of
-    linear_triton's down projection)."""
+    """gelu_tanh(g) * u in out_ty, rounded to out_ty after the GELU."""
     g = g.to(tl.float32)
     inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
     tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0

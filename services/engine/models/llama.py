@@ -166,9 +166,6 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = project(self.gate_up_proj, x)  # [N, 2I]
-        linear = triton_module("linear_triton", x.device) if self.fused == "gelu_tanh_mul" else None
-        if linear is not None and linear.supported(gate_up, self.down_proj.weight, gated=True):
-            return linear.linear(gate_up, self.down_proj.weight, self.down_proj.bias, gated=True)  # type: ignore[no-any-return]
         kernels = fused_kernels(x) if self.fused else None
         if kernels is not None and self.fused and gate_up.dim() == 2:
             return project(self.down_proj, getattr(kernels, self.fused)(gate_up))  # activation and product: one launch
