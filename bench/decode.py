@@ -180,6 +180,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--no-hf", action="store_true", help="engine only")
     p.add_argument("--no-local-ring", action="store_true", help="page the sliding-window layers too")
+    p.add_argument("--ring-prefetch-steps", type=int, default=4, help="EngineConfig.ring_prefetch_steps (0: restores "
+                   "inside the re-selecting step)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -220,6 +222,7 @@ def main() -> int:
         cfg = EngineConfig(
             model=model_ref, device=a.device, max_context=max_context, kv_capacity=kv_capacity,
             prefill_chunk=a.prefill_chunk, max_running=16, local_ring=not a.no_local_ring,
+            ring_prefetch_steps=a.ring_prefetch_steps,
             **store_kw,  # type: ignore[arg-type]
         )  # fmt: skip
         engine, info = build_engine(cfg)
@@ -280,7 +283,8 @@ def main() -> int:
             f"device {info.device}, dtype {info.dtype}, max_context {max_context}, kv_capacity {info.kv_capacity}"
             f"{' (ring, host store)' if store_kw else ''}, new tokens {a.new_tokens} (transformers {hf_tokens}), "
             f"median of {a.repeats}, weights {weight_bytes / 1e6:.0f} MB"
-            + (f", ring restores {ring.num_restores} demotions {ring.num_demotions}" if ring is not None else "")
+            + (f", ring restores {ring.num_restores} (prefetched {ring.num_prefetched}, prefetch_steps "
+               f"{ring.limits.prefetch_steps}) demotions {ring.num_demotions}" if ring is not None else "")  # fmt: skip
             + f", device KV: slots {engine.pool.nbytes / 2**20:.1f} MiB + local rings "
             f"{engine.pool.local_nbytes / 2**20:.1f} MiB ({len(engine.pool.paged_layers)} paged layers)"
         )

@@ -133,7 +133,7 @@ def ring_limits(config: EngineConfig) -> RingLimits:
         recent_pages=config.recent_pages, skeleton_pages=config.skeleton_pages,
         evidence_pages=config.evidence_pages, neighbor_pages=config.neighbor_pages, query_tail=config.query_tail,
         max_query=256, rescore_interval=config.rescore_interval, retrieval=config.retrieval,
-        audit_dir=config.audit_dir,
+        audit_dir=config.audit_dir, prefetch_steps=config.ring_prefetch_steps,
     )  # fmt: skip
 
 

@@ -52,6 +52,7 @@ class EngineConfig:
     neighbor_pages: int = 1  # seam completion reach
     query_tail: int = 64  # scored tokens when no query span is known
     rescore_interval: int = 16  # decode steps between re-selections (0: select at prefill only)
+    ring_prefetch_steps: int = 4  # a decode re-selection takes effect this many steps later, its pages fetched meanwhile
     retrieval: bool = True  # False: the negative control (evidence stays empty)
     audit_dir: str = ""  # write per-selection scores and choices here
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
@@ -66,6 +67,8 @@ class EngineConfig:
             raise ConfigError(f"kv_capacity {self.kv_capacity} is smaller than one page ({self.page_size})")
         if self.max_context <= 0:
             raise ConfigError(f"max_context must be positive, got {self.max_context}")
+        if self.ring_prefetch_steps < 0:
+            raise ConfigError(f"ring_prefetch_steps must be >= 0, got {self.ring_prefetch_steps}")
         if self.ring_budget_pages > self.num_slots:
             raise ConfigError(f"ring_budget {self.ring_budget} tokens > kv_capacity {self.pool_tokens}")
         min_working = self.protect_pages + self.recent_pages + 1
@@ -228,6 +231,13 @@ class EngineConfig:
         p.add_argument("--neighbor-pages", type=int, default=int(env("KVMEM_NEIGHBOR_PAGES", "1")))
         p.add_argument("--rescore-interval", type=int, default=int(env("KVMEM_RESCORE_INTERVAL", "16")))
         p.add_argument(
+            "--ring-prefetch-steps",
+            type=int,
+            default=int(env("KVMEM_RING_PREFETCH_STEPS", "4")),
+            help="decode steps between a re-selection and its evidence taking effect (its host pages are "
+            "fetched in the background meanwhile); 0: at the next step, restored inside it",
+        )
+        p.add_argument(
             "--no-retrieval",
             action="store_true",
             default=env("KVMEM_RETRIEVAL", "1") == "0",
@@ -274,6 +284,7 @@ class EngineConfig:
             retrieval_share=a.retrieval_share,
             neighbor_pages=a.neighbor_pages,
             rescore_interval=a.rescore_interval,
+            ring_prefetch_steps=a.ring_prefetch_steps,
             retrieval=not a.no_retrieval,
             audit_dir=a.audit_dir,
             cuda_graphs=not a.no_cuda_graphs,

@@ -179,6 +179,8 @@ class Engine:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.ring is not None:
+            self.ring.close()  # a prefetch in flight reads the host store
         if self.runner.host is not None:
             self.runner.host.close()  # unregisters the host arena mappings before they are unmapped
 
@@ -283,7 +285,10 @@ class Engine:
         elif w.score_tokens and w.seq.in_prefill:
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total)
         elif w.score_tokens:  # decode: the scheduler scores only the steps that re-select
-            self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total)
+            table = w.seq.page_table
+            self.ring.select_deferred(
+                ring, candidates, w.seq.request_id, self.stats.steps_total, table.slot_ids, table.page_hashes
+            )
 
     def _new_ring(self, seq: Sequence) -> None:
         """Ring state for a sequence being admitted (summaries sized to its longest possible context)."""

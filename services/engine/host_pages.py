@@ -152,6 +152,7 @@ class KVStoreHostPages:
         # a fetched batch's pins are dropped off the step's path: once the copies are done they only keep the
         # store from evicting pages already on the device, and the Unpin round trip cost a restoring step ~1 ms
         self._releases = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-unpin")
+        self._fetch_lock = threading.Lock()
 
     def prepare(self, device: torch.device | str) -> ArenaRegistration:
         """At engine start-up: map the arena of every replica on this host that the client knows of and,
@@ -202,7 +203,10 @@ class KVStoreHostPages:
     def fetch_to(self, page_hashes: list[bytes], device: torch.device) -> torch.Tensor:
         """Pages as one uint8 [P, page_nbytes] tensor on `device` (rows in request order; KVPool.read_page's
         layout), in one batched read; PagesLostError when any is gone. On CUDA the copies are done on return."""
-        device = torch.device(device)
+        with self._fetch_lock:  # the engine's step and the ring's prefetcher share the staging buffer
+            return self._fetch_to(page_hashes, torch.device(device))
+
+    def _fetch_to(self, page_hashes: list[bytes], device: torch.device) -> torch.Tensor:
         batch = self._get(page_hashes)
         try:
             out = torch.empty(len(page_hashes), self._page_nbytes, dtype=torch.uint8, device=device)
@@ -215,7 +219,10 @@ class KVStoreHostPages:
         except BaseException:
             batch.release()
             raise
-        self._releases.submit(batch.release)  # the copies are done
+        try:
+            self._releases.submit(batch.release)  # the copies are done
+        except RuntimeError:  # closed (engine stopping): release here
+            batch.release()
         self.num_fetched += len(page_hashes)
         self.fetched_bytes += out.numel()
         return out

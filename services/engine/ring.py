@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -81,6 +82,19 @@ class RingLimits:
     rescore_interval: int  # decode steps between re-selections (0 = never during decode)
     retrieval: bool  # False = the negative control: evidence stays empty
     audit_dir: str = ""
+    # a decode re-selection takes effect this many steps later, its host pages fetched in the background
+    # meanwhile (0: at the next step, restored inside it); a function of steps only, never of timing
+    prefetch_steps: int = 0
+
+
+@dataclass
+class PendingEvidence:
+    """A decode re-selection waiting to take effect: its evidence, the decode step it applies at, and the
+    background fetch of the pages it needs from the host (their hashes and bytes on the device)."""
+
+    evidence: set[int]
+    apply_at: int
+    fetch: Future[tuple[list[bytes], torch.Tensor]] | None
 
 
 @dataclass
@@ -98,6 +112,8 @@ class SeqRing:
     decode_steps: int = 0
     pinned: list[bytes] = field(default_factory=list)  # host pages pinned for this sequence
     num_restores: int = 0
+    pending: PendingEvidence | None = None  # a decode re-selection not in effect yet (prefetch_steps)
+    prefetched: dict[bytes, torch.Tensor] = field(default_factory=dict)  # page bytes on the device, by hash
     restored_bytes: int = 0
     num_demotions: int = 0
     num_adopted: int = 0  # prefix pages taken from the host store (never resident before)
@@ -134,6 +150,9 @@ class RingManager:
         self.num_restores = 0
         self.restored_bytes = 0
         self.num_demotions = 0
+        self.num_prefetched = 0  # restored pages whose bytes were fetched ahead of their step
+        self._prefetcher: ThreadPoolExecutor | None = None  # one thread: host fetches off the step's path
+        self._stream: torch.cuda.Stream | None = None  # the prefetcher's copies (CUDA)
         self._audit = Path(limits.audit_dir) if limits.audit_dir else None
         if self._audit is not None:
             self._audit.mkdir(parents=True, exist_ok=True)
@@ -218,7 +237,9 @@ class RingManager:
         self.num_demotions += len(victims)
 
     def release(self, ring: SeqRing) -> None:
-        """The sequence is done with its host pages."""
+        """The sequence is done with its host pages (a pending re-selection and its fetch are dropped)."""
+        ring.pending = None
+        ring.prefetched = {}
         if self.host is not None and ring.pinned:
             self.host.unpin(ring.pinned)
             ring.pinned = []
@@ -246,12 +267,24 @@ class RingManager:
                 slot_ids[p] = self.slots.allocate()
         if to_fetch:
             self._restore(slot_ids, page_hashes, to_fetch, ring)
+        ring.prefetched = {}
 
     def _restore(self, slot_ids: list[int], page_hashes: list[bytes], pages: list[int], ring: SeqRing) -> None:
+        """Pages fetched ahead (prefetched) are written from the device; the rest come from the host now."""
         assert self.host is not None
-        slots = restore_pages(self.host, self.pool, self.slots, [page_hashes[p] for p in pages])
-        for p, slot in zip(pages, slots, strict=True):
-            slot_ids[p] = slot
+        ahead = [p for p in pages if page_hashes[p] in ring.prefetched]
+        now = [p for p in pages if page_hashes[p] not in ring.prefetched]
+        if ahead:
+            new = [self.slots.allocate() for _ in ahead]
+            self.pool.write_pages(new, torch.stack([ring.prefetched[page_hashes[p]] for p in ahead]))
+            for p, slot in zip(ahead, new, strict=True):
+                self.slots.register(slot, page_hashes[p])
+                slot_ids[p] = slot
+            self.num_prefetched += len(ahead)
+        if now:
+            slots = restore_pages(self.host, self.pool, self.slots, [page_hashes[p] for p in now])
+            for p, slot in zip(now, slots, strict=True):
+                slot_ids[p] = slot
         nbytes = len(pages) * self.pool.page_nbytes
         ring.num_restores += len(pages)
         ring.restored_bytes += nbytes
@@ -270,6 +303,74 @@ class RingManager:
             ring.scores = grown
         ring.scores[: scores.shape[0]] += scores
         ring.scored_tokens += num_query_tokens
+
+    def select_deferred(
+        self,
+        ring: SeqRing,
+        num_candidate_pages: int,
+        request_id: str,
+        step: int,
+        slot_ids: list[int],
+        page_hashes: list[bytes],
+    ) -> None:
+        """A decode re-selection: with prefetch_steps, `select` now, in effect prefetch_steps decode steps
+        later (apply_pending); meanwhile the chosen pages that are only on the host are fetched to the
+        device in the background, so the step that takes them in does not wait for the store."""
+        if self.limits.prefetch_steps <= 0:
+            self.select(ring, num_candidate_pages, request_id, step)
+            return
+        self.apply_pending(ring, force=True)  # an earlier re-selection takes effect first
+        current = ring.evidence
+        self.select(ring, num_candidate_pages, request_id, step)
+        chosen, ring.evidence = ring.evidence, current
+        wanted = [
+            page_hashes[p]
+            for p in sorted(chosen)
+            if p < len(page_hashes) and slot_ids[p] == NOT_RESIDENT and self.slots.lookup(page_hashes[p]) is None
+        ]
+        fetch = self._prefetch(wanted) if wanted and self.host is not None else None
+        ring.pending = PendingEvidence(chosen, ring.decode_steps + self.limits.prefetch_steps, fetch)
+
+    def apply_pending(self, ring: SeqRing, force: bool = False) -> None:
+        """Put a pending re-selection in effect once its step has come (or now, `force`); its fetched pages
+        wait in `ring.prefetched` for the next materialize. A failed fetch is left to the step's own restore
+        (which recomputes what is really lost)."""
+        pending = ring.pending
+        if pending is None or (not force and ring.decode_steps < pending.apply_at):
+            return
+        ring.pending = None
+        ring.evidence = pending.evidence
+        if pending.fetch is None:
+            return
+        try:
+            hashes, data = pending.fetch.result()
+        except Exception as exc:  # noqa: BLE001 - any failure: the restore path fetches (or finds them lost)
+            logger.warning("prefetch of %d page(s) failed (%s); restoring them in the step", len(ring.evidence), exc)
+            return
+        if data.device.type == "cuda":
+            data.record_stream(torch.cuda.current_stream(data.device))  # filled on the prefetcher's stream
+        ring.prefetched = dict(zip(hashes, data.unbind(0), strict=True))
+
+    def _prefetch(self, page_hashes: list[bytes]) -> Future[tuple[list[bytes], torch.Tensor]]:
+        assert self.host is not None
+        host, device = self.host, self.pool.device
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-prefetch")
+            if device.type == "cuda":
+                self._stream = torch.cuda.Stream(device)
+
+        def fetch() -> tuple[list[bytes], torch.Tensor]:
+            if self._stream is None:
+                return page_hashes, host.fetch_to(page_hashes, device)
+            with torch.cuda.stream(self._stream):  # fetch_to returns once this stream's copies are done
+                return page_hashes, host.fetch_to(page_hashes, device)
+
+        return self._prefetcher.submit(fetch)
+
+    def close(self) -> None:
+        """Wait for a fetch in flight (engine stop, before the host store closes)."""
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
 
     def select(self, ring: SeqRing, num_candidate_pages: int, request_id: str, step: int) -> None:
         """Top-scored candidate pages plus their neighbours become the evidence set; scores reset."""

@@ -38,6 +38,7 @@ def test_ring_window_sizes_follow_the_pool() -> None:
         (dict(prefill_policy="fast"), "prefill_policy 'fast' not in sparse, exact"),
         (dict(retrieval_share=1.5), r"retrieval_share must be in \[0, 1\], got 1.5"),
         (dict(kernels="cuda"), "kernels 'cuda' not in auto, triton, cupy, torch"),
+        (dict(ring_prefetch_steps=-1), "ring_prefetch_steps must be >= 0, got -1"),
         (dict(dtype="int4"), "dtype 'int4' not in auto"),
     ],
 )

@@ -229,3 +229,66 @@ def test_prefix_found_only_in_the_host_store_is_adopted_lazily(
     assert done.cached_tokens == 68  # the 17 whole prompt pages of 4, from the host store
     assert tokens == reference_greedy(model, turn2, 8)
     assert second.ring.num_restores < 17  # lazily: only what the plan wanted came to the device
+
+
+def _timeline(engine, seq, max_steps: int = 5000) -> list[tuple[int, frozenset[int]]]:
+    """(tokens computed, evidence in effect) after every step, checking the buckets as it goes."""
+    out = []
+    engine.poll()
+    for _ in range(max_steps):
+        if seq.is_finished:
+            return out
+        engine.step()
+        engine.slots.check_integrity()
+        if seq.ring is not None:
+            out.append((seq.num_computed, frozenset(seq.ring.evidence)))
+    raise AssertionError("the sequence did not finish")
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast-store", "slow-store"])
+def test_decode_reselection_takes_effect_prefetch_steps_later_whatever_the_fetch_time(
+    model, smol_tokenizer: Tokenizer, store_address: str, slow: bool
+) -> None:
+    """With prefetch_steps 2 a decode re-selection is in effect exactly two decode steps after it was made;
+    its host pages arrive through the background fetch (num_prefetched); a store 40 ms slow gives the same
+    evidence timeline and the same tokens as a fast one (the schedule depends on steps, never on timing)."""
+    import time
+
+    limits = ring_limits(budget_pages=8, rescore_interval=4, prefetch_steps=2)
+    runs = {}
+    for name in ("fast", "slow") if slow else ("fast",):
+        engine = make_engine(model, smol_tokenizer, num_slots=8, ring=limits, ring_chunk=8, store_address=store_address)
+        ring = engine.ring
+        made: list[tuple[int, frozenset[int]]] = []
+        applied: list[int] = []
+        select_deferred, apply_pending = ring.select_deferred, ring.apply_pending
+
+        def recording_select(r, *args, _sd=select_deferred, _made=made):  # type: ignore[no-untyped-def]
+            _sd(r, *args)
+            _made.append((r.decode_steps, frozenset(r.pending.evidence)))
+
+        def recording_apply(r, force=False, _ap=apply_pending, _applied=applied):  # type: ignore[no-untyped-def]
+            had = r.pending is not None
+            _ap(r, force)
+            if had and r.pending is None:
+                _applied.append(r.decode_steps)
+
+        ring.select_deferred, ring.apply_pending = recording_select, recording_apply
+        if name == "slow":
+            fetch_to = engine.runner.host.fetch_to
+
+            def slow_fetch(*args, _f=fetch_to):  # type: ignore[no-untyped-def]
+                time.sleep(0.04)
+                return _f(*args)
+
+            engine.runner.host.fetch_to = slow_fetch
+        seq = engine.submit(f"prefetch-{name}", _prompt(70, 51), greedy(24), namespace=name)  # no shared prefix
+        timeline = _timeline(engine, seq)
+        tokens, done = drain(events_of(seq))
+        assert done.completion_tokens == 24
+        assert len(made) >= 4 and applied[: len(made) - 1] == [d + 2 for d, _ in made[: len(made) - 1]]
+        assert ring.num_prefetched > 0  # chosen pages came back ahead of their step
+        runs[name] = (tokens, timeline, made)
+        engine.stop()
+    if slow:
+        assert runs["slow"] == runs["fast"]
