@@ -283,8 +283,12 @@ def main() -> int:
             f"device {info.device}, dtype {info.dtype}, max_context {max_context}, kv_capacity {info.kv_capacity}"
             f"{' (ring, host store)' if store_kw else ''}, new tokens {a.new_tokens} (transformers {hf_tokens}), "
             f"median of {a.repeats}, weights {weight_bytes / 1e6:.0f} MB"
-            + (f", ring restores {ring.num_restores} (prefetched {ring.num_prefetched}, prefetch_steps "
-               f"{ring.limits.prefetch_steps}) demotions {ring.num_demotions}" if ring is not None else "")  # fmt: skip
+            + (
+                f", ring restores {ring.num_restores} (prefetched {ring.num_prefetched}, prefetch_steps "
+                f"{ring.limits.prefetch_steps}) demotions {ring.num_demotions}"
+                if ring is not None
+                else ""
+            )  # fmt: skip
             + f", device KV: slots {engine.pool.nbytes / 2**20:.1f} MiB + local rings "
             f"{engine.pool.local_nbytes / 2**20:.1f} MiB ({len(engine.pool.paged_layers)} paged layers)"
         )

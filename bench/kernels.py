@@ -302,11 +302,11 @@ def _linear_table(device: torch.device, batches: list[int], reps: int) -> None:
         for batch in batches:
             x = torch.randn(batch, k, generator=g, device=device, dtype=torch.bfloat16)
 
-            def torch_path(x: torch.Tensor = x) -> None:
+            def torch_path(x: torch.Tensor = x, weights: list[torch.Tensor] = weights) -> None:
                 for w in weights:
                     F.linear(x, w)
 
-            def triton_path(x: torch.Tensor = x) -> None:
+            def triton_path(x: torch.Tensor = x, weights: list[torch.Tensor] = weights) -> None:
                 for w in weights:
                     linear_triton.linear(x, w)
 

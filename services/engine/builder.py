@@ -40,8 +40,9 @@ class ModelInfo:
     replica_id: str
 
 
-def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
-    """Load everything and start the loop thread; raises ConfigError on impossible combinations."""
+def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, ModelInfo]:
+    """Load everything and start the loop thread (`start`; without it the caller drives Engine.step, as
+    bench/profile_decode.py does); raises ConfigError on impossible combinations."""
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     device = config.torch_device
@@ -101,7 +102,8 @@ def build_engine(config: EngineConfig) -> tuple[Engine, ModelInfo]:
     )
     runner = ModelRunner(model, pool, device, host, cuda_graphs=config.cuda_graphs, max_batch=config.max_running)
     engine = Engine(limits, runner, tokenizer, write_through)
-    engine.start()
+    if start:
+        engine.start()
     info = ModelInfo(
         model_id=model_id,
         architecture=model_config.architecture,

@@ -52,7 +52,7 @@ class EngineConfig:
     neighbor_pages: int = 1  # seam completion reach
     query_tail: int = 64  # scored tokens when no query span is known
     rescore_interval: int = 16  # decode steps between re-selections (0: select at prefill only)
-    ring_prefetch_steps: int = 4  # a decode re-selection takes effect this many steps later, its pages fetched meanwhile
+    ring_prefetch_steps: int = 4  # decode re-selections take effect this many steps later (pages fetched meanwhile)
     retrieval: bool = True  # False: the negative control (evidence stays empty)
     audit_dir: str = ""  # write per-selection scores and choices here
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +129,8 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """x: the residual stream, h = input_layernorm(x) -> (the new residual, nxt(it)): nxt is the next
         layer's input norm (the final norm after the last layer), so each norm pair is one launch."""
-        x, h = self.post_attention_layernorm.add_then(x, self.self_attn(h, cos, sin, attn), self.pre_feedforward_layernorm)
+        attended = self.self_attn(h, cos, sin, attn)
+        x, h = self.post_attention_layernorm.add_then(x, attended, self.pre_feedforward_layernorm)
         return self.post_feedforward_layernorm.add_then(x, self.mlp(h), nxt)
 
 
@@ -158,9 +160,10 @@ class Gemma3ForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # x: [N, hidden]
         x = x * embed_scale(self.config.hidden_size, x.dtype)
         rope = self._rope_tables(positions, x.dtype)
-        h = self.layers[0].input_layernorm(x)
-        nxt = [*(layer.input_layernorm for layer in self.layers[1:]), self.norm]
-        for layer, is_sliding, norm in zip(self.layers, self.layer_is_sliding, nxt, strict=True):
+        layers = cast(list[Gemma3DecoderLayer], list(self.layers))
+        h = layers[0].input_layernorm(x)
+        nxt = [*(layer.input_layernorm for layer in layers[1:]), self.norm]
+        for layer, is_sliding, norm in zip(layers, self.layer_is_sliding, nxt, strict=True):
             cos, sin = rope[is_sliding]  # [N, 1, D] each
             x, h = layer(x, h, cos, sin, attn, norm)
         return h

@@ -1,0 +1,176 @@
+"""Where a decode step's time goes (random Gemma 3 270M, CUDA): the diagnostics behind bench/RESULTS.md's decode notes.
+
+    PYTHONPATH=. python3 bench/profile_decode.py --mode kernels   # one 2K step: CUDA-graph replay time, and the
+                                                                # eager step under torch.profiler (kernels, GPU busy)
+    PYTHONPATH=. python3 bench/profile_decode.py --mode host      # 2K: step wall time vs replay alone, cProfile
+    PYTHONPATH=. python3 bench/profile_decode.py --mode ring      # 30K through the ring (4K pool, a kvstore on this
+                                                                # host): step time percentiles, cProfile
+    PYTHONPATH=. python3 bench/profile_decode.py --mode logits    # the engine's logits after a prefill vs
+                                                                # transformers' eager forward (bf16)
+
+The engine is built without its loop thread and stepped here (build_engine(start=False)). Random weights:
+speeds and rounding, not quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import logging
+import os
+import pstats
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode import write_random_gemma  # noqa: E402
+from services.engine.builder import build_engine  # noqa: E402
+from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.sampling import SamplingParams  # noqa: E402
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(engine, prompt: list[int], new_tokens: int, name: str, prof: cProfile.Profile | None = None) -> list[float]:  # type: ignore[no-untyped-def]  # noqa: E501
+    """Step one greedy request to the end; the wall time of each step (decode steps under `prof`)."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    seq = engine.submit(name, prompt, params, namespace=name)
+    engine.poll()
+    times = []
+    while engine.scheduler.has_work():
+        t = time.perf_counter()
+        if prof is not None and seq.output_ids:
+            prof.enable()
+        engine.step()
+        if prof is not None:
+            prof.disable()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _replay_ms(engine) -> tuple[float, object]:  # type: ignore[no-untyped-def]
+    decode = engine.runner.decode
+    bufs = next(b for b in decode._buffers.values() if b.graph is not None)
+    for _ in range(10):
+        bufs.graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(200):
+        bufs.graph.replay()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t) / 200, bufs
+
+
+def kernels(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
+    from torch.profiler import ProfilerActivity, profile
+
+    _run(engine, _prompt(2000, vocab, 0), 64, "kernels")
+    replay, bufs = _replay_ms(engine)
+    print(f"graph replay: {replay:.3f} ms per step (batch {bufs.batch}, window {bufs.window})")  # type: ignore[attr-defined]
+    decode = engine.runner.decode
+    with torch.inference_mode():
+        decode._forward(bufs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                decode._forward(bufs)
+            torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in events) / 5 / 1000
+    print(f"kernels per step: {len(events) / 5:.0f}; GPU busy per step {busy:.3f} ms (eager step, 5 steps below)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
+def host(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
+    _run(engine, _prompt(2000, vocab, 1), 32, "warm")
+    times = sorted(_run(engine, _prompt(2000, vocab, 2), 300, "timed")[2:])
+    replay, _ = _replay_ms(engine)
+    median = times[len(times) // 2]
+    print(f"decode step: median {1e3 * median:.3f} ms, mean {1e3 * sum(times) / len(times):.3f} ms; graph replay "
+          f"alone {replay:.3f} ms -> host {1e3 * median - replay:.3f} ms a step")  # fmt: skip
+    prof = cProfile.Profile()
+    _run(engine, _prompt(2000, vocab, 3), 300, "profiled", prof)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
+def ring(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
+    _run(engine, _prompt(30000, vocab, 4), 24, "warm")
+    prof = cProfile.Profile()
+    times = _run(engine, _prompt(30000, vocab, 5), 160, "profiled", prof)
+    dec = sorted(times[-150:])
+    decode = engine.runner.decode
+    print(f"decode step ms: median {1e3 * dec[len(dec) // 2]:.2f} p90 {1e3 * dec[int(len(dec) * 0.9)]:.2f} max "
+          f"{1e3 * dec[-1]:.1f} sum {1e3 * sum(dec):.0f} over 150; replays {decode.num_replays} eager "
+          f"{decode.num_eager} captures {decode.num_captures}; ring restores {engine.ring.num_restores} "
+          f"(prefetched {engine.ring.num_prefetched})")  # fmt: skip
+    print("slowest 12 decode steps ms:", [round(1e3 * t, 1) for t in dec[-12:]])
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def logits(engine, vocab: int, hf) -> None:  # type: ignore[no-untyped-def]
+    import services.engine.engine as engine_module
+
+    captured: list[torch.Tensor] = []
+    real = engine_module.sample_rows
+
+    def capture(rows, params, generators):  # type: ignore[no-untyped-def]
+        captured.append(rows.detach().float().clone())
+        return real(rows, params, generators)
+
+    engine_module.sample_rows = capture
+    for n, seed in ((2047, 0), (2047, 1), (600, 2), (100, 3)):
+        prompt = _prompt(n, vocab, seed)
+        captured.clear()
+        _run(engine, prompt, 1, f"logits{seed}")
+        ours = captured[0][0]
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt], device=ours.device)).logits[0, -1].float()
+        top2 = ref.topk(2).values
+        diff = (ours - ref).abs()
+        print(f"n={n} seed={seed}: max|diff| {diff.max().item():.4f} mean|diff| {diff.mean().item():.4f} std "
+              f"{ref.std().item():.3f} | argmax ours {int(ours.argmax())} hf {int(ref.argmax())} | hf top-2 gap "
+              f"{float(top2[0] - top2[1]):.4f}")  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("kernels", "host", "ring", "logits"), default="kernels")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if not torch.cuda.is_available():
+        print("profile_decode.py needs a CUDA device")
+        return 2
+    device = torch.device("cuda")
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        os.environ["KVMEM_CACHE_DIR"] = str(tmp / "cache")
+        hf = write_random_gemma(tmp / "gemma", 0, device)
+        kw: dict[str, object] = dict(max_context=4096, kv_capacity=4096, max_running=4)
+        if a.mode == "ring":
+            from bench.store import kvstore, redis_server
+
+            url = stack.enter_context(redis_server())
+            stack.enter_context(kvstore(url, 4096, "--arena-dir", "/dev/shm"))
+            kw = dict(max_context=32768, kv_capacity=4096, max_running=16, redis_url=url, host_kv_mib=4096)
+        cfg = EngineConfig(model=str(tmp / "gemma"), device="cuda", prefill_chunk=2048, **kw)  # type: ignore[arg-type]  # noqa: E501
+        engine, info = build_engine(cfg, start=False)
+        stack.callback(engine.stop)
+        if a.mode == "logits":
+            logits(engine, info.vocab_size, hf)
+        else:
+            del hf
+            {"kernels": kernels, "host": host, "ring": ring}[a.mode](engine, info.vocab_size)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
