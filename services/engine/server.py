@@ -150,6 +150,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             host_only_pages=e.ring_snapshot.host_only,
             restores_total=e.ring.num_restores if e.ring else 0,
             restored_bytes_total=e.ring.restored_bytes if e.ring else 0,
+            prefetched_pages_total=e.ring.num_prefetched if e.ring else 0,
             demotions_total=e.ring.num_demotions if e.ring else 0,
             preemptions_total=e.scheduler.num_preemptions,
             local_rings=local.num_rings if local else 0,

@@ -14,9 +14,11 @@ import random
 import pytest
 import torch
 
+from services.common.protos import engine_pb2 as pb
 from services.common.tokenizer import Tokenizer
 from services.engine.ring import RingManager, SeqRing
 from services.engine.sequence import Done
+from services.engine.server import EngineServicer
 from services.engine.slots import SlotAllocator
 from services.engine.summaries import PageSummaries
 from tests.conftest import StartStore
@@ -288,6 +290,8 @@ def test_decode_reselection_takes_effect_prefetch_steps_later_whatever_the_fetch
         assert done.completion_tokens == 24
         assert len(made) >= 4 and applied[: len(made) - 1] == [d + 2 for d, _ in made[: len(made) - 1]]
         assert ring.num_prefetched > 0  # chosen pages came back ahead of their step
+        stats = EngineServicer(engine, None).GetStats(pb.GetStatsRequest(), None)  # type: ignore[arg-type]
+        assert stats.prefetched_pages_total == ring.num_prefetched and stats.restores_total >= ring.num_prefetched
         runs[name] = (tokens, timeline, made)
         engine.stop()
     if slow:
