@@ -11,6 +11,8 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
+PAD_POS = 1 << 40  # key position of a padding row in a read set: after every query, so never visible
+
 
 class AttentionBackend(Protocol):
     def attend(

@@ -44,8 +44,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from services.engine.attention import PAD_POS
 from services.engine.kernels import triton_module
 from services.engine.kv_pool import KVPool
+from services.engine.local_ring import ring_read_set
 from services.engine.models.loader import CausalLM
 from services.engine.scheduler import Work
 from services.engine.sequence import NOT_RESIDENT, Sequence
@@ -53,7 +55,6 @@ from services.engine.summaries import page_scores
 
 logger = logging.getLogger(__name__)
 
-PAD_POS = 1 << 40  # key position of padding rows: after every query, so causally masked
 MIN_WINDOW = 256
 
 
@@ -118,12 +119,9 @@ class _GraphAttention:
         # them (the fused kernel masks from the positions itself)
         self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
         local = pool.local
-        if local is not None:  # the window before each token, in its sequence's ring
-            q_pos = bufs.positions[:, None]  # [B, 1]
-            lpos = q_pos - torch.arange(local.window - 1, -1, -1, device=q_pos.device)  # [B, window]
-            self.ring_rows = bufs.ring_base[:, None] + lpos.remainder(local.span)
-            self.ring_pos = torch.where(lpos >= 0, lpos, PAD_POS)  # before position 0: never visible
+        if local is not None:  # the token's row in its sequence's ring
             self.ring_write = bufs.ring_base + bufs.positions.remainder(local.span)
+        self._ring_read: tuple[torch.Tensor, torch.Tensor] | None = None  # built only for the SDPA path
 
     def attend(
         self,
@@ -137,9 +135,19 @@ class _GraphAttention:
         """q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D] (one token per sequence)."""
         bufs = self.bufs
         if self.pool.is_local(layer_idx):
-            assert window is not None
+            assert window is not None and self.pool.local is not None
+            local = self.pool.local
             self.pool.write(layer_idx, self.ring_write, k, v)
-            return self._sdpa(layer_idx, q, k.shape[1], "ring", self.ring_rows, self.ring_pos, window, scale)
+            plain = self.pool.plain_kv(layer_idx)
+            kernels = self.kernels
+            if kernels is not None and plain is not None and kernels.supported(plain[0]) and local.window % 64 == 0:
+                return kernels.decode_attention_ring(  # the window before each token, rows by arithmetic
+                    q, plain[0], plain[1], bufs.ring_base, local.span, bufs.positions, scale, local.window, window
+                )
+            if self._ring_read is None:  # the same window for every sliding layer of the step
+                self._ring_read = ring_read_set(bufs.ring_base, local.span, bufs.positions, local.window)
+            rows, key_pos = self._ring_read
+            return self._sdpa(layer_idx, q, k.shape[1], "ring", rows, key_pos, window, scale)
         bufs.queries[layer_idx].copy_(q)  # page scoring reads them after the step (scoring steps)
         self.pool.write(layer_idx, bufs.write_rows, k, v)
         if window is not None and window in bufs.local_rows:  # a sliding layer's last pages only

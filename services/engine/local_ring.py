@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from services.engine.attention import PAD_POS
+
 logger = logging.getLogger(__name__)
 
 
@@ -113,3 +115,13 @@ class LocalRings:
     def page_row(self, ring_id: int, page: int) -> int:
         """First row of logical page `page` (its page_size rows follow contiguously)."""
         return ring_id * self.span + (page * self.page_size) % self.span
+
+
+def ring_read_set(
+    ring_base: torch.Tensor, span: int, q_pos: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows and key positions [B, width] of each token's window in its ring: the `width` positions ending at
+    the token, position p in row ring_base + p % span; positions before 0 are padding (PAD_POS, never visible)."""
+    lpos = q_pos[:, None] - torch.arange(width - 1, -1, -1, device=q_pos.device)  # [B, width]
+    rows = ring_base[:, None] + lpos.remainder(span)
+    return rows, torch.where(lpos >= 0, lpos, PAD_POS)

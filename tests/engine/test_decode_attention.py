@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.engine.attention import PAD_POS
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 CUDA = torch.cuda.is_available()
-PAD_POS = 1 << 40  # decode_graph's padding position: after every query
 
 
 def _device(where: str) -> torch.device:
@@ -332,3 +333,50 @@ def test_new_widths_and_batches_compile_nothing() -> None:
     for batch, width in ((1, 1024), (3, 256), (3, 2048), (2, 4096), (5, 1088)):
         _check(_inputs(batch, (4, 1), 256, width, torch.bfloat16, device, seed=width), window=None)
     assert [len(c) for c in caches] == before
+
+
+# -- a local ring's window (rows by arithmetic) ------------------------------------------------------------
+
+
+def _ring_case(where: str, dtype: torch.dtype, batch: int, width: int, span: int) -> tuple:
+    """Rings of `span` rows for 3 sequences in one pool (ring i at row i * span); tokens early in their
+    sequence (their window reaches before position 0), in the middle, and far on (the window wraps)."""
+    device = _device(where)
+    g = torch.Generator().manual_seed(width + span)
+    num_rings = batch + 1
+    k_store = torch.randn(num_rings * span, 1, 64, generator=g).to(device, dtype)
+    v_store = torch.randn(num_rings * span, 1, 64, generator=g).to(device, dtype)
+    q = (2 * torch.randn(batch, 4, 64, generator=g)).to(device, dtype)
+    ring_base = (torch.randperm(num_rings, generator=g)[:batch] * span).to(device)
+    q_pos = torch.tensor([5, width + 17, 7 * span + 3][:batch], dtype=torch.int64, device=device)
+    return q, k_store, v_store, ring_base, q_pos
+
+
+@pytest.mark.parametrize(
+    ("where", "dtype"),
+    [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu),
+     pytest.param("cuda", torch.float32, marks=pytest.mark.gpu)],
+)  # fmt: skip
+@pytest.mark.parametrize(("width", "span", "window"), [(128, 192, None), (128, 192, 100), (1152, 1216, None)])
+def test_ring_window_matches_its_reference(
+    where: str, dtype: torch.dtype, width: int, span: int, window: int | None
+) -> None:
+    """The ring read set by arithmetic equals the reference over the rows it names (ring_read_set), which
+    equals plain attention over those rows: before position 0 nothing is read, a wrapped window reads the
+    ring's start, a narrower layer window masks the oldest rows; 32- and 64-row loop steps."""
+    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.local_ring import ring_read_set
+
+    q, k_store, v_store, ring_base, q_pos = _ring_case(where, dtype, 3, width, span)
+    scale = 64**-0.5
+    got = dat.decode_attention_ring(q, k_store, v_store, ring_base, span, q_pos, scale, width, window)
+    want = dat.decode_attention_ring_reference(q, k_store, v_store, ring_base, span, q_pos, scale, width, window)
+    tol = _tolerance(dtype)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    rows, key_pos = ring_read_set(ring_base, span, q_pos, width)
+    assert int((key_pos[0] <= q_pos[0]).sum()) == 6  # positions 0..5 only
+    local = (rows[2] - ring_base[2]).tolist()  # a wrapped window: `width` distinct rows of its own ring
+    assert len(set(local)) == width and min(local) >= 0 and max(local) < span and local[-1] == (7 * span + 3) % span
+    plain = _loop_attention(Inputs(q.cpu(), k_store.cpu(), v_store.cpu(), rows.cpu(), key_pos.cpu(), q_pos.cpu(),
+                                   scale), window)  # fmt: skip
+    torch.testing.assert_close(want.double().cpu(), plain, rtol=tol, atol=tol)

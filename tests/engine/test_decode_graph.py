@@ -284,22 +284,27 @@ def test_batch_and_window_buckets_each_capture_once(model) -> None:
     assert h.graphs.num_captures == 3 and h.graphs.num_replays == 2
 
 
-def _decode_with_the_fused_kernel(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+def _decode_with_the_fused_kernel(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
     """Two decode steps of two sequences on the runner with the Triton decode-attention kernel (interpreted
     on the CPU; the other kernels stay torch), each equal to StepAttention's, then greedy equal to the
-    reference; returns the [B, W] row shapes the kernel was called with."""
+    reference; returns the [B, W] row shapes the kernel was called with, ("ring", B, W) for a local ring."""
     from services.engine import decode_graph
     from services.engine.kernels import decode_attention_triton
 
-    calls = []
-    real = decode_attention_triton.decode_attention
+    calls: list[tuple[object, ...]] = []
+    real, real_ring = decode_attention_triton.decode_attention, decode_attention_triton.decode_attention_ring
 
     def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(tuple(args[3].shape))  # rows [B, W]
         return real(*args, **kwargs)
 
+    def counted_ring(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(("ring", args[0].shape[0], args[7]))  # B, the ring window read
+        return real_ring(*args, **kwargs)
+
     monkeypatch.setattr(decode_graph, "triton_module", lambda name, device: decode_attention_triton)
     monkeypatch.setattr(decode_attention_triton, "decode_attention", counted)
+    monkeypatch.setattr(decode_attention_triton, "decode_attention_ring", counted_ring)
     h = Harness(model, [13, 30])
     for _ in range(2):
         works = h.works()
@@ -321,10 +326,11 @@ def test_fused_decode_attention_matches_step_attention(model, monkeypatch: pytes
 
 
 def test_fused_decode_attention_over_local_rings_before_the_window_fills(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sliding layers of 64 tokens in local rings read their ring through the kernel too; sequences shorter
-    than the window have ring rows before position 0 (padded as never visible)."""
+    """Sliding layers of 64 tokens in local rings read their ring through the kernel's ring mode (rows by
+    arithmetic); sequences shorter than the window have ring positions before 0 (never read)."""
     m = tiny_gemma(VOCAB, seed=4, window=64)
     m.test_local_rings = True
     calls = _decode_with_the_fused_kernel(m, monkeypatch)
     local = sum(1 for w in m.config.layer_windows if w is not None)
-    assert sorted(calls) == sorted([(2, 64)] * (2 * local) + [(2, 256)] * (2 * (m.config.num_layers - local)))
+    want = [("ring", 2, 64)] * (2 * local) + [(2, 256)] * (2 * (m.config.num_layers - local))
+    assert sorted(calls, key=str) == sorted(want, key=str)

@@ -16,8 +16,11 @@ With one split (S == 1) the split kernel normalises and writes the output itself
 S and R depend on the shapes only (`split_rows`), so the launch has no host sync and no data-dependent
 branch and a CUDA graph captures it; W, R, S and the window are runtime ints (`do_not_specialize`),
 so a new window bucket compiles nothing. `write_kv` stores a step's new K and V rows in one launch.
+`decode_attention_ring` reads a sliding layer's local ring (local_ring.py): the W positions ending at
+the token, position p in row base + p % span, addressed by arithmetic (no index tensors).
 
-The torch references are `decode_attention_reference` and `write_kv_reference`. Shapes: q [B, Hq, D];
+The torch references are `decode_attention_reference`, `decode_attention_ring_reference` and
+`write_kv_reference`. Shapes: q [B, Hq, D];
 k_store, v_store [R, Hkv, D] (one layer of the pool, a plain float dtype); rows, key_pos [B, W] int64;
 q_pos [B] int64. bf16/fp16 dots run on tensor cores with fp32 accumulation (the probabilities are
 rounded to the V dtype for the second dot, as flash attention does); fp32 dots run in IEEE fp32.
@@ -31,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from services.engine.local_ring import ring_read_set
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +113,23 @@ def decode_attention_reference(
     return torch.einsum("bhw,bwhd->bhd", probs, v).to(q.dtype)
 
 
+def decode_attention_ring_reference(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    ring_base: torch.Tensor,
+    span: int,
+    q_pos: torch.Tensor,
+    scale: float,
+    width: int,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`decode_attention_reference` over each sequence's local ring (local_ring.py): the `width` positions
+    ending at the token, in rows ring_base [B] + p % span."""
+    rows, key_pos = ring_read_set(ring_base, span, q_pos, width)
+    return decode_attention_reference(q, k_store, v_store, rows, key_pos, q_pos, scale, window)
+
+
 def write_kv_reference(
     k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
@@ -119,7 +141,7 @@ def write_kv_reference(
 # -- kernels -------------------------------------------------------------------------------------------
 
 # Counts that change with the window bucket or the layer: runtime ints, never a new compiled variant.
-_COUNTS = ["width", "rows_per_split", "num_splits", "window"]
+_COUNTS = ["width", "rows_per_split", "num_splits", "window", "span"]
 
 
 @triton.jit(do_not_specialize=_COUNTS)
@@ -127,8 +149,8 @@ def _split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [R, Hkv, D]
     v_ptr,  # [R, Hkv, D]
-    rows_ptr,  # [B, W] int64, contiguous
-    key_pos_ptr,  # [B, W] int64, contiguous
+    rows_ptr,  # [B, W] int64, contiguous (RING: [B] the first row of each sequence's ring)
+    key_pos_ptr,  # [B, W] int64, contiguous (RING: unused)
     q_pos_ptr,  # [B] int64
     m_ptr,  # [B, Hq, S] fp32: running max of the base-2 scores (unused when DIRECT)
     l_ptr,  # [B, Hq, S] fp32: sum of exp2(score - max)
@@ -138,6 +160,7 @@ def _split_kernel(
     rows_per_split,
     num_splits,
     window,
+    span,  # RING: rows of one ring
     scale_log2,  # softmax scale * log2(e)
     stride_qb,
     stride_qh,
@@ -152,6 +175,7 @@ def _split_kernel(
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    RING: tl.constexpr,  # keys are the W positions ending at the token, position p in row base + p % span
     DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -174,15 +198,22 @@ def _split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     start = split * rows_per_split
+    if RING:
+        base = tl.load(rows_ptr + b)
     # the last split may end past W: those rows are masked
     for n0 in range(0, SPLIT_BLOCKS * BLOCK_N if INTERPRETED else rows_per_split, BLOCK_N):
         n = start + n0 + tl.arange(0, BLOCK_N)
         in_w = n < width
-        pos = tl.load(key_pos_ptr + b * width + n, mask=in_w, other=0)
-        ok = in_w & (pos <= q_pos)
+        if RING:  # rows from arithmetic: no index load before the K/V loads
+            pos = q_pos - width + 1 + n
+            ok = in_w & (pos >= 0)
+            row = base + tl.where(ok, pos, 0) % span
+        else:
+            pos = tl.load(key_pos_ptr + b * width + n, mask=in_w, other=0)
+            ok = in_w & (pos <= q_pos)
+            row = tl.load(rows_ptr + b * width + n, mask=in_w, other=0)  # with the positions, not after them
         if HAS_WINDOW:
             ok = ok & (pos > q_pos - window)
-        row = tl.load(rows_ptr + b * width + n, mask=in_w, other=0)  # with the positions, not after them
         k = tl.load(k_ptr + row[:, None] * stride_kr + kv * stride_kh + d[None, :], mask=ok[:, None], other=0.0)
         v = tl.load(v_ptr + row[:, None] * stride_vr + kv * stride_vh + d[None, :], mask=ok[:, None], other=0.0)
         if DOT_FP32:
@@ -293,15 +324,54 @@ def decode_attention(
     dtype, last dim contiguous); rows, key_pos: [B, W] int64 with W a multiple of 64; q_pos: [B] int64.
     Capturable in a CUDA graph (no host sync; scratch is allocated from the shapes).
     """
+    batch, width = rows.shape
+    assert rows.shape == key_pos.shape == (batch, width) and q_pos.shape == (batch,), (rows.shape, key_pos.shape)
+    assert rows.dtype == key_pos.dtype == q_pos.dtype == torch.int64
+    return _attend(q, k_store, v_store, rows.contiguous(), key_pos.contiguous(), q_pos, scale, window, out, width, 0)
+
+
+def decode_attention_ring(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    ring_base: torch.Tensor,
+    span: int,
+    q_pos: torch.Tensor,
+    scale: float,
+    width: int,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`decode_attention_ring_reference` in one or two launches: the keys are the `width` positions ending at
+    each token in its local ring (row ring_base [B] + p % span), addressed by arithmetic instead of index
+    tensors (no rows to build per step, no index load before the K/V loads). width: a multiple of 64."""
+    batch = q.shape[0]
+    assert ring_base.shape == q_pos.shape == (batch,) and ring_base.dtype == q_pos.dtype == torch.int64
+    assert span >= width, (span, width)
+    return _attend(q, k_store, v_store, ring_base.contiguous(), ring_base, q_pos, scale, window, out, width, span)
+
+
+def _attend(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    rows: torch.Tensor,
+    key_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor | None,
+    width: int,
+    span: int,
+) -> torch.Tensor:
+    """The launches of both read sets: rows/key_pos [B, W] (span 0), or a ring (rows = ring bases, span > 0)."""
     batch, num_heads, head_dim = q.shape
-    width = rows.shape[1]
     num_kv_heads = k_store.shape[1]
     assert supported(k_store), f"k_store {k_store.dtype} {tuple(k_store.shape)}: plain float, D a power of 2 <= 256"
     assert v_store.dtype == k_store.dtype and v_store.shape == k_store.shape, (v_store.shape, k_store.shape)
     assert k_store.shape[2] == head_dim and num_heads % num_kv_heads == 0, (q.shape, k_store.shape)
     assert q.stride(2) == 1 and k_store.stride(2) == 1 and v_store.stride(2) == 1
-    assert rows.shape == key_pos.shape == (batch, width) and q_pos.shape == (batch,), (rows.shape, key_pos.shape)
-    assert rows.dtype == key_pos.dtype == q_pos.dtype == torch.int64
+    assert q_pos.shape == (batch,) and q_pos.dtype == torch.int64, (q_pos.shape, q_pos.dtype)
     assert width % PAGE_ROWS == 0 and width > 0, f"W {width} is not a positive multiple of {PAGE_ROWS}"
     if out is None:
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -319,16 +389,16 @@ def decode_attention(
         m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         l_sum = torch.empty_like(m)
         acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    rows, key_pos, q_pos = rows.contiguous(), key_pos.contiguous(), q_pos.contiguous()
+    q_pos = q_pos.contiguous()
     # fp32 dots (IEEE) for fp32 or mixed inputs, and interpreted: the interpreter's tl.dot is wrong on bf16
     dot_fp32 = k_store.dtype == torch.float32 or q.dtype != k_store.dtype or INTERPRETED
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out,
-        width, per_split, num_splits, window if window is not None else 0, scale * LOG2E,
+        width, per_split, num_splits, window if window is not None else 0, max(span, 1), scale * LOG2E,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
-        HAS_WINDOW=window is not None, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
+        HAS_WINDOW=window is not None, RING=span > 0, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
         SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, num_warps=8 if dot_fp32 else 4, num_stages=2,
     )  # fmt: skip
     if not direct:
