@@ -138,11 +138,10 @@ class _GraphAttention:
             assert window is not None and self.pool.local is not None
             local = self.pool.local
             self.pool.write(layer_idx, self.ring_write, k, v)
-            plain = self.pool.plain_kv(layer_idx)
-            kernels = self.kernels
-            if kernels is not None and plain is not None and kernels.supported(plain[0]) and local.window % 64 == 0:
-                return kernels.decode_attention_ring(  # the window before each token, rows by arithmetic
-                    q, plain[0], plain[1], bufs.ring_base, local.span, bufs.positions, scale, local.window, window
+            stores = self._fused_stores(layer_idx, local.window)
+            if stores is not None:  # the window before each token, rows by arithmetic
+                return self.kernels.decode_attention_ring(  # type: ignore[union-attr]
+                    q, *stores, bufs.ring_base, local.span, bufs.positions, scale, local.window, window
                 )
             if self._ring_read is None:  # the same window for every sliding layer of the step
                 self._ring_read = ring_read_set(bufs.ring_base, local.span, bufs.positions, local.window)
@@ -169,10 +168,9 @@ class _GraphAttention:
         """q [B, Hq, D] over the pool rows [B, W] of the layer at positions key_pos [B, W]: the fused kernel
         where it applies, else gathered rows and SDPA with the additive mask of (read_set, window)."""
         batch, width = rows.shape
-        plain = self.pool.plain_kv(layer_idx)
-        kernels = self.kernels
-        if kernels is not None and plain is not None and kernels.supported(plain[0]) and width % 64 == 0:
-            return kernels.decode_attention(q, plain[0], plain[1], rows, key_pos, self.bufs.positions, scale, window)
+        stores = self._fused_stores(layer_idx, width)
+        if stores is not None:
+            return self.kernels.decode_attention(q, *stores, rows, key_pos, self.bufs.positions, scale, window)  # type: ignore[union-attr]
         num_heads, head_dim = q.shape[1], q.shape[2]
         k_w, v_w = self.pool.gather(layer_idx, rows.reshape(-1), q.dtype)  # [B * W, Hkv, D]
         k_w = k_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, W, D]
@@ -181,6 +179,14 @@ class _GraphAttention:
         mask = self._mask(read_set, key_pos, window)
         out = F.scaled_dot_product_attention(q_g, k_w, v_w, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
         return out.reshape(batch, num_heads, head_dim)
+
+    def _fused_stores(self, layer_idx: int, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's K and V stores when the flash-decoding kernel reads `width` rows of it (the Triton
+        tier, a plain-format layer, whole pages); None: gather + SDPA."""
+        kernels, plain = self.kernels, self.pool.plain_kv(layer_idx)
+        if kernels is None or plain is None or not kernels.supported(plain[0]) or width % kernels.PAGE_ROWS:
+            return None
+        return plain
 
     def _mask(self, read_set: str, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
         """Causal (and sliding-window) additive mask of the keys at key_pos [B, W], once per step."""

@@ -151,8 +151,10 @@ class RingManager:
         self.restored_bytes = 0
         self.num_demotions = 0
         self.num_prefetched = 0  # restored pages whose bytes were fetched ahead of their step
-        self._prefetcher: ThreadPoolExecutor | None = None  # one thread: host fetches off the step's path
-        self._stream: torch.cuda.Stream | None = None  # the prefetcher's copies (CUDA)
+        # one thread fetches re-selected pages off the step's path, on its own CUDA stream
+        prefetching = limits.prefetch_steps > 0 and host is not None
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvmem-prefetch") if prefetching else None
+        self._stream = torch.cuda.Stream(pool.device) if prefetching and pool.device.type == "cuda" else None
         self._audit = Path(limits.audit_dir) if limits.audit_dir else None
         if self._audit is not None:
             self._audit.mkdir(parents=True, exist_ok=True)
@@ -328,7 +330,7 @@ class RingManager:
             for p in sorted(chosen)
             if p < len(page_hashes) and slot_ids[p] == NOT_RESIDENT and self.slots.lookup(page_hashes[p]) is None
         ]
-        fetch = self._prefetch(wanted) if wanted and self.host is not None else None
+        fetch = self._prefetch(wanted) if wanted and self._prefetcher is not None else None
         ring.pending = PendingEvidence(chosen, ring.decode_steps + self.limits.prefetch_steps, fetch)
 
     def apply_pending(self, ring: SeqRing, force: bool = False) -> None:
@@ -345,19 +347,15 @@ class RingManager:
         try:
             hashes, data = pending.fetch.result()
         except Exception as exc:  # noqa: BLE001 - any failure: the restore path fetches (or finds them lost)
-            logger.warning("prefetch of %d page(s) failed (%s); restoring them in the step", len(ring.evidence), exc)
+            logger.warning("prefetch of a re-selection's host pages failed (%s); restoring them in the step", exc)
             return
         if data.device.type == "cuda":
             data.record_stream(torch.cuda.current_stream(data.device))  # filled on the prefetcher's stream
         ring.prefetched = dict(zip(hashes, data.unbind(0), strict=True))
 
     def _prefetch(self, page_hashes: list[bytes]) -> Future[tuple[list[bytes], torch.Tensor]]:
-        assert self.host is not None
+        assert self.host is not None and self._prefetcher is not None
         host, device = self.host, self.pool.device
-        if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-prefetch")
-            if device.type == "cuda":
-                self._stream = torch.cuda.Stream(device)
 
         def fetch() -> tuple[list[bytes], torch.Tensor]:
             if self._stream is None:

@@ -214,7 +214,6 @@ class Scheduler:
         table = seq.page_table
         if seq.ring is not None and self.ring is not None:
             self.ring.apply_pending(seq.ring)  # a decode re-selection whose step has come
-        if seq.ring is not None and self.ring is not None:
             # a decode step inside an already resident page, with the same evidence and skeleton as the
             # step before: the plan (and so the resident set) is the same; skip walking the page table
             key = (table, -(-end // self.page_size), frozenset(seq.ring.evidence), frozenset(seq.ring.skeleton))

@@ -98,19 +98,13 @@ def _gelu_tanh_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
     n = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
-    g = tl.load(gate_up_ptr + n * 2 * inter + offs, mask=mask, other=0.0)
-    u = tl.load(gate_up_ptr + n * 2 * inter + inter + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + n * inter + offs, gelu_tanh_mul_values(g, u, out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def gelu_tanh_mul_values(g, u, out_ty: tl.constexpr):
-    """gelu_tanh(g) * u in out_ty, rounded to out_ty after the GELU."""
-    g = g.to(tl.float32)
+    g = tl.load(gate_up_ptr + n * 2 * inter + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_ptr + n * 2 * inter + inter + offs, mask=mask, other=0.0).to(tl.float32)
     inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
     tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+    out_ty = out_ptr.dtype.element_ty
     act = (0.5 * g * (1.0 + tanh)).to(out_ty).to(tl.float32)
-    return (act * u.to(tl.float32)).to(out_ty)
+    tl.store(out_ptr + n * inter + offs, (act * u).to(out_ty), mask=mask)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
