@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from services.common.tokenizer import Tokenizer
@@ -22,6 +23,13 @@ from services.engine.sampling import SamplingParams
 from services.engine.sequence import Chunk, Done, Event, Failed
 from services.engine.write_through import WriteThrough
 from services.kvstore.client import KVStoreClient
+
+
+def device_or_skip(where: str) -> torch.device:
+    """torch.device(where); skips the test when `where` is "cuda" and this machine has no CUDA device."""
+    if where == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device(where)
 
 
 def tiny_model(vocab_size: int, seed: int = 0, architecture: str = "llama") -> LlamaForCausalLM:

@@ -16,16 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.attention import PAD_POS
+from tests.engine.helpers import device_or_skip
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-
-CUDA = torch.cuda.is_available()
-
-
-def _device(where: str) -> torch.device:
-    if where == "cuda" and not CUDA:
-        pytest.skip("no CUDA device")
-    return torch.device(where)
 
 
 class Inputs(NamedTuple):
@@ -184,13 +177,13 @@ def test_kernel_matches_reference_cpu(
 def test_kernel_matches_reference_cuda(
     batch: int, heads: tuple[int, int], head_dim: int, width: int, dtype: torch.dtype, window: int | None
 ) -> None:
-    _check(_inputs(batch, heads, head_dim, width, dtype, _device("cuda"), seed=width + batch), window)
+    _check(_inputs(batch, heads, head_dim, width, dtype, device_or_skip("cuda"), seed=width + batch), window)
 
 
 def _only_one_visible(where: str, last: bool) -> Inputs:
     """Positions 0..W-1 in order; the query sees only the last row (window 1) or only the first (q_pos 0):
     every other split is fully masked."""
-    x = _inputs(2, (4, 1), 64, 256, torch.float32, _device(where), seed=11)
+    x = _inputs(2, (4, 1), 64, 256, torch.float32, device_or_skip(where), seed=11)
     width = x.rows.shape[1]
     key_pos = torch.arange(width, device=x.rows.device).expand(2, width).contiguous()
     q_pos = torch.full((2,), width - 1 if last else 0, dtype=torch.int64, device=x.rows.device)
@@ -218,7 +211,7 @@ def test_partial_last_split_and_direct_path(where: str, monkeypatch: pytest.Monk
     monkeypatch.setattr(dat, "TARGET_PROGRAMS", 1)
     assert dat.split_rows(2, 2, 1216) == 448 and dat.split_rows(2, 2, 256) == 256
     for width in (1216, 256):
-        _check(_inputs(1, (4, 1), 64, width, torch.float32, _device(where), seed=width), window=None)
+        _check(_inputs(1, (4, 1), 64, width, torch.float32, device_or_skip(where), seed=width), window=None)
 
 
 def test_many_splits_are_merged() -> None:
@@ -232,7 +225,7 @@ def test_many_splits_are_merged() -> None:
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_strided_query_and_given_output(where: str) -> None:
     """q as the query heads of a fused [B, Hq + 2 Hkv, D] projection; the result lands in `out` (a view)."""
-    device = _device(where)
+    device = device_or_skip(where)
     x = _inputs(2, (8, 2), 64, 128, torch.float32, device, seed=9)
     fused = torch.randn(2, 12, 64, device=device)
     fused[:, :8] = x.q
@@ -277,7 +270,7 @@ def test_wrapper_refuses_bad_shapes() -> None:
 def test_write_kv_matches_index_copy(where: str, dtype: torch.dtype) -> None:
     from services.engine.kernels.decode_attention_triton import write_kv, write_kv_reference
 
-    device = _device(where)
+    device = device_or_skip(where)
     g = torch.Generator().manual_seed(2)
     stores = [torch.randn(40, 2, 64, generator=g).to(device, dtype) for _ in range(2)]
     want = [s.clone() for s in stores]
@@ -298,7 +291,7 @@ def test_captured_in_a_cuda_graph(window: int | None) -> None:
     """Capture once on static buffers, change every input in place, replay: the result follows the inputs."""
     from services.engine.kernels.decode_attention_triton import decode_attention, decode_attention_reference
 
-    device = _device("cuda")
+    device = device_or_skip("cuda")
     static = _inputs(3, (4, 1), 256, 1024, torch.bfloat16, device, seed=1)
     out = torch.empty_like(static.q)
     decode_attention(*static, window=window, out=out)  # compile outside the capture
@@ -322,12 +315,12 @@ def test_new_widths_and_batches_compile_nothing() -> None:
     (one per loop step size, block_rows: windows up to SHORT_WIDTH and longer ones)."""
     from services.engine.kernels import decode_attention_triton as dat
 
-    device = _device("cuda")
+    device = device_or_skip("cuda")
     for width in (512, 2048):
         _check(_inputs(1, (4, 1), 256, width, torch.bfloat16, device, seed=1), window=None)
     caches = [
-        dat._split_kernel.device_caches[torch.cuda.current_device()][0],
-        dat._merge_kernel.device_caches[torch.cuda.current_device()][0],
+        dat._split_kernel.device_caches[torch.cuda.currentdevice_or_skip()][0],
+        dat._merge_kernel.device_caches[torch.cuda.currentdevice_or_skip()][0],
     ]
     before = [len(c) for c in caches]
     for batch, width in ((1, 1024), (3, 256), (3, 2048), (2, 4096), (5, 1088)):
@@ -341,7 +334,7 @@ def test_new_widths_and_batches_compile_nothing() -> None:
 def _ring_case(where: str, dtype: torch.dtype, batch: int, width: int, span: int) -> tuple:
     """Rings of `span` rows for 3 sequences in one pool (ring i at row i * span); tokens early in their
     sequence (their window reaches before position 0), in the middle, and far on (the window wraps)."""
-    device = _device(where)
+    device = device_or_skip(where)
     g = torch.Generator().manual_seed(width + span)
     num_rings = batch + 1
     k_store = torch.randn(num_rings * span, 1, 64, generator=g).to(device, dtype)

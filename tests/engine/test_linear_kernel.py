@@ -10,9 +10,9 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+from tests.engine.helpers import device_or_skip
 
-CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
 def _params() -> list[object]:
@@ -28,9 +28,7 @@ def test_matches_f_linear(where: str, dtype: torch.dtype, m: int, n: int, k: int
     """Odd N and K (masked tails), several rows, a bias; x with a row stride wider than K."""
     from services.engine.kernels.linear_triton import linear, linear_reference
 
-    if where == "cuda" and not CUDA:
-        pytest.skip("no CUDA device")
-    device = torch.device(where)
+    device = device_or_skip(where)
     g = torch.Generator().manual_seed(m * 1000 + n)
     wide = torch.randn(m, k + 8, generator=g).to(device=device, dtype=dtype)
     x = wide[:, :k]  # row stride k + 8

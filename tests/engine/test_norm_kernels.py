@@ -16,17 +16,9 @@ from services.engine.attention import ContiguousKV
 from services.engine.models.config import ModelConfig
 from services.engine.models.gemma3 import GemmaRMSNorm
 from services.engine.models.llama import RMSNorm, RotaryEmbedding, apply_rope
-from tests.engine.helpers import tiny_gemma
+from tests.engine.helpers import device_or_skip, tiny_gemma
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-
-CUDA = torch.cuda.is_available()
-
-
-def _device(where: str) -> torch.device:
-    if where == "cuda" and not CUDA:
-        pytest.skip("no CUDA device")
-    return torch.device(where)
 
 
 def _params(where: str) -> list[object]:
@@ -39,7 +31,7 @@ def _params(where: str) -> list[object]:
 def test_rms_norm_matches_the_module(where: str, dtype: torch.dtype, gemma: bool) -> None:
     from services.engine.kernels import norm_triton
 
-    device = _device(where)
+    device = device_or_skip(where)
     torch.manual_seed(0)
     dim = 48  # not a power of two: the block is masked
     module = (GemmaRMSNorm(dim, 1e-6) if gemma else RMSNorm(dim, 1e-6)).to(device=device, dtype=dtype)
@@ -61,7 +53,7 @@ def test_rms_norm_matches_the_module(where: str, dtype: torch.dtype, gemma: bool
 def test_qk_norm_rope_matches_norms_then_rope(where: str, dtype: torch.dtype, gemma: bool) -> None:
     from services.engine.kernels import norm_triton
 
-    device = _device(where)
+    device = device_or_skip(where)
     torch.manual_seed(1)
     hq, hkv, dim, n = 4, 2, 32, 6
     norm = GemmaRMSNorm if gemma else RMSNorm
@@ -131,7 +123,7 @@ def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
 def test_rms_norm_with_residual_matches_add_after_norm(where: str, dtype: torch.dtype) -> None:
     from services.engine.kernels import norm_triton
 
-    device = _device(where)
+    device = device_or_skip(where)
     torch.manual_seed(2)
     module = GemmaRMSNorm(40, 1e-6).to(device, dtype)
     with torch.no_grad():
@@ -149,7 +141,7 @@ def test_rms_norm_with_residual_matches_add_after_norm(where: str, dtype: torch.
 def test_add_rms_norm_matches_add_then_the_next_norm(where: str, dtype: torch.dtype, gemma: bool) -> None:
     from services.engine.kernels import norm_triton
 
-    device = _device(where)
+    device = device_or_skip(where)
     torch.manual_seed(3)
     cls = GemmaRMSNorm if gemma else RMSNorm
     first, second = cls(40, 1e-6).to(device, dtype), cls(40, 1e-6).to(device, dtype)
@@ -173,7 +165,7 @@ def test_gelu_tanh_mul_matches_gelu_then_multiply(where: str, dtype: torch.dtype
 
     from services.engine.kernels import norm_triton
 
-    device = _device(where)
+    device = device_or_skip(where)
     torch.manual_seed(3)
     inter = 1100  # two blocks, the second partial
     gate_up = (torch.randn(3, 2 * inter, device=device) * 2).to(dtype)
