@@ -319,8 +319,8 @@ def test_new_widths_and_batches_compile_nothing() -> None:
     for width in (512, 2048):
         _check(_inputs(1, (4, 1), 256, width, torch.bfloat16, device, seed=1), window=None)
     caches = [
-        dat._split_kernel.device_caches[torch.cuda.currentdevice_or_skip()][0],
-        dat._merge_kernel.device_caches[torch.cuda.currentdevice_or_skip()][0],
+        dat._split_kernel.device_caches[torch.cuda.current_device()][0],
+        dat._merge_kernel.device_caches[torch.cuda.current_device()][0],
     ]
     before = [len(c) for c in caches]
     for batch, width in ((1, 1024), (3, 256), (3, 2048), (2, 4096), (5, 1088)):
