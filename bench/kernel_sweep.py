@@ -1,8 +1,8 @@
 """The configuration sweeps behind two kernel choices (CUDA; printed, raw in bench/results/kernel_sweep_h200.txt).
 
-    PYTHONPATH=. python3 bench/kernel_sweep.py
+    PYTHONPATH=. python3 bench/kernel_sweep.py [--only linear|attention]
 
-- kernels/linear_triton.py `config`: every (BLOCK_N, BLOCK_K, num_warps, num_stages) of a grid at Gemma 3 270M's
+- kernels/linear_triton.py `config`: every (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) at Gemma 3 270M's
   four projections, batch 1 and 8, against F.linear (cuBLAS); the four best and the heuristic's time per shape.
 - kernels/decode_attention_triton.py `block_rows` / split size: rows per loop step and per split, at windows of
   512 (a sliding layer's ring), 2K and 4K rows, batch 1, Gemma's 4 query heads over 1 KV head of 256.
@@ -52,7 +52,7 @@ def per_call_us(fn: Callable[[], object], reps: int = 50) -> float:
 
 
 def linear_sweep(dev: torch.device) -> None:
-    configs = list(itertools.product([16, 32, 64], [64, 128, 256], [4, 8], [2, 4, 6]))
+    configs = list(itertools.product([16, 32], [64, 128, 256], [4], [4, 6], [1, 2, 4, 8]))  # 4 warps won every shape
     for m in (1, 8):
         for n, k in SHAPES:
             ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(LAYERS)]
@@ -101,9 +101,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("kernel_sweep.py needs a CUDA device")
         return 2
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None  # linear or attention
     dev = torch.device("cuda")
-    linear_sweep(dev)
-    attention_sweep(dev)
+    if only in (None, "linear"):
+        linear_sweep(dev)
+    if only in (None, "attention"):
+        attention_sweep(dev)
     return 0
 
 

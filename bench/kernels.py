@@ -33,7 +33,8 @@ Both run as CUDA-graph replays on CUDA (as decode steps do), so launch overhead 
 `err` is the largest difference from the torch path relative to the largest output value.
 
 The third table (CUDA only) is Gemma 3 270M's four projections of a decode step over all 18 layers:
-cuBLAS (F.linear) vs kernels/linear_triton.py, with the weight bandwidth the kernel reaches.
+cuBLAS (F.linear) vs kernels/linear_triton.py, with the weight bandwidth the kernel reaches; its gated row
+is the gate/up projection with GELU(gate) * up as its epilogue against the two launches it replaces.
 """
 
 from __future__ import annotations
@@ -317,6 +318,30 @@ def _linear_table(device: torch.device, batches: list[int], reps: int) -> None:
             gbs = layers * n * k * 2 / (t * 1e-6) / 1e9
             print(f"| {name} | {n} x {k} | {batch} | {ref:.0f} | {t:.0f} | {ref / t:.2f} | {err:.1e} | {gbs:.0f} |",
                   flush=True)  # fmt: skip
+            if name == "gate_up":  # the gated epilogue vs the two launches it replaces (Triton linear + GELU kernel)
+                _gated_row(device, x, weights, n, k, batch, reps)
+
+
+def _gated_row(
+    device: torch.device, x: torch.Tensor, weights: list[torch.Tensor], n: int, k: int, batch: int, reps: int
+) -> None:
+    from services.engine.kernels import linear_triton, norm_triton
+
+    def two_launches() -> None:
+        for w in weights:
+            norm_triton.gelu_tanh_mul(linear_triton.linear(x, w))
+
+    def gated() -> None:
+        for w in weights:
+            linear_triton.linear_gated(x, w, "gelu_tanh")
+
+    ref = _timer(device, _graphed(device, two_launches), reps)
+    t = _timer(device, _graphed(device, gated), reps)
+    want = linear_triton.linear_gated_reference(x, weights[0], "gelu_tanh").float()
+    err = float((linear_triton.linear_gated(x, weights[0], "gelu_tanh").float() - want).abs().max() / want.abs().max())
+    gbs = len(weights) * n * k * 2 / (t * 1e-6) / 1e9
+    print(f"| gate_up + GELU * up (vs Triton linear + GELU kernel) | {n} x {k} | {batch} | {ref:.0f} | {t:.0f} | "
+          f"{ref / t:.2f} | {err:.1e} | {gbs:.0f} |", flush=True)  # fmt: skip
 
 
 def _backends(device: torch.device, wanted: list[str]) -> dict[str, object]:

@@ -53,5 +53,61 @@ def test_supported_takes_decode_batches_only() -> None:
     assert not supported(torch.zeros(0, 32), w)
     with pytest.raises(ValueError, match="linear kernel"):
         linear(torch.zeros(MAX_ROWS + 1, 32), w)
-    # enough programs for a skinny product: 640 outputs in blocks of 16, 4,096 in blocks of 32
-    assert config(640, 2048)[0] == 16 and config(4096, 640)[0] == 32 and config(16384, 640)[0] == 64
+    # enough programs for a skinny product: 640 outputs in blocks of 16, 4,096 in blocks of 32; a long K over
+    # few columns splits in programs of 256 (at most 8), a short K or many columns do not
+    assert [config(n, k)[0] for n, k in ((640, 1024), (4096, 640), (16384, 640))] == [16, 32, 64]
+    splits = [config(n, k)[4] for n, k in ((640, 2048), (640, 1024), (1536, 640), (4096, 2048), (640, 8192))]
+    assert splits == [8, 1, 1, 1, 8]
+
+
+@pytest.mark.parametrize(("where", "dtype"), _params())
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+def test_gated_matches_projection_then_activation(where: str, dtype: torch.dtype, activation: str) -> None:
+    """[gate | up] in one launch with act(gate) * up as the epilogue: odd I and K, several rows."""
+    from services.engine.kernels.linear_triton import linear_gated, linear_gated_reference
+
+    device = device_or_skip(where)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 72, generator=g).to(device=device, dtype=dtype)
+    weight = (torch.randn(2 * 88, 72, generator=g) / 72**0.5).to(device=device, dtype=dtype)
+    got = linear_gated(x, weight, activation)
+    want = linear_gated_reference(x, weight, activation)
+    assert got.shape == (5, 88) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="gated"):
+        linear_gated(x, weight, "relu")
+
+
+@pytest.mark.parametrize(("where", "dtype"), _params())
+@pytest.mark.parametrize(("split_k", "k"), [(2, 512), (4, 1000), (4, 600)])
+def test_split_k_sums_its_partials(where: str, dtype: torch.dtype, split_k: int, k: int) -> None:
+    """K over 2 or 4 programs per column block, the last to arrive summing (kernels/arrivals.py), twice in a
+    row (the counters reset); K 600 in four splits of 256 is three (the split count follows K); a bias."""
+    from services.engine.kernels import arrivals
+    from services.engine.kernels.linear_triton import linear, linear_reference
+
+    device = device_or_skip(where)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(3, k, generator=g).to(device=device, dtype=dtype)
+    weight = (torch.randn(80, k, generator=g) / k**0.5).to(device=device, dtype=dtype)
+    b = torch.randn(80, generator=g).to(device=device, dtype=dtype)
+    want = linear_reference(x.float(), weight.float(), b.float())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for _ in range(2):
+        got = linear(x, weight, b, cfg=(16, 128 if k < 1000 else 64, 4, 2, split_k))
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    counts = arrivals.counters(device, 5)
+    assert counts is not None and not counts.any()
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_programmatic_dependent_launch_follows_the_device(where: str) -> None:
+    """PDL (kernels/pdl.py) only compiled on sm_90 and newer, and the kernel tier says so at start-up."""
+    from services.engine import kernels
+    from services.engine.kernels import pdl
+
+    device = device_or_skip(where)
+    want = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    assert pdl.enabled(device) == want
+    assert kernels.select_tier(device).pdl == want

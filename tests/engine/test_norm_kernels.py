@@ -98,23 +98,30 @@ def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
         monkeypatch.setattr(norm_triton, name, counted)
     from services.engine.kernels import linear_triton
 
-    real_linear = linear_triton.linear
+    for name in ("linear", "linear_gated"):
+        real = getattr(linear_triton, name)
 
-    def counted_linear(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls["linear"] = calls.get("linear", 0) + 1
-        return real_linear(*args, **kwargs)
+        def counted(*args, _real=real, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kwargs)
 
-    monkeypatch.setattr(linear_triton, "linear", counted_linear)
+        monkeypatch.setattr(linear_triton, name, counted)
     model = tiny_gemma(64)
-    ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(12)
+    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(20)
     with torch.no_grad():
-        fused = model.logits(model(ids, pos, ContiguousKV(6)))
+        fused = model.logits(model(ids[:12], pos[:12], ContiguousKV(6)))
         # the first input norm; per layer two post-norms, each with its residual add and the next norm (the
-        # pre-feedforward norm, the next layer's input norm or the final norm); q/k; GELU; four projections
-        assert calls == {"rms_norm": 1, "add_rms_norm": 6 * 2, "qk_norm_rope": 6, "gelu_tanh_mul": 6, "linear": 24}
+        # pre-feedforward norm, the next layer's input norm or the final norm); q/k; three projections and
+        # the gated one (GELU and product in its epilogue) for a decode-sized input
+        assert calls == {"rms_norm": 1, "add_rms_norm": 6 * 2, "qk_norm_rope": 6, "linear_gated": 6, "linear": 18}
+        calls.clear()
+        longer = model.logits(model(ids, pos, ContiguousKV(6)))  # 20 rows: torch projections, GELU kernel
+        assert calls == {"rms_norm": 1, "add_rms_norm": 6 * 2, "qk_norm_rope": 6, "gelu_tanh_mul": 6}
         kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
-        plain = model.logits(model(ids, pos, ContiguousKV(6)))
+        plain = model.logits(model(ids[:12], pos[:12], ContiguousKV(6)))
+        plain_longer = model.logits(model(ids, pos, ContiguousKV(6)))
+    torch.testing.assert_close(longer, plain_longer, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
     assert not torch.equal(fused, torch.zeros_like(fused))
 

@@ -33,6 +33,7 @@ class KernelTier:
     device: str  # e.g. "cuda:0 NVIDIA H200 (sm_90)" or "cpu"
     capability: tuple[int, int] | None  # CUDA compute capability; None on the CPU
     native_fp8: bool  # fp8 e4m3 conversions in hardware (sm_89 and newer)
+    pdl: bool = False  # Triton kernels launch with programmatic dependent launch (kernels/pdl.py: sm_90 and newer)
 
     @property
     def interpreted(self) -> bool:
@@ -70,8 +71,12 @@ def select_tier(device: torch.device, requested: str = "auto") -> KernelTier:
             raise KernelUnavailableError("triton kernels on the CPU need TRITON_INTERPRET=1 (tests only)")
     if backend in ("triton", "cupy") and not _available(backend):
         raise KernelUnavailableError(f"kernel set {backend!r} requested but the package is not installed")
-    tier = KernelTier(backend, name, cap, native_fp8)
-    logger.info("page kernels: %s on %s (requested %s)", backend, name, requested)
+    pdl_on = False
+    if backend == "triton" and device.type == "cuda":
+        pdl_on = importlib.import_module(f"{__name__}.pdl").enabled(device)
+    tier = KernelTier(backend, name, cap, native_fp8, pdl_on)
+    logger.info("page kernels: %s on %s (requested %s), programmatic dependent launch %s", backend, name, requested,
+                "on" if pdl_on else "off")  # fmt: skip
     return tier
 
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from services.engine.kernels import pdl
 from services.engine.local_ring import ring_read_set
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,9 @@ def _split_kernel(
     DOT_FP32: tl.constexpr,
     INTERPRETED: tl.constexpr,
     SPLIT_BLOCKS: tl.constexpr,  # rows_per_split // BLOCK_N, interpreted only (0 when compiled)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.start(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -207,7 +210,7 @@ def _split_kernel(
         if RING:  # rows from arithmetic: no index load before the K/V loads
             pos = q_pos - width + 1 + n
             ok = in_w & (pos >= 0)
-            row = base + tl.where(ok, pos, 0) % span
+            row = base + tl.where(ok, pos, 0).to(tl.int32) % span  # int32: a 64-bit modulo is a long sequence
         else:
             pos = tl.load(key_pos_ptr + b * width + n, mask=in_w, other=0)
             ok = in_w & (pos <= q_pos)
@@ -256,9 +259,11 @@ def _merge_kernel(
     BLOCK_S: tl.constexpr,
     INTERPRETED: tl.constexpr,
     SPLITS: tl.constexpr,  # num_splits, interpreted only (0 when compiled)
+    PDL: tl.constexpr,
 ):
     """out = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s, M the largest m_s (a fully masked
     split has m = -inf and contributes nothing)."""
+    pdl.start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     base = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits
@@ -284,9 +289,10 @@ def _merge_kernel(
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, rows_ptr, k_store_ptr, v_store_ptr, stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_sr, stride_sh, stride_tr, stride_th, D: tl.constexpr,
+    stride_sr, stride_sh, stride_tr, stride_th, D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, KV head): its K and V rows into the two stores at rows[token]."""
+    pdl.start(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = tl.load(rows_ptr + n)
@@ -399,12 +405,14 @@ def _attend(
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, RING=span > 0, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
-        SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, num_warps=8 if dot_fp32 else 4, num_stages=2,
+        SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, PDL=pdl.enabled(q.device),
+        num_warps=8 if dot_fp32 else 4, num_stages=2, **pdl.launch_options(q.device),
     )  # fmt: skip
     if not direct:
         _merge_kernel[(batch, num_heads)](
             m, l_sum, acc, out, num_splits, out.stride(0), out.stride(1), D=head_dim, BLOCK_S=MERGE_BLOCK_S,
-            INTERPRETED=INTERPRETED, SPLITS=num_splits if INTERPRETED else 0, num_warps=4,
+            INTERPRETED=INTERPRETED, SPLITS=num_splits if INTERPRETED else 0, PDL=pdl.enabled(q.device), num_warps=4,
+            **pdl.launch_options(q.device),
         )  # fmt: skip
     return out
 
@@ -424,4 +432,5 @@ def write_kv(
     _write_kv_kernel[(num_tokens, num_kv_heads)](
         k, v, rows.contiguous(), k_store, v_store, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1), D=head_dim,
+        PDL=pdl.enabled(k.device), **pdl.launch_options(k.device),
     )  # fmt: skip

@@ -5,12 +5,21 @@ cuBLAS kernels torch picks on an H200 take 4-5 us for a 640 x 4096 bf16 matrix (
 weight reads: launch and tail dominate). This kernel gives each program BLOCK_N output columns and
 walks K in BLOCK_K steps (software-pipelined loads, `num_stages`), all M rows at once with one
 tl.dot per step (rows padded to 16, fp32 accumulation): every weight byte is read exactly once, by
-as many programs as the columns allow. (Computing a gated MLP's GELU(gate) * up inside the down
-projection's loads instead of a separate launch was measured 5x slower on the H200: 40 vs 8 us a layer.)
+as many programs as the columns allow.
+
+Two variants share the kernel:
+- split-K: a matrix with few column blocks (640 outputs: 40 programs of 16 columns on a 132-SM device)
+  also splits K over SPLIT_K programs; each stores its fp32 partial and the last of a column block to
+  finish (kernels/arrivals.py) sums them and writes the output, in the same launch.
+- gated (`linear_gated`): a gated MLP's fused [gate | up] weight [2I, K] -> act(x W_gate^T) * (x W_up^T)
+  [M, I], each program reading its columns' gate and up rows: the activation and the product are the
+  projection's epilogue instead of a launch of their own. (Computing them inside the down projection's
+  loads instead was measured 5x slower on the H200: 40 vs 8 us a layer.)
 
 The configuration (`config`) is a function of (N, K) only, so a CUDA graph captures the launch and a
-new batch size compiles nothing (M is a runtime int). The torch reference is `linear_reference`
-(F.linear); `supported` says which calls take the kernel (the caller keeps torch otherwise).
+new batch size compiles nothing (M is a runtime int). The torch references are `linear_reference`
+(F.linear) and `linear_gated_reference`; `supported` says which calls take the kernel (the caller keeps
+torch otherwise).
 """
 
 from __future__ import annotations
@@ -21,14 +30,29 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from services.engine.kernels import arrivals, pdl
+from services.engine.kernels.norm_triton import gelu_tanh
+
 MAX_ROWS = 16  # rows of x the kernel takes (tl.dot's minimum M): decode batches
 MAX_COLS = 65_536  # larger outputs (a vocabulary head) stay on cuBLAS, which streams them at full bandwidth
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ACTIVATIONS = {"gelu_tanh": 1, "silu": 2}  # the gated epilogue's activations (ACT constexpr)
+SPLIT_MIN_K = 2048  # split K from this length (when the columns give few programs)
+SPLIT_ROWS = 256  # K per split program
+MAX_SPLIT_K = 8
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T + bias [N] -> [M, N] in x's dtype."""
     return F.linear(x, weight, bias)
+
+
+def linear_gated_reference(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    """x [M, K], weight [2I, K] = [gate | up] -> act(gate) * up [M, I] in x's dtype, rounded as the
+    unfused torch code rounds (the projection, then the activation, then the product)."""
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
+    return act * up
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -47,57 +71,107 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [N, K] weight: enough programs to spread the
-    weight over the device's SMs (columns per program halved down to 16 until there are ~128); few
-    programs take long K steps, and a long K more stages in flight. Chosen from a sweep of 108 configs on
-    the H200 at Gemma 3 270M's four projections (bench/RESULTS.md): within 4% of the best config of each."""
+def config(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for an [N, K] weight, from sweeps on the H200 at
+    Gemma 3 270M's four projections (bench/kernel_sweep.py, bench/RESULTS.md). Columns per program are
+    halved down to 16 until there are ~128 programs; few programs take long K steps, and a long K more
+    stages in flight. A long K over few columns (K >= SPLIT_MIN_K, under 64 blocks of 32: the down
+    projection, 640 x 2048) is split over programs of SPLIT_ROWS each: 5.6 -> 4.8 us a layer; a split
+    measured slower at K 1024 (o: 3.3 -> 4.2 us) and at K 640."""
+    if k >= SPLIT_MIN_K and triton.cdiv(n, 32) < 64:
+        return 32, 128, 4, 4, min(MAX_SPLIT_K, k // SPLIT_ROWS)
     block_n = 64
     while block_n > 16 and triton.cdiv(n, block_n) < 128:
         block_n //= 2
     block_k = 256 if triton.cdiv(n, block_n) < 64 else 128
     block_k = min(block_k, max(32, triton.next_power_of_2(k)))
-    return block_n, block_k, 4, 6 if k >= 2048 else 4
+    return block_n, block_k, 4, 6 if k >= 2048 else 4, 1
 
 
 @triton.jit(do_not_specialize=["m"])
 def _linear_kernel(
     x_ptr,  # [M, K]
-    w_ptr,  # [N, K] contiguous
+    w_ptr,  # [N, K] contiguous ([2N, K] = [gate | up] when ACT)
     b_ptr,  # [N] (HAS_BIAS only)
     out_ptr,  # [M, N]
+    part_ptr,  # [SPLIT_K, M, N] fp32 partials (SPLIT_K > 1 only)
+    cnt_ptr,  # [>= column blocks] int32 arrival counters, zero between launches (SPLIT_K > 1 only)
     m,
     n_cols,
     k_dim,
+    k_split,  # K per split program, a multiple of BLOCK_K (specialised: a function of (N, K))
     stride_xm,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,  # 0: plain; ACTIVATIONS: act(gate) * up
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    K_LOOP: tl.constexpr,  # k_dim, interpreted only (0 when compiled)
+    K_LOOP: tl.constexpr,  # k_split, interpreted only (0 when compiled)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < n_cols
     row_ok = rows < m
+    k_start = tl.multiple_of(tl.program_id(1) * k_split, BLOCK_K)  # aligned K steps: vectorised weight loads
+    pdl.start(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K_LOOP if INTERPRETED else k_dim, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K_LOOP if INTERPRETED else k_split, BLOCK_K):
+        kk = k_start + k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_dim
         x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * k_dim + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # fmt: skip
-        if DOT_FP32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * k_dim + kk[None, :], mask=w_mask, other=0.0)
+        acc = _dot(x, w, acc, DOT_FP32)
+        if ACT != 0:
+            wu = tl.load(w_ptr + (cols[:, None] + n_cols).to(tl.int64) * k_dim + kk[None, :], mask=w_mask, other=0.0)
+            acc_up = _dot(x, wu, acc_up, DOT_FP32)
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        _epilogue(acc, acc_up, b_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, ACT)
+    else:
+        tile = rows[:, None] * n_cols + cols[None, :]
+        tl.store(part_ptr + tl.program_id(1) * m * n_cols + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial stored before the count (release below)
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last split of this column block: every partial is visible
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + s * m * n_cols + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _epilogue(total, acc_up, b_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, ACT)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # zero again for the next launch
+
+
+@triton.jit
+def _dot(x, w, acc, DOT_FP32: tl.constexpr):
+    """acc + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T in fp32."""
+    if DOT_FP32:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, b_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS: tl.constexpr,
+              ACT: tl.constexpr):  # fmt: skip
+    """The output tile: acc (+ bias), or act(gate) * up rounded where the unfused torch code rounds (the
+    projection, the activation, the product)."""
+    out_ty = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    o_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if ACT != 0:
+        g = acc.to(out_ty).to(tl.float32)
+        if ACT == 1:
+            a = gelu_tanh(g)
+        else:
+            a = g * tl.sigmoid(g)
+        acc = a.to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ty), mask=out_mask)
 
 
 # as in decode_attention_triton.py: interpreted, the loop bound is a constexpr (triton-lang/triton#9171)
@@ -109,19 +183,50 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    cfg: tuple[int, int, int, int] | None = None,
+    cfg: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """`linear_reference` in one launch -> [M, N] in x's dtype; `cfg` overrides `config` (benchmarks)."""
     if not supported(x, weight):
         raise ValueError(f"linear kernel: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    return _launch(x, weight, bias, weight.shape[0], 0, cfg or config(weight.shape[0], x.shape[1]))
+
+
+def linear_gated(
+    x: torch.Tensor, weight: torch.Tensor, activation: str, cfg: tuple[int, int, int, int, int] | None = None
+) -> torch.Tensor:
+    """`linear_gated_reference` in one launch: x [M, K], weight [2I, K] = [gate | up] -> [M, I]; activation
+    one of ACTIVATIONS. Never split over K (the gate and up halves already give the grid 2I / 16 columns)."""
+    if not supported(x, weight) or weight.shape[0] % 2 or activation not in ACTIVATIONS:
+        raise ValueError(f"gated linear kernel: x {tuple(x.shape)}, weight {tuple(weight.shape)}, {activation!r}")
+    inter = weight.shape[0] // 2
+    block_n, block_k, warps, stages, _ = cfg or config(inter, x.shape[1])
+    return _launch(x, weight, None, inter, ACTIVATIONS[activation], (block_n, block_k, warps, stages, 1))
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    n_cols: int,
+    act: int,
+    cfg: tuple[int, int, int, int, int],
+) -> torch.Tensor:
     m, k_dim = x.shape
-    n_cols = weight.shape[0]
-    block_n, block_k, warps, stages = cfg or config(n_cols, k_dim)
+    block_n, block_k, warps, stages, split_k = cfg
+    blocks = triton.cdiv(n_cols, block_n)
+    counts = arrivals.counters(x.device, blocks) if split_k > 1 else None
+    if counts is None:  # no counters (a first use inside a graph capture): one program per column block
+        split_k = 1
+    k_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k
+    split_k = triton.cdiv(k_dim, k_split)
     out = torch.empty(m, n_cols, dtype=x.dtype, device=x.device)
-    _linear_kernel[(triton.cdiv(n_cols, block_n),)](
-        x, weight, bias if bias is not None else out, out, m, n_cols, k_dim, x.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_FP32=x.dtype == torch.float32 or INTERPRETED, INTERPRETED=INTERPRETED, K_LOOP=k_dim if INTERPRETED else 0,
-        num_warps=warps, num_stages=stages,
+    part = torch.empty(split_k, m, n_cols, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    _linear_kernel[(blocks, split_k)](
+        x, weight, bias if bias is not None else out, out, part, counts if counts is not None else out,
+        m, n_cols, k_dim, k_split, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, ACT=act, SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_FP32=x.dtype == torch.float32 or INTERPRETED, INTERPRETED=INTERPRETED,
+        K_LOOP=k_split if INTERPRETED else 0, PDL=pdl.enabled(x.device), num_warps=warps, num_stages=stages,
+        **pdl.launch_options(x.device),
     )  # fmt: skip
     return out

@@ -14,15 +14,18 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, res_ptr, out_ptr, w2_ptr, out2_ptr, num_heads, dim, stride_n, stride_h, eps, w_offset,
-    GEMMA: tl.constexpr, RESIDUAL: tl.constexpr, NEXT: tl.constexpr, BLOCK_D: tl.constexpr,
+    GEMMA: tl.constexpr, RESIDUAL: tl.constexpr, NEXT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, head) row of D values. GEMMA: x * r * (w + w_offset) in fp32, then cast;
     else (Llama): cast(x * r) * w in the model dtype. RESIDUAL: res + that, added in the model dtype.
     NEXT: also the norm (weight w2) of the stored result, into out2 (the next norm of a Gemma layer)."""
+    pdl.start(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -67,7 +70,7 @@ def rms_norm(
         _rms_norm_kernel[(n, h)](
             x3, weight, residual if residual is not None else out, out, weight, out, h, d, x3.stride(0),
             x3.stride(1), eps, 1.0 if gemma else 0.0, GEMMA=gemma, RESIDUAL=residual is not None, NEXT=False,
-            BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_D=triton.next_power_of_2(d), PDL=pdl.enabled(x.device), **pdl.launch_options(x.device),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -86,24 +89,32 @@ def add_rms_norm(
     if n:
         _rms_norm_kernel[(n, 1)](
             x, weight, residual, out, next_weight, out2, 1, d, x.stride(0), 0, eps, 1.0 if gemma else 0.0,
-            GEMMA=gemma, RESIDUAL=True, NEXT=True, BLOCK_D=triton.next_power_of_2(d),
+            GEMMA=gemma, RESIDUAL=True, NEXT=True, BLOCK_D=triton.next_power_of_2(d), PDL=pdl.enabled(x.device),
+            **pdl.launch_options(x.device),
         )  # fmt: skip
     return out, out2
 
 
 @triton.jit
-def _gelu_tanh_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def gelu_tanh(g):
+    """F.gelu(g, approximate="tanh") in fp32: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))."""
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+    return 0.5 * g * (1.0 + tanh)
+
+
+@triton.jit
+def _gelu_tanh_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[n, i] = gelu_tanh(gate[n, i]) * up[n, i] for gate_up = [gate | up] rows of 2 * inter values;
     rounded to the model dtype after the GELU, as F.gelu then a multiply does."""
+    pdl.start(PDL)
     n = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     g = tl.load(gate_up_ptr + n * 2 * inter + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_up_ptr + n * 2 * inter + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
-    tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
     out_ty = out_ptr.dtype.element_ty
-    act = (0.5 * g * (1.0 + tanh)).to(out_ty).to(tl.float32)
+    act = gelu_tanh(g).to(out_ty).to(tl.float32)
     tl.store(out_ptr + n * inter + offs, (act * u).to(out_ty), mask=mask)
 
 
@@ -115,17 +126,20 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, inter), dtype=gate_up.dtype, device=gate_up.device)
     if n:
         block = 1024
-        _gelu_tanh_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+        _gelu_tanh_mul_kernel[(n, triton.cdiv(inter, block))](
+            gate_up, out, inter, BLOCK=block, PDL=pdl.enabled(gate_up.device), **pdl.launch_options(gate_up.device)
+        )
     return out
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
     qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num_q_heads, num_qk_heads, dim, stride_n, stride_h, eps,
-    GEMMA: tl.constexpr, BLOCK_D: tl.constexpr,
+    GEMMA: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, q-or-k head): RMSNorm with that head kind's weight, then RoPE
     (x * cos + roll(x, D/2) * sin, the sin table signed), rounding where the torch reference rounds."""
+    pdl.start(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -177,6 +191,7 @@ def qk_norm_rope(
         assert cos2.is_contiguous() and sin2.is_contiguous()
         _qk_norm_rope_kernel[(n, heads)](
             qkv, q_weight, k_weight, cos2, sin2, out, num_q_heads, heads, d, qkv.stride(0), qkv.stride(1), eps,
-            GEMMA=gemma, BLOCK_D=triton.next_power_of_2(d),
+            GEMMA=gemma, BLOCK_D=triton.next_power_of_2(d), PDL=pdl.enabled(qkv.device),
+            **pdl.launch_options(qkv.device),
         )  # fmt: skip
     return out

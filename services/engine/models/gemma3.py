@@ -106,10 +106,6 @@ class Gemma3Attention(nn.Module):
         return project(self.o_proj, out.reshape(n, -1))
 
 
-def gelu_tanh(x: Tensor) -> Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich norms: x + post_norm(block(pre_norm(x))) for attention, then for the MLP; a layer takes its
     input already normed and returns its output's next norm too (the norms fuse pairwise)."""
@@ -121,7 +117,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, layer_idx)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.mlp = MLP(config, activation=gelu_tanh, fused="gelu_tanh_mul")
+        self.mlp = MLP(config, act="gelu_tanh")
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(

@@ -152,23 +152,36 @@ class Attention(nn.Module):
         return project(self.o_proj, out.reshape(n, -1))
 
 
-class MLP(nn.Module):
-    """Gated MLP with a fused gate/up projection: SwiGLU by default (Gemma passes GELU-tanh)."""
+def gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(
-        self, config: ModelConfig, activation: Callable[[Tensor], Tensor] = F.silu, fused: str | None = None
-    ) -> None:
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "gelu_tanh": gelu_tanh}
+
+
+class MLP(nn.Module):
+    """Gated MLP with a fused gate/up projection: SwiGLU by default (Gemma passes "gelu_tanh").
+
+    On the Triton tier a decode-sized x takes the gated projection kernel (activation and product in its
+    epilogue: kernels/linear_triton.py); a longer x the fused activation-and-product kernel when
+    norm_triton has one (`<act>_mul`); else torch."""
+
+    def __init__(self, config: ModelConfig, act: str = "silu") -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.activation = activation
-        self.fused = fused  # the kernels/norm_triton.py function computing activation(gate) * up, if any
+        self.act = act
+        self.activation = ACTIVATIONS[act]
 
     def forward(self, x: Tensor) -> Tensor:
+        linear = triton_module("linear_triton", x.device)
+        if linear is not None and linear.supported(x, self.gate_up_proj.weight):
+            return project(self.down_proj, linear.linear_gated(x, self.gate_up_proj.weight, self.act))
         gate_up = project(self.gate_up_proj, x)  # [N, 2I]
-        kernels = fused_kernels(x) if self.fused else None
-        if kernels is not None and self.fused and gate_up.dim() == 2:
-            return project(self.down_proj, getattr(kernels, self.fused)(gate_up))  # activation and product: one launch
+        kernels = fused_kernels(x)
+        fused = getattr(kernels, f"{self.act}_mul", None) if kernels is not None else None
+        if fused is not None and gate_up.dim() == 2:
+            return project(self.down_proj, fused(gate_up))  # activation and product: one launch
         gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
         return project(self.down_proj, self.activation(gate) * up)
 
