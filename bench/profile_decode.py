@@ -4,7 +4,8 @@
                                                                 # eager step under torch.profiler (kernels, GPU busy)
     PYTHONPATH=. python3 bench/profile_decode.py --mode host      # 2K: step wall time vs replay alone, cProfile
     PYTHONPATH=. python3 bench/profile_decode.py --mode ring      # 30K through the ring (4K pool, a kvstore on this
-                                                                # host): step time percentiles, cProfile
+                                                                # host): decode-step phases (which calls make the slow
+                                                                # steps slow), step time percentiles, cProfile
     PYTHONPATH=. python3 bench/profile_decode.py --mode logits    # the engine's logits after a prefill vs
                                                                 # transformers' eager forward (bf16)
 
@@ -101,8 +102,70 @@ def host(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
+class _Phases:
+    """Wall time of named methods during decode steps: totals, and per step (the slow steps' causes)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.total: dict[str, list[float]] = {}
+        self.step: dict[str, float] = {}
+
+    def wrap(self, obj: object, attr: str, name: str) -> None:
+        real = getattr(obj, attr)
+
+        def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if not self.on:
+                return real(*args, **kwargs)
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t
+                self.total.setdefault(name, []).append(dt)
+                self.step[name] = self.step.get(name, 0.0) + dt
+
+        setattr(obj, attr, timed)
+
+
+def _ring_phases(engine) -> _Phases:  # type: ignore[no-untyped-def]
+    phases = _Phases()
+    ring, host, sched = engine.ring, engine.ring.host, engine.scheduler
+    for attr in ("demote", "materialize", "_restore", "select_deferred", "apply_pending", "select"):
+        phases.wrap(ring, attr, f"ring.{attr}")
+    for attr in ("pin", "unpin", "wait", "fetch_to"):
+        if host is not None:
+            phases.wrap(host, attr, f"host.{attr}")
+    phases.wrap(sched, "schedule", "scheduler.schedule")
+    phases.wrap(engine.runner, "run", "runner.run")
+    phases.wrap(engine.runner.decode, "page_scores", "decode.page_scores")
+    phases.wrap(engine, "_postprocess", "engine._postprocess")
+    if engine.write_through is not None:
+        phases.wrap(engine.write_through, "submit", "write_through.submit")
+    return phases
+
+
 def ring(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
     _run(engine, _prompt(30000, vocab, 4), 24, "warm")
+    phases = _ring_phases(engine)
+    per_step: list[tuple[float, dict[str, float]]] = []
+    params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+    seq = engine.submit("phases", _prompt(30000, vocab, 6), params, namespace="phases")
+    engine.poll()
+    while engine.scheduler.has_work():
+        phases.on, phases.step = bool(seq.output_ids), {}
+        t = time.perf_counter()
+        engine.step()
+        if phases.on:
+            per_step.append((time.perf_counter() - t, phases.step))
+    phases.on = False
+    steps = [t for t, _ in per_step]
+    print(f"phases over {len(steps)} decode steps at 30K (wall {1e3 * sum(steps):.0f} ms, mean "
+          f"{1e3 * sum(steps) / len(steps):.2f} ms): name, calls, total ms, ms per call")  # fmt: skip
+    for name, ts in sorted(phases.total.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {name:24s} {len(ts):5d} {1e3 * sum(ts):8.1f} {1e3 * sum(ts) / len(ts):7.3f}")
+    for t, where in sorted(per_step, key=lambda x: -x[0])[:8]:
+        top = ", ".join(f"{k} {1e3 * v:.2f}" for k, v in sorted(where.items(), key=lambda kv: -kv[1])[:6])
+        print(f"  slow step {1e3 * t:.2f} ms: {top}")
     prof = cProfile.Profile()
     times = _run(engine, _prompt(30000, vocab, 5), 160, "profiled", prof)
     dec = sorted(times[-150:])
