@@ -6,6 +6,8 @@
     PYTHONPATH=. python3 bench/profile_decode.py --mode ring      # 30K through the ring (4K pool, a kvstore on this
                                                                 # host): decode-step phases (which calls make the slow
                                                                 # steps slow), step time percentiles, cProfile
+    PYTHONPATH=. python3 bench/profile_decode.py --mode prefill   # an 8K prompt through the ring: each prefill step's
+                                                                # phases, then its kernels under torch.profiler
     PYTHONPATH=. python3 bench/profile_decode.py --mode logits    # the engine's logits after a prefill vs
                                                                 # transformers' eager forward (bf16)
 
@@ -179,6 +181,39 @@ def ring(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def prefill(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
+    """An 8K prompt through the ring (4K pool): each prefill step's time and phases, then the kernels of a
+    second such prefill under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _run(engine, _prompt(8192, vocab, 7), 1, "warm")
+    phases = _ring_phases(engine)
+    phases.wrap(engine.runner.pool, "read_page", "pool.read_page")
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    seq = engine.submit("prefill", _prompt(8192, vocab, 8), params, namespace="prefill")
+    engine.poll()
+    steps: list[tuple[float, dict[str, float]]] = []
+    while engine.scheduler.has_work():
+        phases.on, phases.step = True, {}
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        steps.append((time.perf_counter() - t, phases.step))
+    phases.on = False
+    total = sum(t for t, _ in steps)
+    print(f"8K prefill: {len(steps)} steps, {1e3 * total:.0f} ms ({8192 / total:.0f} tok/s), output {seq.output_ids}")
+    for t, where in steps:
+        top = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(where.items(), key=lambda kv: -kv[1])[:7])
+        print(f"  step {1e3 * t:7.1f} ms: {top}")
+    for name, ts in sorted(phases.total.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {name:24s} {len(ts):5d} {1e3 * sum(ts):8.1f} ms")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _run(engine, _prompt(8192, vocab, 9), 1, "profiled")
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60))
+
+
 def logits(engine, vocab: int, hf) -> None:  # type: ignore[no-untyped-def]
     import services.engine.engine as engine_module
 
@@ -206,7 +241,7 @@ def logits(engine, vocab: int, hf) -> None:  # type: ignore[no-untyped-def]
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("kernels", "host", "ring", "logits"), default="kernels")
+    p.add_argument("--mode", choices=("kernels", "host", "ring", "prefill", "logits"), default="kernels")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
@@ -218,7 +253,7 @@ def main() -> int:
         os.environ["KVMEM_CACHE_DIR"] = str(tmp / "cache")
         hf = write_random_gemma(tmp / "gemma", 0, device)
         kw: dict[str, object] = dict(max_context=4096, kv_capacity=4096, max_running=4)
-        if a.mode == "ring":
+        if a.mode in ("ring", "prefill"):
             from bench.store import kvstore, redis_server
 
             url = stack.enter_context(redis_server())
@@ -231,7 +266,7 @@ def main() -> int:
             logits(engine, info.vocab_size, hf)
         else:
             del hf
-            {"kernels": kernels, "host": host, "ring": ring}[a.mode](engine, info.vocab_size)
+            {"kernels": kernels, "host": host, "ring": ring, "prefill": prefill}[a.mode](engine, info.vocab_size)
     return 0
 
 

@@ -330,6 +330,7 @@ class Engine:
         """Hash every newly completed page, offer it to the prefix cache and write it through."""
         table = seq.page_table
         size = self.limits.page_size
+        written: list[int] = []  # pages to write through, read out of the pool in one batch (one copy)
         while len(table.page_hashes) < seq.num_computed // size:
             i = len(table.page_hashes)
             parent = table.page_hashes[-1] if table.page_hashes else root_hash(seq.namespace)
@@ -337,8 +338,12 @@ class Engine:
             table.page_hashes.append(h)
             self.slots.register(table.slot_ids[i], h)
             if self.write_through is not None and self.write_through.wants(h):
-                local = (seq.local_ring, i) if self.pool.local is not None else None  # staged or in the ring
-                self.write_through.submit(h, self.pool.read_page(table.slot_ids[i], local), size)
+                written.append(i)
+        if written and self.write_through is not None:
+            local = (seq.local_ring, written) if self.pool.local is not None else None  # staged or in the ring
+            pages = self.pool.read_pages([table.slot_ids[i] for i in written], local).to("cpu")
+            for i, page in zip(written, pages, strict=True):
+                self.write_through.submit(table.page_hashes[i], page, size)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         matched = seq.detokenizer.matched_stop or ""

@@ -2,8 +2,8 @@
 
 With LocalRings (local_ring.py) the sliding-window layers keep their K/V in a small ring per running
 sequence instead of the slots: their tensors have the rings' row space, the slots hold the global
-(paged) layers only, and a page's host copy still carries every layer (read_page takes the page's
-local rows from `local_stage` when the step that finished it staged them, else from the ring).
+(paged) layers only, and a page's host copy still carries every layer (read_pages takes the pages'
+local rows from `local_stage` when the step that finished them staged them, else from the ring).
 
 Each layer keeps its own format (services/engine/kv_formats.py): plain formats as tensors of their
 dtype (the fast path, unchanged), quantised ones as packed uint8 rows with their scales. Tokens are
@@ -53,9 +53,10 @@ class KVPool:
         self.local = local
         local_layers = local.layers if local is not None else frozenset()
         self.paged_layers = tuple(i for i in range(num_layers) if i not in local_layers)  # K/V in the slots
-        # (ring id, page) -> local layer -> (K, V) stored rows [page_size, Hkv, W]: pages a prefill step
-        # finished, kept for their write-through (StepAttention fills it; cleared before each step)
-        self.local_stage: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # (ring id, local layer) -> (first position, K, V stored rows [n, Hkv, W]): the whole pages a prefill
+        # step finished, positions first .. first + n - 1, kept for their write-through (StepAttention fills
+        # it; cleared before each step)
+        self.local_stage: dict[tuple[int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}
         self.num_slots = num_slots
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
@@ -244,26 +245,53 @@ class KVPool:
     # -- whole pages (write-through, restore): flat bytes in the stored format -----------------------
 
     def read_page(self, slot: int, local: tuple[int, int] | None = None) -> torch.Tensor:
-        """A copy of one page as uint8 [page_nbytes] on the pool's device: layer by layer, K then V,
-        each [page_size, Hkv, W] in the layer's stored format (the bytes the host store keeps).
-        With local rings, `local` = (ring id, logical page): the local layers' rows come from the stage
-        when the page's step staged them, else from the ring."""
-        assert (local is None) == (self.local is None), "a page of a local-ring pool needs its ring"
-        lo, hi = slot * self.page_size, (slot + 1) * self.page_size
-        staged = self.local_stage.get(local, {}) if local is not None else {}
+        """`read_pages` of one page: uint8 [page_nbytes]; `local` = (ring id, logical page)."""
+        return self.read_pages([slot], None if local is None else (local[0], [local[1]]))[0]
+
+    def read_pages(self, slots: list[int], local: tuple[int, list[int]] | None = None) -> torch.Tensor:
+        """A copy of pages as uint8 [P, page_nbytes] on the pool's device, one row per page: layer by layer,
+        K then V, each [page_size, Hkv, W] in the layer's stored format (the bytes the host store keeps);
+        a few launches per layer whatever P. With local rings, `local` = (ring id, the pages' logical
+        numbers): the local layers' rows come from the stage when the step that finished the pages staged
+        them, else from the ring."""
+        assert (local is None) == (self.local is None), "pages of a local-ring pool need their ring"
+        count = len(slots)
         parts: list[torch.Tensor] = []
+        slot_rows: torch.Tensor | None = None
+        local_rows: dict[int, tuple[torch.Tensor, bool]] = {}  # stage start (or -1: the ring) -> rows, staged
         for i in range(self.num_layers):
-            if i in staged:
-                rows = staged[i]
-            elif local is not None and self.local is not None and i in self.local.layers:
-                start = self.local.page_row(*local)
-                rows = self.k[i][start : start + self.page_size], self.v[i][start : start + self.page_size]
+            if local is not None and self.local is not None and i in self.local.layers:
+                ring_id, pages = local
+                staged = self.local_stage.get((ring_id, i))
+                first = staged[0] if staged is not None and self._all_staged(staged, pages) else -1
+                if first not in local_rows:
+                    local_rows[first] = (self._local_rows(ring_id, pages, first), first >= 0)
+                rows, from_stage = local_rows[first]
+                k_src, v_src = (staged[1], staged[2]) if from_stage and staged is not None else (self.k[i], self.v[i])
             else:
-                rows = self.k[i][lo:hi], self.v[i][lo:hi]
-            parts.extend(t.reshape(-1) for t in rows)
+                if slot_rows is None:
+                    slot_rows = self.rows(torch.tensor(slots, dtype=torch.long, device=self.device))
+                rows, k_src, v_src = slot_rows, self.k[i], self.v[i]
+            parts.extend(t.index_select(0, rows).reshape(count, -1) for t in (k_src, v_src))
         if self._uniform_plain:
-            return torch.cat(parts).view(torch.uint8)
-        return torch.cat([p.view(torch.uint8) for p in parts])
+            return torch.cat(parts, dim=1).view(torch.uint8)
+        return torch.cat([p.view(torch.uint8) for p in parts], dim=1)
+
+    def _all_staged(self, staged: tuple[int, torch.Tensor, torch.Tensor], pages: list[int]) -> bool:
+        """Whether the stage holds every page (a step stages all the pages it finishes, and a read is of
+        one step's pages: all of them or none)."""
+        first, k_rows, _ = staged
+        inside = [first <= p * self.page_size and (p + 1) * self.page_size <= first + k_rows.shape[0] for p in pages]
+        assert all(inside) or not any(inside), f"pages {pages}: only some staged (stage from position {first})"
+        return all(inside)
+
+    def _local_rows(self, ring_id: int, pages: list[int], first: int) -> torch.Tensor:
+        """Rows of whole pages: into the stage starting at position `first`, or (first < 0) into the ring."""
+        assert self.local is not None
+        size = self.page_size
+        starts = [p * size - first for p in pages] if first >= 0 else [self.local.page_row(ring_id, p) for p in pages]
+        base = torch.tensor(starts, dtype=torch.long, device=self.device)
+        return (base[:, None] + torch.arange(size, device=self.device)).reshape(-1)
 
     def write_pages(self, slots: list[int], pages: torch.Tensor) -> None:
         """Inverse of read_page for a batch: pages uint8 [P, page_nbytes] (any device) into `slots`, the

@@ -117,10 +117,14 @@ class StepAttention:
             k_s = torch.cat((k_past, k_now)).transpose(0, 1)  # [Hkv, R + n, D]
             v_s = torch.cat((v_past, v_now)).transpose(0, 1)
             outs.append(grouped_sdpa(q[start : start + n], k_s, v_s, self._masks[key], scale))
-            for page, before, lo, hi in span.local_stage:  # before the ring rows they start in are reused
-                rows = (torch.cat((pool.k[layer_idx][before], k_new[lo:hi])),
-                        torch.cat((pool.v[layer_idx][before], v_new[lo:hi])))  # fmt: skip
-                pool.local_stage.setdefault((span.local_ring, page), {})[layer_idx] = rows
+            if span.local_stage:  # the finished pages in one piece: the first page's earlier rows from the ring
+                page, before, lo, _ = span.local_stage[0]
+                hi = span.local_stage[-1][3]
+                pool.local_stage[(span.local_ring, layer_idx)] = (
+                    page * pool.page_size,
+                    torch.cat((pool.k[layer_idx][before], k_new[lo:hi])),
+                    torch.cat((pool.v[layer_idx][before], v_new[lo:hi])),
+                )
             kept = span.local_write_rows.shape[0]
             pool.write_stored(layer_idx, span.local_write_rows, k_new[n - kept :], v_new[n - kept :])
             start += n

@@ -19,7 +19,7 @@ MAX_BATCH = 64  # pages per put_pages call (a ring chunk of 2,048 tokens finishe
 
 class PendingPage(NamedTuple):
     page_hash: bytes
-    data: torch.Tensor  # uint8 [page_nbytes] on the CPU (KVPool.read_page), already copied out of the pool
+    data: torch.Tensor  # uint8 [page_nbytes] on the CPU (a row of KVPool.read_pages), already copied out of the pool
     num_tokens: int
 
 
@@ -41,13 +41,15 @@ class WriteThrough:
 
     def submit(self, page_hash: bytes, page: torch.Tensor, num_tokens: int, timeout_s: float = 30.0) -> None:
         """Queue a page (unless it is written or queued already); when the writer is behind, wait for
-        room (the ring relies on host copies), and only after `timeout_s` drop it (counted)."""
+        room (the ring relies on host copies), and only after `timeout_s` drop it (counted). A CPU `page`
+        is handed over as it is (the caller's own copy, never changed afterwards); a device one is copied."""
         with self._written_cond:
             if page_hash in self._written or page_hash in self._queued:
                 return
             self._queued.add(page_hash)
         try:
-            self._queue.put(PendingPage(page_hash, page.to("cpu", copy=True), num_tokens), timeout=timeout_s)
+            data = page if page.device.type == "cpu" else page.to("cpu")
+            self._queue.put(PendingPage(page_hash, data, num_tokens), timeout=timeout_s)
         except queue.Full:
             with self._written_cond:
                 self._queued.discard(page_hash)

@@ -128,12 +128,22 @@ def test_a_page_reads_its_local_rows_from_the_ring_and_restores_them() -> None:
     assert not other.k[1][: 5 * PAGE].any()  # the local layers' bytes did not land in the slots
     with pytest.raises(AssertionError):
         pool.read_page(3)  # a page of a local-ring pool needs its ring rows
-    staged = {layer: (torch.full_like(pool.k[layer][:PAGE], 7.0), torch.full_like(pool.v[layer][:PAGE], 8.0))
-              for layer in local.layers}  # fmt: skip
-    pool.local_stage[(1, 7)] = staged  # a prefill step finished page 7: its local rows come from the stage
+    ring_pages = pool.read_pages([3, 1], (1, [7, 8]))  # two pages in one read: one row each
+    assert torch.equal(ring_pages[0], page) and torch.equal(ring_pages[1], pool.read_page(slot=1, local=(1, 8)))
+    for layer in local.layers:  # a prefill step finished pages 7 and 8: their local rows come from the stage
+        pool.local_stage[(1, layer)] = (
+            7 * PAGE, torch.full_like(pool.k[layer][: 2 * PAGE], 7.0), torch.full_like(pool.v[layer][: 2 * PAGE], 8.0)
+        )  # fmt: skip
+        pool.local_stage[(1, layer)][1][PAGE:] = 9.0  # page 8's K rows
+    both = pool.read_pages([3, 1], (1, [7, 8])).view(torch.float32).view(2, 6, 2, PAGE, 2, 16)
     again = pool.read_page(slot=3, local=(1, 7)).view(torch.float32).view(6, 2, PAGE, 2, 16)
+    assert torch.equal(both[0], again)
     assert (again[0, 0] == 7.0).all() and (again[0, 1] == 8.0).all() and (again[5, 0] == 7.0).all()
+    assert (both[1, 0, 0] == 9.0).all() and (both[1, 3, 1] == 8.0).all()
     assert torch.equal(again[1, 0], pool.k[1][3 * PAGE : 4 * PAGE])  # a paged layer: from its slot
+    assert torch.equal(both[1, 4, 1], pool.v[4][1 * PAGE : 2 * PAGE])
+    with pytest.raises(AssertionError, match="only some staged"):
+        pool.read_pages([3, 1], (1, [8, 9]))  # page 9 was not finished by the staging step
 
 
 # -- engines -------------------------------------------------------------------------------------------
