@@ -258,16 +258,18 @@ class KVPool:
         count = len(slots)
         parts: list[torch.Tensor] = []
         slot_rows: torch.Tensor | None = None
-        local_rows: dict[int, tuple[torch.Tensor, bool]] = {}  # stage start (or -1: the ring) -> rows, staged
+        local_rows: dict[int, torch.Tensor] = {}  # stage start (-1: the ring) -> the pages' rows in it
         for i in range(self.num_layers):
             if local is not None and self.local is not None and i in self.local.layers:
                 ring_id, pages = local
                 staged = self.local_stage.get((ring_id, i))
-                first = staged[0] if staged is not None and self._all_staged(staged, pages) else -1
+                if staged is not None and self._all_staged(staged, pages):
+                    first, k_src, v_src = staged
+                else:
+                    first, k_src, v_src = -1, self.k[i], self.v[i]
                 if first not in local_rows:
-                    local_rows[first] = (self._local_rows(ring_id, pages, first), first >= 0)
-                rows, from_stage = local_rows[first]
-                k_src, v_src = (staged[1], staged[2]) if from_stage and staged is not None else (self.k[i], self.v[i])
+                    local_rows[first] = self._local_rows(ring_id, pages, first)
+                rows = local_rows[first]
             else:
                 if slot_rows is None:
                     slot_rows = self.rows(torch.tensor(slots, dtype=torch.long, device=self.device))

@@ -405,14 +405,14 @@ def _attend(
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, RING=span > 0, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
-        SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, PDL=pdl.enabled(q.device),
-        num_warps=8 if dot_fp32 else 4, num_stages=2, **pdl.launch_options(q.device),
+        SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, num_warps=8 if dot_fp32 else 4, num_stages=2,
+        **pdl.launch_args(q.device),
     )  # fmt: skip
     if not direct:
         _merge_kernel[(batch, num_heads)](
             m, l_sum, acc, out, num_splits, out.stride(0), out.stride(1), D=head_dim, BLOCK_S=MERGE_BLOCK_S,
-            INTERPRETED=INTERPRETED, SPLITS=num_splits if INTERPRETED else 0, PDL=pdl.enabled(q.device), num_warps=4,
-            **pdl.launch_options(q.device),
+            INTERPRETED=INTERPRETED, SPLITS=num_splits if INTERPRETED else 0, num_warps=4,
+            **pdl.launch_args(q.device),
         )  # fmt: skip
     return out
 
@@ -432,5 +432,5 @@ def write_kv(
     _write_kv_kernel[(num_tokens, num_kv_heads)](
         k, v, rows.contiguous(), k_store, v_store, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1), D=head_dim,
-        PDL=pdl.enabled(k.device), **pdl.launch_options(k.device),
+        **pdl.launch_args(k.device),
     )  # fmt: skip

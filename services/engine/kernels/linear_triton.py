@@ -8,9 +8,9 @@ tl.dot per step (rows padded to 16, fp32 accumulation): every weight byte is rea
 as many programs as the columns allow.
 
 Two variants share the kernel:
-- split-K: a matrix with few column blocks (640 outputs: 40 programs of 16 columns on a 132-SM device)
-  also splits K over SPLIT_K programs; each stores its fp32 partial and the last of a column block to
-  finish (kernels/arrivals.py) sums them and writes the output, in the same launch.
+- split-K: a long K over few column blocks (the down projection, 640 x 2048: 20 blocks of 32 columns
+  for a 132-SM device) also splits K over SPLIT_K programs; each stores its fp32 partial and the last of
+  a column block to finish (kernels/arrivals.py) sums them and writes the output, in the same launch.
 - gated (`linear_gated`): a gated MLP's fused [gate | up] weight [2I, K] -> act(x W_gate^T) * (x W_up^T)
   [M, I], each program reading its columns' gate and up rows: the activation and the product are the
   projection's epilogue instead of a launch of their own. (Computing them inside the down projection's
@@ -226,7 +226,7 @@ def _launch(
         m, n_cols, k_dim, k_split, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, ACT=act, SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_FP32=x.dtype == torch.float32 or INTERPRETED, INTERPRETED=INTERPRETED,
-        K_LOOP=k_split if INTERPRETED else 0, PDL=pdl.enabled(x.device), num_warps=warps, num_stages=stages,
-        **pdl.launch_options(x.device),
+        K_LOOP=k_split if INTERPRETED else 0, num_warps=warps, num_stages=stages,
+        **pdl.launch_args(x.device),
     )  # fmt: skip
     return out

@@ -70,7 +70,7 @@ def rms_norm(
         _rms_norm_kernel[(n, h)](
             x3, weight, residual if residual is not None else out, out, weight, out, h, d, x3.stride(0),
             x3.stride(1), eps, 1.0 if gemma else 0.0, GEMMA=gemma, RESIDUAL=residual is not None, NEXT=False,
-            BLOCK_D=triton.next_power_of_2(d), PDL=pdl.enabled(x.device), **pdl.launch_options(x.device),
+            BLOCK_D=triton.next_power_of_2(d), **pdl.launch_args(x.device),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -89,8 +89,8 @@ def add_rms_norm(
     if n:
         _rms_norm_kernel[(n, 1)](
             x, weight, residual, out, next_weight, out2, 1, d, x.stride(0), 0, eps, 1.0 if gemma else 0.0,
-            GEMMA=gemma, RESIDUAL=True, NEXT=True, BLOCK_D=triton.next_power_of_2(d), PDL=pdl.enabled(x.device),
-            **pdl.launch_options(x.device),
+            GEMMA=gemma, RESIDUAL=True, NEXT=True, BLOCK_D=triton.next_power_of_2(d),
+            **pdl.launch_args(x.device),
         )  # fmt: skip
     return out, out2
 
@@ -127,7 +127,7 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if n:
         block = 1024
         _gelu_tanh_mul_kernel[(n, triton.cdiv(inter, block))](
-            gate_up, out, inter, BLOCK=block, PDL=pdl.enabled(gate_up.device), **pdl.launch_options(gate_up.device)
+            gate_up, out, inter, BLOCK=block, **pdl.launch_args(gate_up.device)
         )
     return out
 
@@ -191,7 +191,6 @@ def qk_norm_rope(
         assert cos2.is_contiguous() and sin2.is_contiguous()
         _qk_norm_rope_kernel[(n, heads)](
             qkv, q_weight, k_weight, cos2, sin2, out, num_q_heads, heads, d, qkv.stride(0), qkv.stride(1), eps,
-            GEMMA=gemma, BLOCK_D=triton.next_power_of_2(d), PDL=pdl.enabled(qkv.device),
-            **pdl.launch_options(qkv.device),
+            GEMMA=gemma, BLOCK_D=triton.next_power_of_2(d), **pdl.launch_args(qkv.device),
         )  # fmt: skip
     return out

@@ -34,15 +34,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 logger = logging.getLogger(__name__)
 
 
+@functools.cache
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL (CUDA capability >= 9.0, KVMEM_PDL not 0)."""
+    """Whether kernels on `device` launch with PDL (CUDA capability >= 9.0, KVMEM_PDL not 0); decided once
+    per device."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _capable(index: int) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
     on = torch.cuda.get_device_capability(index) >= (9, 0) and os.environ.get("KVMEM_PDL", "1") != "0"
     logger.info("programmatic dependent launch on cuda:%d: %s", index, "on" if on else "off")
     return on
@@ -56,6 +54,7 @@ def start(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-def launch_options(device: torch.device) -> dict[str, bool]:
-    """The launch keyword of a PDL kernel: launch_pdl when `enabled`."""
-    return {"launch_pdl": True} if enabled(device) else {}
+def launch_args(device: torch.device) -> dict[str, bool]:
+    """The keywords of a PDL kernel's launch: its PDL constexpr and Triton's launch_pdl, both `enabled`."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": on}
