@@ -15,9 +15,11 @@ With --kv-capacity below --max-context the engine runs the ring (device pool of 
 the rest of the context in a host KV store): the bench starts redis-server and one kvstore process
 (bench/store.py) and gives the engine their URL. Both sides run greedy, no EOS stop, the same prompt
 token ids. Engine numbers go through the real engine core (scheduler, ring, paged KV pool, decode
-runner, sampler, detokenizer) in-process, without gRPC; decode is measured with the decode runner's
-CUDA graphs on and off (`--no-cuda-graphs`), on the same prompt (a namespace per mode, so no prefix
-reuse), and the two token streams are compared. transformers runs `generate` (bf16,
+runner, sampler, detokenizer) in-process, without gRPC; decode is measured in three modes on the same
+prompt (a namespace per mode, so no prefix reuse), and the token streams are compared: `graphs` (the
+decode runner's CUDA graphs, decode bursts of up to --decode-burst steps per host round trip: the
+engine's default), `steps` (the graphs one step per round trip: the burst's baseline) and `eager`
+(no graphs, bursts on). transformers runs `generate` (bf16,
 attn_implementation="eager", its default cache); its decode is timed per token with a streamer over
 --hf-new-tokens tokens only (eager attention over 32K keys is slow). Ratios are engine /
 transformers. The bandwidth column is the share of the H200's HBM bandwidth (4.8 TB/s) the graph
@@ -182,6 +184,7 @@ def main() -> int:
     p.add_argument("--no-local-ring", action="store_true", help="page the sliding-window layers too")
     p.add_argument("--ring-prefetch-steps", type=int, default=4, help="EngineConfig.ring_prefetch_steps (0: restores "
                    "inside the re-selecting step)")  # fmt: skip
+    p.add_argument("--decode-burst", type=int, default=8, help="EngineConfig.decode_burst of the graphs mode")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -222,13 +225,13 @@ def main() -> int:
         cfg = EngineConfig(
             model=model_ref, device=a.device, max_context=max_context, kv_capacity=kv_capacity,
             prefill_chunk=a.prefill_chunk, max_running=16, local_ring=not a.no_local_ring,
-            ring_prefetch_steps=a.ring_prefetch_steps,
+            ring_prefetch_steps=a.ring_prefetch_steps, decode_burst=a.decode_burst,
             **store_kw,  # type: ignore[arg-type]
         )  # fmt: skip
         engine, info = build_engine(cfg)
         stack.callback(engine.stop)
         decode = engine.runner.decode
-        modes = ["graphs", "eager"] if device.type == "cuda" and decode is not None else ["eager"]
+        modes = ["graphs", "steps", "eager"] if device.type == "cuda" and decode is not None else ["eager"]
         if "graphs" in modes:
             t1 = time.perf_counter()  # batch 1, every window bucket up to the pool
             n = decode.warm_up([1], [2**k for k in range(8, 30) if 2**k <= decode.max_window])
@@ -240,8 +243,7 @@ def main() -> int:
         rows = []
         warm = torch.randint(100, info.vocab_size, (16,), generator=gen).tolist()
         for mode in modes:
-            if decode is not None:
-                decode.capture = mode == "graphs"
+            _set_mode(engine, mode, a.decode_burst)
             engine_run(engine, warm, 4, namespace=f"warm-{mode}")
         if hf is not None:
             hf_run(hf, warm, 4, device)
@@ -255,12 +257,11 @@ def main() -> int:
             # these page counts, graph buckets, registering the host arena) are not decode speed
             warm_n = torch.randint(100, info.vocab_size, (plen,), generator=gen).tolist()
             for mode in modes:
-                if decode is not None:
-                    decode.capture = mode == "graphs"
+                _set_mode(engine, mode, a.decode_burst)
                 engine_run(engine, warm_n, 8, namespace=f"warm-{mode}-{n}")
             for mode in modes:
+                _set_mode(engine, mode, a.decode_burst)
                 if decode is not None:
-                    decode.capture = mode == "graphs"
                     before = (decode.num_replays, decode.num_eager, decode.num_captures)
                 steps0 = engine.stats.steps_total
                 res[mode] = [engine_run(engine, pr, a.new_tokens, f"{mode}-{i}") for i, pr in enumerate(prompts)]
@@ -299,6 +300,13 @@ def main() -> int:
         for n, res, stats, h in rows:
             _table_line(n, res, stats, h, a.new_tokens, hf_tokens, weight_bytes, modes)
     return 0
+
+
+def _set_mode(engine, mode: str, burst: int) -> None:  # type: ignore[no-untyped-def]
+    """graphs: CUDA graphs and decode bursts; steps: graphs, one step per round trip; eager: no graphs."""
+    if engine.runner.decode is not None:
+        engine.runner.decode.capture = mode in ("graphs", "steps")
+    engine.scheduler.decode_burst = 1 if mode == "steps" else burst
 
 
 def _medians(runs: list[tuple[float, float, list[int]]], prompt_len: int, new_tokens: int) -> tuple[float, float]:

@@ -1,7 +1,8 @@
 """Where a decode step's time goes (random Gemma 3 270M, CUDA): the diagnostics behind bench/RESULTS.md's decode notes.
 
     PYTHONPATH=. python3 bench/profile_decode.py --mode kernels   # one 2K step: CUDA-graph replay time, and the
-                                                                # eager step under torch.profiler (kernels, GPU busy)
+                                                                # eager step under torch.profiler (kernels, GPU busy);
+                                                                # --context 30000: a step through the ring (4K pool)
     PYTHONPATH=. python3 bench/profile_decode.py --mode host      # 2K: step wall time vs replay alone, cProfile
     PYTHONPATH=. python3 bench/profile_decode.py --mode ring      # 30K through the ring (4K pool, a kvstore on this
                                                                 # host): decode-step phases (which calls make the slow
@@ -72,10 +73,10 @@ def _replay_ms(engine) -> tuple[float, object]:  # type: ignore[no-untyped-def]
     return 1e3 * (time.perf_counter() - t) / 200, bufs
 
 
-def kernels(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
+def kernels(engine, vocab: int, context: int = 2000) -> None:  # type: ignore[no-untyped-def]
     from torch.profiler import ProfilerActivity, profile
 
-    _run(engine, _prompt(2000, vocab, 0), 64, "kernels")
+    _run(engine, _prompt(context, vocab, 0), 64, "kernels")
     replay, bufs = _replay_ms(engine)
     print(f"graph replay: {replay:.3f} ms per step (batch {bufs.batch}, window {bufs.window})")  # type: ignore[attr-defined]
     decode = engine.runner.decode
@@ -89,7 +90,7 @@ def kernels(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in events) / 5 / 1000
     print(f"kernels per step: {len(events) / 5:.0f}; GPU busy per step {busy:.3f} ms (eager step, 5 steps below)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
 
 
 def host(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
@@ -161,8 +162,10 @@ def ring(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
             per_step.append((time.perf_counter() - t, phases.step))
     phases.on = False
     steps = [t for t, _ in per_step]
-    print(f"phases over {len(steps)} decode steps at 30K (wall {1e3 * sum(steps):.0f} ms, mean "
-          f"{1e3 * sum(steps) / len(steps):.2f} ms): name, calls, total ms, ms per call")  # fmt: skip
+    print(f"phases over {len(steps)} decode steps (bursts) at 30K, {len(seq.output_ids) - 1} tokens (wall "
+          f"{1e3 * sum(steps):.0f} ms, mean {1e3 * sum(steps) / len(steps):.2f} ms a step, "
+          f"{1e3 * sum(steps) / (len(seq.output_ids) - 1):.3f} ms a token): name, calls, total ms, "
+          "ms per call")  # fmt: skip
     for name, ts in sorted(phases.total.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {name:24s} {len(ts):5d} {1e3 * sum(ts):8.1f} {1e3 * sum(ts) / len(ts):7.3f}")
     for t, where in sorted(per_step, key=lambda x: -x[0])[:8]:
@@ -170,10 +173,10 @@ def ring(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
         print(f"  slow step {1e3 * t:.2f} ms: {top}")
     prof = cProfile.Profile()
     times = _run(engine, _prompt(30000, vocab, 5), 160, "profiled", prof)
-    dec = sorted(times[-150:])
+    dec = sorted(times[len(times) - len(per_step) :])  # the decode steps (as many as the phases run had)
     decode = engine.runner.decode
     print(f"decode step ms: median {1e3 * dec[len(dec) // 2]:.2f} p90 {1e3 * dec[int(len(dec) * 0.9)]:.2f} max "
-          f"{1e3 * dec[-1]:.1f} sum {1e3 * sum(dec):.0f} over 150; replays {decode.num_replays} eager "
+          f"{1e3 * dec[-1]:.1f} sum {1e3 * sum(dec):.0f} over {len(dec)}; replays {decode.num_replays} eager "
           f"{decode.num_eager} captures {decode.num_captures}; ring restores {engine.ring.num_restores} "
           f"(prefetched {engine.ring.num_prefetched})")  # fmt: skip
     print("slowest 12 decode steps ms:", [round(1e3 * t, 1) for t in dec[-12:]])
@@ -210,7 +213,7 @@ def prefill(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _run(engine, _prompt(8192, vocab, 9), 1, "profiled")
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60))
 
 
@@ -242,6 +245,7 @@ def logits(engine, vocab: int, hf) -> None:  # type: ignore[no-untyped-def]
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("kernels", "host", "ring", "prefill", "logits"), default="kernels")
+    p.add_argument("--context", type=int, default=2000, help="--mode kernels: the prompt length (past 4,000: the ring)")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
@@ -253,7 +257,7 @@ def main() -> int:
         os.environ["KVMEM_CACHE_DIR"] = str(tmp / "cache")
         hf = write_random_gemma(tmp / "gemma", 0, device)
         kw: dict[str, object] = dict(max_context=4096, kv_capacity=4096, max_running=4)
-        if a.mode in ("ring", "prefill"):
+        if a.mode in ("ring", "prefill") or a.context > 4000:
             from bench.store import kvstore, redis_server
 
             url = stack.enter_context(redis_server())
@@ -266,7 +270,10 @@ def main() -> int:
             logits(engine, info.vocab_size, hf)
         else:
             del hf
-            {"kernels": kernels, "host": host, "ring": ring, "prefill": prefill}[a.mode](engine, info.vocab_size)
+            if a.mode == "kernels":
+                kernels(engine, info.vocab_size, a.context)
+            else:
+                {"host": host, "ring": ring, "prefill": prefill}[a.mode](engine, info.vocab_size)
     return 0
 
 

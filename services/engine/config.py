@@ -58,6 +58,7 @@ class EngineConfig:
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
     # -- GPU execution --
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
+    decode_burst: int = 8  # greedy decode steps run back to back on the device per host round trip (1: off)
     kernels: str = "auto"  # page kernel set: auto (from the device capability), triton, cupy, torch
 
     def __post_init__(self) -> None:
@@ -67,6 +68,8 @@ class EngineConfig:
             raise ConfigError(f"kv_capacity {self.kv_capacity} is smaller than one page ({self.page_size})")
         if self.max_context <= 0:
             raise ConfigError(f"max_context must be positive, got {self.max_context}")
+        if not 1 <= self.decode_burst <= self.page_size:
+            raise ConfigError(f"decode_burst must be in [1, page_size {self.page_size}], got {self.decode_burst}")
         if self.ring_prefetch_steps < 0:
             raise ConfigError(f"ring_prefetch_steps must be >= 0, got {self.ring_prefetch_steps}")
         if self.ring_budget_pages > self.num_slots:
@@ -250,6 +253,12 @@ class EngineConfig:
             default=env("KVMEM_CUDA_GRAPHS", "1") == "0",
             help="run decode steps eagerly (no CUDA graph capture)",
         )
+        p.add_argument(
+            "--decode-burst",
+            type=int,
+            default=int(env("KVMEM_DECODE_BURST", "8")),
+            help="greedy decode steps run on the device per host round trip (1: one step at a time)",
+        )
         p.add_argument("--kernels", default=env("KVMEM_KERNELS", "auto"), help="auto, triton, cupy or torch")
         p.add_argument(
             "--no-local-ring",
@@ -288,6 +297,7 @@ class EngineConfig:
             retrieval=not a.no_retrieval,
             audit_dir=a.audit_dir,
             cuda_graphs=not a.no_cuda_graphs,
+            decode_burst=a.decode_burst,
             kernels=a.kernels,
             local_ring=not a.no_local_ring,
         )

@@ -22,6 +22,12 @@ padded window is read with `KVPool.gather` and one batched masked SDPA runs for 
 heads grouped onto their KV head, K/V never repeated). The logits [B, V] are computed in the step;
 sampling stays outside.
 
+Each step ends by advancing its own inputs on the device: the argmax of its logits becomes the next
+ids (and is recorded in `burst_tokens` at the step's index), positions and write rows move one on. A
+decode burst (scheduler.py) is the step run `num_steps` times in a row with no host work between
+them, the host reading all the burst's tokens at its end in one copy; a single step ignores the advance
+(the next step's inputs are filled from the host).
+
 On CUDA with `capture`, the first step of a bucket runs eagerly (the warm-up, and this step's
 result) and is then captured; later steps of that bucket replay the graph. All graphs share one
 memory pool. Without capture (CPU, `--no-cuda-graphs`) the very same function runs eagerly.
@@ -99,8 +105,10 @@ class _Buffers:
     local_rows: dict[int, torch.Tensor]  # window -> [B, L]
     local_pos: dict[int, torch.Tensor]  # window -> [B, L]
     ring_base: torch.Tensor  # [B] first row of each sequence's local ring (local rings only)
-    inputs: torch.Tensor  # [4, B] ids, positions, write_rows and ring_base are its rows
-    staging: torch.Tensor  # [4, B] host copy of `inputs` (pinned on CUDA)
+    step: torch.Tensor  # [1] the step's index in its burst (where its argmax goes in burst_tokens)
+    inputs: torch.Tensor  # [5, B] ids, positions, write_rows, ring_base and step (column 0) are its rows
+    staging: torch.Tensor  # [5, B] host copy of `inputs` (pinned on CUDA)
+    burst_tokens: torch.Tensor  # [page_size, B] the argmax of each step of a burst
     queries: torch.Tensor  # [L, B, Hq, D] each layer's queries (after RoPE), kept for page scoring
     owners: list[tuple[int, ...] | None]  # per batch row: the _SeqRows key its rows came from
     graph: torch.cuda.CUDAGraph | None = None
@@ -277,27 +285,36 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, works: list[Work]) -> torch.Tensor:
-        """Forward one decode step; logits [len(works), V] float32 in work order."""
+        """Forward one decode step, or every step of a decode burst; logits [len(works), V] float32 in work
+        order (a burst's last step's)."""
         n = len(works)
+        num_steps = works[0].num_steps
+        assert all(w.num_steps == num_steps for w in works) and num_steps <= self.pool.page_size
         entries = [self._rows_of(w) for w in works]
         batch = batch_bucket(n)
         width = window_bucket(max(int(e.rows.shape[0]) for e in entries))
         bufs = self._bufs(batch, width)
         self._fill(bufs, works, entries)
         self._seq_rows = {w.seq: e for w, e in zip(works, entries, strict=True)}  # forget finished sequences
-        if not self.capture:
-            logits = self._forward(bufs)[:n]
-            self.num_eager += 1
-        elif bufs.graph is None:
-            logits = self._capture(bufs)[:n]
-        else:
-            bufs.graph.replay()
-            self.num_replays += 1
-            assert bufs.out is not None
-            logits = bufs.out[:n]
+        for _ in range(num_steps):
+            if not self.capture:
+                logits = self._step(bufs)[:n]
+                self.num_eager += 1
+            elif bufs.graph is None:
+                logits = self._capture(bufs)[:n]
+            else:
+                bufs.graph.replay()
+                self.num_replays += 1
+                assert bufs.out is not None
+                logits = bufs.out[:n]
         self._summarize_filled_pages(works)
         self._last = bufs
         return logits
+
+    def burst_tokens(self, num_works: int, num_steps: int) -> list[list[int]]:
+        """After run() of a burst: per work, the argmax of each of its steps (one device-to-host copy)."""
+        assert self._last is not None, "burst_tokens before run"
+        return self._last.burst_tokens[:num_steps, :num_works].t().tolist()  # type: ignore[no-any-return]
 
     def page_scores(self, works: list[Work]) -> list[torch.Tensor | None]:
         """After run(works): per work, the page scores of its token's query over pages [0, its page)
@@ -326,17 +343,27 @@ class DecodeGraphs:
         hidden = self.model(bufs.ids, bufs.positions, attn)  # [B, hidden]
         return self.model.logits(hidden)
 
+    def _step(self, bufs: _Buffers) -> torch.Tensor:
+        """The step, then its inputs advanced to the next step of a burst (the module docstring)."""
+        logits = self._forward(bufs)
+        token = torch.argmax(logits, dim=-1)  # [B]
+        bufs.burst_tokens.index_copy_(0, bufs.step, token[None])
+        bufs.ids.copy_(token)
+        bufs.inputs[1:3] += 1  # positions, write_rows: the burst stays inside the page
+        bufs.step += 1
+        return logits
+
     def _capture(self, bufs: _Buffers) -> torch.Tensor:
         """Warm up eagerly on a side stream (this step's real result), then capture the same step."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            logits = self._forward(bufs)
+            logits = self._step(bufs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the write-through thread may copy pages off the device meanwhile
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            bufs.out = self._forward(bufs)
+            bufs.out = self._step(bufs)
         bufs.graph = graph
         self.num_captures += 1
         logger.info("captured the decode graph of batch %d, window %d", bufs.batch, bufs.window)
@@ -354,14 +381,15 @@ class DecodeGraphs:
             def long(*shape: int, fill: int = 0) -> torch.Tensor:
                 return torch.full(shape, fill, dtype=torch.long, device=dev)
 
-            inputs = long(4, batch)  # one copy from `staging` a step: ids, positions, write_rows, ring_base
+            inputs = long(5, batch)  # one copy from `staging` a step: ids, positions, write_rows, ring_base, step
             bufs = _Buffers(
                 batch=batch, window=width, ids=inputs[0], positions=inputs[1],
                 write_rows=inputs[2], rows=long(batch, width), key_pos=long(batch, width, fill=PAD_POS),
                 local_rows={w: long(batch, n) for w, n in local.items()},
                 local_pos={w: long(batch, n, fill=PAD_POS) for w, n in local.items()},
-                ring_base=inputs[3], inputs=inputs,
-                staging=torch.zeros(4, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
+                ring_base=inputs[3], step=inputs[4, :1], inputs=inputs,
+                staging=torch.zeros(5, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
+                burst_tokens=long(size, batch),
                 queries=torch.zeros(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=dev),
                 owners=[None] * batch,
             )  # fmt: skip
@@ -377,7 +405,7 @@ class DecodeGraphs:
             w, e = works[j], entries[j]
             pos = w.start
             slot = w.seq.page_table.slot_ids[pos // size]
-            staging[:, i] = (w.seq.token_at(pos), pos, slot * size + pos % size, max(0, w.seq.local_ring) * span)
+            staging[:, i] = (w.seq.token_at(pos), pos, slot * size + pos % size, max(0, w.seq.local_ring) * span, 0)
             if bufs.owners[i] != e.key:  # the rows depend on the key only
                 rows, kpos = self._padded(e, bufs.window)
                 bufs.rows[i].copy_(rows, non_blocking=True)
@@ -433,7 +461,7 @@ class DecodeGraphs:
         size = self.pool.page_size
         for w in works:
             ring = w.seq.ring
-            if ring is None or (w.start + 1) % size:
+            if ring is None or (w.start + w.num_steps) % size:
                 continue
             page = w.start // size
             slot = w.seq.page_table.slot_ids[page]

@@ -50,6 +50,7 @@ class EngineLimits:
     default_policy: str = "sparse"
     ring: RingLimits | None = None  # None: every sequence keeps its whole KV resident
     ring_chunk: int = 0
+    decode_burst: int = 1  # greedy decode steps one step may run on the device (scheduler.py: decode bursts)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.slots, limits.page_size, limits.prefill_chunk, limits.max_running, limits.model_id,
             limits.kv_format, self.ring, limits.ring_chunk, self._new_ring if self.ring else None, self.pool,
-            runner.host,
+            runner.host, limits.decode_burst, runner.accepts_burst,
         )  # fmt: skip
         self.stats = EngineStats()
         self.ring_snapshot = RingSnapshot()
@@ -240,7 +241,8 @@ class Engine:
         running = tuple(id(s) for s in self.scheduler.running)
         size = self.limits.page_size
         stale = running != self._snapshot_running or any(
-            w.num_new != 1 or w.score_tokens or w.start % size in (0, size - 1) for w in works
+            w.num_new != 1 or w.score_tokens or w.start % size == 0 or (w.start + w.num_steps) % size == 0
+            for w in works
         )
         self._snapshot_running = running
         return stale
@@ -260,18 +262,28 @@ class Engine:
         return RingSnapshot(*totals)
 
     def _postprocess(self, works: list[Work], logits: torch.Tensor, scores: list[torch.Tensor | None]) -> None:
-        sampling = [w.seq for w in works if w.samples]
-        tokens = iter(sample_rows(logits, [s.params for s in sampling], [s.generator for s in sampling]))
+        if works[0].num_steps > 1:  # a decode burst: its tokens were chosen on the device
+            tokens = iter(self.runner.burst_tokens(len(works), works[0].num_steps))
+        else:
+            sampling = [w.seq for w in works if w.samples]
+            sampled = sample_rows(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            tokens = iter([t] for t in sampled)
         for w, page_scores in zip(works, scores, strict=True):
             seq = w.seq
             if seq.ring is not None and self.ring is not None:
                 self._ring_after_step(w, page_scores, seq.ring)
             if w.score_only:
                 continue
-            seq.num_computed = w.start + w.num_new
-            self._publish_pages(seq)
-            if w.samples:
-                self._append(seq, next(tokens))
+            if not w.samples:
+                seq.num_computed = w.start + w.num_new
+                self._publish_pages(seq)
+                continue
+            for i, token in enumerate(next(tokens)):  # one token per step of a burst, as steps one by one
+                seq.num_computed = w.start + w.num_new + i
+                self._publish_pages(seq)
+                self._append(seq, token)
+                if seq.is_finished:
+                    break  # a stop mid-burst: the tokens after it are dropped
 
     def _ring_after_step(self, w: Work, scores: torch.Tensor | None, ring: SeqRing) -> None:
         """Fold the step's page scores in and re-select evidence when the schedule says so."""

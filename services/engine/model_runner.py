@@ -37,14 +37,25 @@ class ModelRunner:
         self.host = host
         self.decode = DecodeGraphs(model, pool, device, max_batch, cuda_graphs) if decode_runner else None
 
+    def accepts_burst(self, works: list[Work]) -> bool:
+        """Can these works run as a decode burst (only the decode runner runs bursts)."""
+        return self.decode is not None and self.decode.accepts(works)
+
+    def burst_tokens(self, num_works: int, num_steps: int) -> list[list[int]]:
+        """After run() of a decode burst: per work, the token each of its steps chose (argmax)."""
+        assert self.decode is not None
+        return self.decode.burst_tokens(num_works, num_steps)
+
     @torch.inference_mode()
     def run(self, works: list[Work]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Forward every work item; (logits [num_sampling_works, V] float32 in work order, per work the
-        page scores of its scoring tokens, [pages] summed over layers, or None when it scored nothing)."""
+        page scores of its scoring tokens, [pages] summed over layers, or None when it scored nothing).
+        A decode burst (num_steps > 1) runs all its steps; the logits are its last step's."""
         self.pool.local_stage.clear()  # the last step's pages have been written through
         if self.decode is not None and self.decode.accepts(works):
             logits = self.decode.run(works)
             return logits, self.decode.page_scores(works)
+        assert works[0].num_steps == 1, "a decode burst the decode runner does not accept"
         token_ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []

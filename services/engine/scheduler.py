@@ -10,6 +10,14 @@ With a ring (RingManager), a sequence keeps only its planned resident pages (buc
 each step the pages that left the plan are demoted and the planned ones are made resident; the last
 prefill chunk of a sparse over-budget prompt first runs once as a scoring pass so that retrieval
 sees the whole query before the chunk is computed for real.
+
+Decode bursts: when every item of a step is a greedy decode the decode runner can run, the step is
+`num_steps` decode steps in a row (up to `decode_burst`), each one's argmax the next one's input on
+the device, the host coming back only at the burst's end. A burst stays inside every sequence's
+current page (no page is filled, demoted or allocated mid-burst), within its max_tokens, and ends at
+or before the next re-selection step (a re-selection scores the burst's last query). A stop token
+mid-burst ends the sequence there: the tokens after it are dropped, their K/V rows lie past
+num_computed and are never read.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ class Work(NamedTuple):
     num_new: int
     score_tokens: int = 0  # trailing tokens of this work whose queries score pages (ring)
     score_only: bool = False  # a scoring pass: nothing is kept but the scores
+    num_steps: int = 1  # a decode burst: this many greedy decode steps in a row (num_new == 1)
 
     @property
     def samples(self) -> bool:
@@ -60,7 +69,11 @@ class Scheduler:
         new_ring: Callable[[Sequence], None] | None = None,
         pool: KVPool | None = None,
         host: HostPages | None = None,
+        decode_burst: int = 1,
+        burst_ok: Callable[[list[Work]], bool] | None = None,
     ) -> None:
+        self.decode_burst = decode_burst  # most decode steps one step may run (1: no bursts)
+        self.burst_ok = burst_ok  # can the runner run these works as a burst (the decode runner accepts them)
         self.pool = pool  # for copying matched tail pages
         self.host = host  # the kvstore: prefixes whose pages left the device come back from it
         self.num_host_restored = 0  # pages a sequence without a ring took from the host store
@@ -78,7 +91,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
-        self.num_steps = 0  # schedule() calls: the clock of decode re-selection
+        self.num_steps = 0  # decode steps scheduled (a burst counts each): the clock of decode re-selection
         # ring sequence -> (page table, pages, evidence, skeleton) of its last room-making
         self._room_keys: dict[Sequence, tuple[object, ...]] = {}
         self._failures: list[tuple[Sequence, str]] = []
@@ -128,7 +141,7 @@ class Scheduler:
                 break  # it preempted itself back into the queue
             works.append(self._work(seq, want))
             budget -= want
-        return works
+        return self._burst(works)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished sequence's slots and forget it."""
@@ -163,17 +176,58 @@ class Scheduler:
         end = seq.num_computed + want
         if not seq.in_prefill:
             # decode: only the step that re-selects evidence scores (its query token), once every
-            # rescore_interval steps, on the same steps for every sequence (a step with one scoring
-            # sequence runs StepAttention for all); the other steps can run in the decode runner
+            # rescore_interval steps, on the same steps for every sequence
             ring.decode_steps += 1
-            rescore = lim.rescore_interval > 0 and self.num_steps % lim.rescore_interval == 0
-            return Work(seq, seq.num_computed, want, score_tokens=1 if rescore else 0)
+            return Work(seq, seq.num_computed, want, score_tokens=1 if self._rescore_at(self.num_steps) else 0)
         if end == len(seq.prompt_ids):
             if ring.final_scored or not lim.retrieval:
                 return Work(seq, seq.num_computed, want)
             query_from = max(seq.num_computed, ring.query_start, end - lim.max_query)
             return Work(seq, seq.num_computed, want, score_tokens=end - query_from, score_only=True)
         return Work(seq, seq.num_computed, want, score_tokens=min(want, lim.query_tail))
+
+    def _rescore_at(self, clock: int) -> bool:
+        """Decode re-selection steps: every rescore_interval-th step of the clock."""
+        assert self.ring is not None
+        interval = self.ring.limits.rescore_interval
+        return interval > 0 and clock % interval == 0
+
+    def _rescores(self, seq: Sequence) -> bool:
+        """A decoding sequence whose steps re-select evidence (a sparse ring over its budget)."""
+        ring = seq.ring
+        return ring is not None and self.ring is not None and ring.policy == "sparse" and self._over_budget(seq)
+
+    def _burst(self, works: list[Work]) -> list[Work]:
+        """The step's works as one decode burst of as many steps as every sequence allows (module
+        docstring), or unchanged (one step)."""
+        if self.decode_burst <= 1 or not works or self.burst_ok is None:
+            return works
+        size, clock = self.page_size, self.num_steps
+        steps = self.decode_burst
+        for w in works:
+            seq, params = w.seq, w.seq.params
+            if w.num_new != 1 or w.score_tokens or not w.samples or params.temperature != 0.0 or params.logit_bias:
+                return works
+            steps = min(steps, size - w.start % size, seq.max_tokens - len(seq.output_ids))
+        rescoring = [w.seq for w in works if self._rescores(w.seq)]
+        if rescoring:  # end at the next re-selection step at the latest
+            interval = self.ring.limits.rescore_interval  # type: ignore[union-attr]
+            if interval > 0:
+                steps = min(steps, interval - clock % interval + 1)
+        if steps <= 1:
+            return works
+        last_scores = bool(rescoring) and self._rescore_at(clock + steps - 1)
+        burst = [
+            w._replace(num_steps=steps, score_tokens=1 if last_scores and w.seq in rescoring else 0) for w in works
+        ]
+        if not self.burst_ok(burst):
+            return works
+        self.num_steps += steps - 1
+        for w in burst:
+            w.seq.local_end = max(w.seq.local_end, w.start + steps)
+            if w.seq.ring is not None and self._rescores(w.seq):
+                w.seq.ring.decode_steps += steps - 1
+        return burst
 
     def _over_budget(self, seq: Sequence) -> bool:
         assert self.ring is not None

@@ -75,6 +75,7 @@ def make_engine(
     store_factory: Callable[[], Any] | None = None,
     local_ring: bool = True,
     kv_format: str = "fp32",
+    decode_burst: int = 1,
 ) -> Engine:
     """An engine on the CPU; with `ring`, pages go through a real kvstore process at `store_address`.
     Sliding-window layers get local rings (one per running sequence) unless `local_ring` is False;
@@ -105,6 +106,7 @@ def make_engine(
         default_policy=default_policy,
         ring=ring,
         ring_chunk=ring_chunk,
+        decode_burst=decode_burst,
     )
     return Engine(limits, ModelRunner(model, pool, torch.device("cpu"), host), tokenizer, write_through)
 

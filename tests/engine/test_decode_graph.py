@@ -6,8 +6,11 @@ Llama and tiny Gemma (sliding window 8 over pages of 4: the local read set is ex
 with the sliding layers in local rings, `gemma-local`), batches of
 1-3 sequences of different lengths on scattered slots, and a ring sequence with pages that are not
 resident (gaps). Engine level: greedy output with the decode runner equals output without it, with
-and without the ring. GPU (`gpu` marker): a captured graph replayed equals the eager step, for
-several batch and window buckets and after the page table changed.
+and without the ring. Decode bursts (several greedy steps per host round trip): the same tokens,
+finish reasons and reusable K/V as one step at a time, bursts kept inside a page, ended at
+re-selection steps, never for sampled requests. GPU (`gpu` marker): a captured graph replayed equals
+the eager step, for several batch and window buckets and after the page table changed, and a captured
+burst equals eager steps.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.ring import SeqRing
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import Work
-from services.engine.sequence import NOT_RESIDENT, Sequence
+from services.engine.sequence import NOT_RESIDENT, FinishReason, Sequence
 from services.engine.summaries import PageSummaries
 from tests.conftest import StartStore
 from tests.engine.helpers import (
@@ -235,6 +238,125 @@ def test_ring_engine_greedy_is_the_same_with_and_without_the_decode_runner(
     assert with_runner == without
 
 
+# -- decode bursts ------------------------------------------------------------------------------------
+
+
+def _burst_run(
+    model, tokenizer: Tokenizer, burst: int, params: list[SamplingParams], namespace: str, **kw: object
+) -> tuple[list[tuple[list[int], object]], list[list[Work]], object]:
+    """Three prompts decoded together; (per request (tokens, Done), the works of every step, the engine)."""
+    engine = make_engine(model, tokenizer, decode_burst=burst, **kw)  # type: ignore[arg-type]
+    steps: list[list[Work]] = []
+    real = engine.runner.run
+
+    def spy(works: list[Work]):  # type: ignore[no-untyped-def]
+        steps.append(list(works))
+        return real(works)
+
+    engine.runner.run = spy  # type: ignore[method-assign]
+    rng = random.Random(11)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (7, 30, 19)]
+    seqs = [engine.submit(f"b{i}", p, params[i], namespace=namespace) for i, p in enumerate(prompts)]
+    run_until_done(engine, seqs)
+    return [drain(events_of(s)) for s in seqs], steps, engine
+
+
+def _check_bursts(steps: list[list[Work]], page: int = PAGE) -> int:
+    """Every burst is all-decode, uniform, inside each sequence's page; returns how many ran."""
+    bursts = 0
+    for works in steps:
+        n = works[0].num_steps
+        assert all(w.num_steps == n for w in works)
+        if n > 1:
+            bursts += 1
+            assert all(w.num_new == 1 and w.start % page + n <= page for w in works), works
+    return bursts
+
+
+def _burst_equals_single_steps(model: torch.nn.Module, device: torch.device, capture: bool) -> DecodeGraphs:
+    """Bursts of a whole page (tokens chosen on the device) equal single steps with the argmax on the host."""
+    burst = Harness(model, [8, 32], num_slots=256, device=device, capture=capture)  # both start on a page
+    single = Harness(model, [8, 32], num_slots=256, device=device, capture=False)
+    for _ in range(3):
+        works = [Work(s, s.num_computed, 1, num_steps=PAGE) for s in burst.seqs]
+        assert burst.graphs.accepts(works)
+        burst.graphs.run(works)
+        for s, tokens in zip(burst.seqs, burst.graphs.burst_tokens(2, PAGE), strict=True):
+            s.num_computed += PAGE
+            s.output_ids.extend(tokens)
+        for _ in range(PAGE):
+            single.advance(single.graphs.run(single.works()))
+    assert [s.output_ids for s in burst.seqs] == [s.output_ids for s in single.seqs]
+    assert all(len(s.output_ids) == 1 + 3 * PAGE for s in burst.seqs)
+    return burst.graphs
+
+
+def test_runner_burst_equals_single_steps(model) -> None:
+    graphs = _burst_equals_single_steps(model, CPU, capture=False)
+    assert graphs.num_eager == 3 * PAGE
+
+
+def test_bursts_give_the_tokens_of_single_steps(model, smol_tokenizer: Tokenizer) -> None:
+    params = [greedy(20)] * 3
+    single, steps1, _ = _burst_run(model, smol_tokenizer, 1, params, "one", num_slots=64)
+    burst, steps4, _ = _burst_run(model, smol_tokenizer, 4, params, "burst", num_slots=64)
+    assert _check_bursts(steps1) == 0 and _check_bursts(steps4) >= 4
+    assert len(steps4) < len(steps1) - 4  # fewer host round trips (3 sequences at different page offsets)
+    assert [t for t, _ in burst] == [t for t, _ in single]
+    assert all(len(t) == 20 for t, _ in burst)
+
+
+def test_a_sampled_request_keeps_the_step_one_token_at_a_time(model, smol_tokenizer: Tokenizer) -> None:
+    params = [greedy(12), SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True), greedy(12)]
+    _, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "sampled", num_slots=64)
+    assert _check_bursts(steps[:-12]) == 0  # while the sampled request runs (it decodes to the end with the others)
+
+
+def test_a_stop_token_mid_burst_ends_the_sequence_there(smol_tokenizer: Tokenizer) -> None:
+    """The stop is a token the first request emits mid-burst: same tokens and finish as single steps; a
+    follow-up request extending that output reuses the finished request's pages and decodes correctly.
+    Tiny Llama only: the tiny random Gemma repeats one token from the start."""
+    model = tiny_model(VOCAB, seed=3)
+    results, _, _ = _burst_run(model, smol_tokenizer, 1, [greedy(20)] * 3, "free", num_slots=64)
+    free_run = results[0][0]
+    prompt0_len = 7
+    # a token at a position not at a page end (so a burst runs past it), first occurrence
+    k = next(
+        i for i in range(2, 20) if (prompt0_len + i) % PAGE not in (0, PAGE - 1) and free_run[i] not in free_run[:i]
+    )
+    stop = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=(free_run[k],))
+    params = [stop, greedy(20), greedy(20)]
+    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "stop1", num_slots=64)
+    burst, steps, engine = _burst_run(model, smol_tokenizer, 4, params, "stop4", num_slots=64)
+    assert _check_bursts(steps) >= 2
+    assert burst[0][0] == single[0][0] == free_run[: k + 1]
+    assert burst[0][1] == single[0][1] and burst[0][1].finish_reason == FinishReason.STOP  # type: ignore[union-attr]
+    assert [t for t, _ in burst[1:]] == [t for t, _ in single[1:]]
+    rng = random.Random(11)
+    prompt0 = [rng.randrange(VOCAB) for _ in range(prompt0_len)]
+    follow = prompt0 + free_run[: k + 1]
+    seq = engine.submit("follow", follow, greedy(6), namespace="stop4")
+    run_until_done(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert done.cached_tokens > 0  # type: ignore[union-attr]  # the stopped request's pages were reused
+    assert tokens == reference_greedy(model, follow, 6)
+
+
+def test_ring_bursts_end_at_re_selection_steps(model, smol_tokenizer: Tokenizer, start_store: StartStore) -> None:
+    """Re-selection every 4 decode steps on a 12-page budget: bursts end on the scoring step (its query
+    scores the pages), the tokens equal single steps'."""
+    address = start_store(host_kv_mib=32).address
+    kw = dict(num_slots=40, ring=ring_limits(8, rescore_interval=4), ring_chunk=8, store_address=address)
+    params = [greedy(20)] * 3
+    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "ring1", **kw)
+    burst, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "ring4", **kw)
+    assert _check_bursts(steps) >= 3
+    scoring_bursts = [ws for ws in steps if ws[0].num_steps > 1 and any(w.score_tokens for w in ws)]
+    assert scoring_bursts, "a burst must end on a re-selection step"
+    assert all(w.score_tokens <= 1 for ws in steps if ws[0].num_steps > 1 for w in ws)
+    assert [t for t, _ in burst] == [t for t, _ in single]
+
+
 # -- GPU: capture and replay ---------------------------------------------------------------------------
 
 
@@ -267,6 +389,14 @@ def test_replay_equals_eager(model, lengths: list[int]) -> None:
                 s.page_table.slot_ids[1] = dst
     assert cap.graphs.num_replays >= 8 and cap.graphs.num_captures >= 1
     assert [s.output_ids for s in cap.seqs] == [s.output_ids for s in ref.seqs]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_burst_equals_eager_steps(model) -> None:
+    m = _gpu_model(model)
+    graphs = _burst_equals_single_steps(m, torch.device("cuda"), capture=True)
+    assert graphs.num_captures == 1 and graphs.num_replays == 3 * PAGE - 1
 
 
 @pytest.mark.gpu
