@@ -350,7 +350,7 @@ class DecodeGraphs:
         bufs.burst_tokens.index_copy_(0, bufs.step, token[None])
         bufs.ids.copy_(token)
         bufs.inputs[1:3] += 1  # positions, write_rows: the burst stays inside the page
-        bufs.step += 1
+        torch.remainder(bufs.step + 1, bufs.burst_tokens.shape[0], out=bufs.step)  # replays past a page wrap
         return logits
 
     def _capture(self, bufs: _Buffers) -> torch.Tensor:
