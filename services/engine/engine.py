@@ -353,7 +353,7 @@ class Engine:
                 written.append(i)
         if written and self.write_through is not None:
             local = (seq.local_ring, written) if self.pool.local is not None else None  # staged or in the ring
-            pages = self.pool.read_pages([table.slot_ids[i] for i in written], local).to("cpu")
+            pages = _to_host(self.pool.read_pages([table.slot_ids[i] for i in written], local))
             for i, page in zip(written, pages, strict=True):
                 self.write_through.submit(table.page_hashes[i], page, size)
 
@@ -378,3 +378,14 @@ class Engine:
             self.scheduler.finish(seq)
         seq.finish_reason = FinishReason.ERROR
         seq.events.put(Failed(code, message))
+
+
+def _to_host(pages: torch.Tensor) -> torch.Tensor:
+    """A device batch of pages into pinned host memory (a DMA at the link's speed, not a copy through a
+    pageable bounce: a 2K prefill chunk is 38 MB of Gemma 3 270M pages); a CPU batch as it is. The pinned
+    block returns to torch's caching host allocator once the write-through has written every page of it."""
+    if pages.device.type == "cpu":
+        return pages
+    host = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
+    host.copy_(pages)
+    return host
