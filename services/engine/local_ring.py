@@ -47,11 +47,14 @@ def ring_span(window: int, page_size: int) -> int:
 
 
 class ParkedRing(NamedTuple):
-    """A ring left by a sequence: the rows of positions [end - span, end) hold its K/V (of its tokens)."""
+    """A ring left by a sequence: the rows of positions [written - span, end) hold its K/V (of its tokens);
+    rows of positions [end, written) were written ahead (a decode burst cut short by a stop) and are
+    rewritten before any read by whoever takes the ring over."""
 
     ring_id: int
     end: int  # the positions the sequence had computed
     tail: tuple[int, ...]  # its tokens after the last full page, up to `end`
+    written: int  # the positions written into the ring (>= end)
 
 
 class LocalRings:
@@ -93,12 +96,13 @@ class LocalRings:
         assert all(p.ring_id != ring_id for p in self._parked.values()), f"ring {ring_id} is parked"
         self._free.append(ring_id)
 
-    def park(self, page_hash: bytes, ring_id: int, end: int, tail: tuple[int, ...]) -> None:
-        """Keep a leaving sequence's ring for a later request whose prefix ends at the page `page_hash`."""
+    def park(self, page_hash: bytes, ring_id: int, end: int, tail: tuple[int, ...], written: int | None = None) -> None:
+        """Keep a leaving sequence's ring for a later request whose prefix ends at the page `page_hash`;
+        `written`: positions written into it when more than `end` (ParkedRing)."""
         replaced = self._parked.pop(page_hash, None)
         if replaced is not None:
             self._free.append(replaced.ring_id)
-        self._parked[page_hash] = ParkedRing(ring_id, end, tail)
+        self._parked[page_hash] = ParkedRing(ring_id, end, tail, max(end, written if written is not None else end))
 
     def take(self, page_hash: bytes) -> ParkedRing | None:
         """The ring parked under `page_hash`, now owned by the caller (None when there is none)."""
@@ -106,7 +110,7 @@ class LocalRings:
 
     def covers(self, parked: ParkedRing, position: int) -> bool:
         """The parked ring still holds the window before `position` (<= its end)."""
-        return parked.end - self.span <= max(0, position - self.window + 1) and position <= parked.end
+        return parked.written - self.span <= max(0, position - self.window + 1) and position <= parked.end
 
     def rows(self, ring_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows of token positions [N] (int64, >= 0) in ring `ring_id`."""

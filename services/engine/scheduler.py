@@ -325,14 +325,16 @@ class Scheduler:
         seq.ring = None
 
     def _park_or_release_local(self, seq: Sequence, park: bool) -> None:
-        """Park the sequence's local ring under its last full page when the ring holds exactly what it
-        computed (no failed step or scoring pass wrote ahead); otherwise free it."""
+        """Park the sequence's local ring under its last full page when the ring holds what it computed,
+        possibly with less than a page written ahead (a decode burst cut short by a stop: ParkedRing); a
+        failed step or a scoring pass that wrote more ahead frees it."""
         assert self.pool is not None and self.pool.local is not None
         table, size = seq.page_table, self.page_size
         start = len(table.page_hashes) * size
-        if park and table.page_hashes and seq.local_end == seq.num_computed >= start:
+        ahead = seq.local_end - seq.num_computed
+        if park and table.page_hashes and seq.num_computed >= start and 0 <= ahead < size:
             tail = tuple(seq.token_ids[start : seq.num_computed])
-            self.pool.local.park(table.page_hashes[-1], seq.local_ring, seq.num_computed, tail)
+            self.pool.local.park(table.page_hashes[-1], seq.local_ring, seq.num_computed, tail, seq.local_end)
         else:
             self.pool.local.release(seq.local_ring)
         seq.local_ring = -1

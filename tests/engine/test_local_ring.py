@@ -13,6 +13,8 @@ import torch
 from services.common.tokenizer import Tokenizer
 from services.engine.kv_pool import KVPool
 from services.engine.local_ring import LocalRings, LocalRingsExhaustedError, ParkedRing, ring_span
+from services.engine.sampling import SamplingParams
+from services.engine.sequence import FinishReason
 from tests.conftest import StartStore
 from tests.engine.helpers import (
     drain,
@@ -52,9 +54,11 @@ def test_ring_span_is_the_window_and_a_page_in_whole_pages() -> None:
 
 def test_a_parked_ring_covers_the_window_before_any_later_position() -> None:
     rings = LocalRings({0: 8}, span=12, num_rings=2, page_size=PAGE)
-    parked = ParkedRing(ring_id=0, end=43, tail=(1, 2, 3))  # computed 10 pages + 3 tokens; holds [31, 43)
+    parked = ParkedRing(ring_id=0, end=43, tail=(1, 2, 3), written=43)  # computed 10 pages + 3 tokens: [31, 43)
     assert rings.covers(parked, 40) and rings.covers(parked, 43) and not rings.covers(parked, 44)
     assert not LocalRings({0: 8}, span=8, num_rings=1, page_size=PAGE).covers(parked, 40)  # [35, 43) lacks 33
+    ahead = parked._replace(written=46)  # a burst wrote 3 positions past a stop: the ring holds [34, 43)
+    assert rings.covers(ahead, 43) and not rings.covers(ahead, 40)  # 40's window starts at 33
 
 
 def test_parked_rings_are_taken_by_their_page_and_reclaimed_oldest_first() -> None:
@@ -63,12 +67,12 @@ def test_parked_rings_are_taken_by_their_page_and_reclaimed_oldest_first() -> No
     rings.park(b"page-a", a, end=10, tail=(1, 2))
     rings.park(b"page-b", b, end=20, tail=())
     assert rings.num_free() == 2 and rings.num_parked == 2
-    assert rings.take(b"page-b") == (b, 20, ()) and rings.take(b"page-b") is None
+    assert rings.take(b"page-b") == (b, 20, (), 20) and rings.take(b"page-b") is None
     assert rings.allocate() == a  # no free ring: the oldest parked one is reclaimed
     assert rings.take(b"page-a") is None and rings.num_free() == 0
     rings.park(b"page-c", c, end=5, tail=(3,))
     rings.park(b"page-c", b, end=6, tail=(4,))  # the same page again: the older ring is freed
-    assert rings.num_parked == 1 and rings.take(b"page-c") == (b, 6, (4,))
+    assert rings.num_parked == 1 and rings.take(b"page-c") == (b, 6, (4,), 6)
     assert rings.allocate() == c
 
 
@@ -161,6 +165,30 @@ def test_engine_pool_with_local_rings_is_smaller_and_greedy_is_the_reference(gem
         outs.append([drain(events_of(s))[0] for s in seqs])
         assert engine.pool.local is None or engine.pool.local.num_free() == engine.pool.local.num_rings
     assert outs[0] == outs[1] == [reference_greedy(gemma, p, 14) for p in prompts]
+
+
+def test_a_stop_mid_burst_still_parks_the_ring_for_the_next_turn(gemma, smol_tokenizer: Tokenizer) -> None:
+    """Turn 1 decodes in bursts (pages of 4, bursts up to the page end) and its stop token ends it mid-burst:
+    the ring, written a position past the stop, is parked all the same (ParkedRing.written) and turn 2
+    takes it over; its answer is the reference's."""
+    engine = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8, decode_burst=4)
+    prompt = _prompt(41, 1)
+    ref = reference_greedy(gemma, prompt, 4)
+    assert ref[2] not in ref[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=(ref[2],))
+    first = engine.submit("t1", prompt, params)
+    run_until_done(engine, [first])
+    answer, done = drain(events_of(first))
+    assert answer == ref[:3] and done.finish_reason == FinishReason.STOP  # type: ignore[union-attr]
+    assert engine.pool.local is not None and engine.pool.local.num_parked == 1
+    parked = next(iter(engine.pool.local._parked.values()))
+    assert (parked.end, parked.written) == (43, 44)  # the burst from position 41 ran to the page end
+    turn2 = prompt + answer + [5, 6, 7]
+    seq = engine.submit("t2", turn2, greedy(4))
+    run_until_done(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert done.cached_tokens == 43 and engine.scheduler.num_local_reuses == 1  # type: ignore[union-attr]
+    assert tokens == reference_greedy(gemma, turn2, 4)
 
 
 def test_the_next_turn_takes_the_parked_ring_and_the_tail_page(gemma, smol_tokenizer: Tokenizer) -> None:
