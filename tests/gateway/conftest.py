@@ -12,9 +12,18 @@ from services.gateway.config import GatewayConfig, parse_api_keys
 from tests.gateway.fake_guard import KEYS, FakeGuard, FakeGuardServer, client_for, serve_in_thread
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def anyio_backend() -> str:
     return "asyncio"  # grpc.aio needs asyncio
+
+
+@pytest.fixture(scope="module")
+async def one_event_loop() -> AsyncIterator[None]:
+    """Held by every fixture that makes a grpc.aio guard client: AnyIO keeps one test runner, so one event
+    loop, for the module's async tests. With a loop per test, grpc.aio's poller thread could hand a late
+    completion of the last test's guard calls to that test's closed loop, failing the next test's set-up
+    with "Event loop is closed" (seen under CPU load)."""
+    yield
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +41,17 @@ def fake(fake_guard_server: FakeGuardServer) -> FakeGuard:
 
 
 @pytest.fixture
-async def client(fake: FakeGuard, fake_guard_server: FakeGuardServer) -> AsyncIterator[httpx.AsyncClient]:
+async def client(
+    fake: FakeGuard, fake_guard_server: FakeGuardServer, one_event_loop: None
+) -> AsyncIterator[httpx.AsyncClient]:
     async for c in client_for(GatewayConfig(cacheguard_addr=fake_guard_server.addr)):
         yield c
 
 
 @pytest.fixture
-async def auth_client(fake: FakeGuard, fake_guard_server: FakeGuardServer) -> AsyncIterator[httpx.AsyncClient]:
+async def auth_client(
+    fake: FakeGuard, fake_guard_server: FakeGuardServer, one_event_loop: None
+) -> AsyncIterator[httpx.AsyncClient]:
     config = GatewayConfig(cacheguard_addr=fake_guard_server.addr, api_keys=parse_api_keys(KEYS))
     async for c in client_for(config):
         yield c

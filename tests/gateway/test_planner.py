@@ -26,11 +26,6 @@ pytestmark = pytest.mark.anyio
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go."
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def words(text: str) -> int:
     return len(text.split())
 

@@ -89,11 +89,6 @@ class ToyGuard(cacheguard_pb2_grpc.CacheGuardServicer):
         return engine_pb2.GetModelInfoResponse(model_id="toy", max_context=4 * POOL, kv_capacity=POOL, page_size=64)
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def toy_server() -> Iterator[FakeGuardServer]:
     server = FakeGuardServer(ToyGuard())
@@ -118,7 +113,7 @@ async def _client(config: GatewayConfig) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest.fixture
-async def client(toy_server: FakeGuardServer, toy: ToyGuard) -> AsyncIterator[httpx.AsyncClient]:
+async def client(toy_server: FakeGuardServer, toy: ToyGuard, one_event_loop: None) -> AsyncIterator[httpx.AsyncClient]:
     async for c in _client(GatewayConfig(cacheguard_addr=toy_server.addr, planner_answer_reserve=32)):
         yield c
 
