@@ -18,6 +18,7 @@ class ConfigError(ValueError):
 
 
 _KV_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BURST_ON_CUDA = 8  # bench/RESULTS.md run 9: 8 vs 16 vs 1 step per round trip on the H200
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class EngineConfig:
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
     # -- GPU execution --
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
-    decode_burst: int = 8  # greedy decode steps run back to back on the device per host round trip (1: off)
+    decode_burst: int = 0  # greedy decode steps per host round trip (1: off; 0: auto, BURST_ON_CUDA on CUDA, 1 on CPU)
     kernels: str = "auto"  # page kernel set: auto (from the device capability), triton, cupy, torch
 
     def __post_init__(self) -> None:
@@ -68,8 +69,8 @@ class EngineConfig:
             raise ConfigError(f"kv_capacity {self.kv_capacity} is smaller than one page ({self.page_size})")
         if self.max_context <= 0:
             raise ConfigError(f"max_context must be positive, got {self.max_context}")
-        if not 1 <= self.decode_burst <= self.page_size:
-            raise ConfigError(f"decode_burst must be in [1, page_size {self.page_size}], got {self.decode_burst}")
+        if not 0 <= self.decode_burst <= self.page_size:
+            raise ConfigError(f"decode_burst must be in [0, page_size {self.page_size}], got {self.decode_burst}")
         if self.ring_prefetch_steps < 0:
             raise ConfigError(f"ring_prefetch_steps must be >= 0, got {self.ring_prefetch_steps}")
         if self.ring_budget_pages > self.num_slots:
@@ -100,6 +101,14 @@ class EngineConfig:
         if self.kernels not in ("auto", "triton", "cupy", "torch"):
             raise ConfigError(f"kernels {self.kernels!r} not in auto, triton, cupy, torch")
         self.kv_spec  # noqa: B018 -- parses and validates the spec (ConfigError naming the bad part)
+
+    def burst_for(self, device: torch.device) -> int:
+        """The decode burst on this device: the setting, or auto (0): BURST_ON_CUDA steps on CUDA, where a
+        step's host work is as long as the step itself; one on the CPU, where the step's compute dwarfs the
+        host work and a burst would only make the stream come in lumps."""
+        if self.decode_burst:
+            return self.decode_burst
+        return BURST_ON_CUDA if device.type == "cuda" else 1
 
     @property
     def num_slots(self) -> int:
@@ -256,8 +265,9 @@ class EngineConfig:
         p.add_argument(
             "--decode-burst",
             type=int,
-            default=int(env("KVMEM_DECODE_BURST", "8")),
-            help="greedy decode steps run on the device per host round trip (1: one step at a time)",
+            default=int(env("KVMEM_DECODE_BURST", "0")),
+            help="greedy decode steps run on the device per host round trip (1: one step at a time; 0: auto, "
+            f"{BURST_ON_CUDA} on CUDA, 1 on the CPU)",
         )
         p.add_argument("--kernels", default=env("KVMEM_KERNELS", "auto"), help="auto, triton, cupy or torch")
         p.add_argument(

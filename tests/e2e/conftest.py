@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +15,9 @@ API_KEY = "sk-e2e-test"
 
 @pytest.fixture(scope="session")
 def stack(redis_url: str) -> Iterator[Stack]:
+    """The engines decode greedy requests in bursts of 4 (KVMEM_DECODE_BURST; the CPU default is one step
+    per round trip), so every test here also runs decode bursts through the real services."""
+    os.environ["KVMEM_DECODE_BURST"] = "4"  # the children inherit the environment
     cfg = LaunchConfig(
         port=free_port(),
         redis_url=redis_url,
@@ -24,6 +28,9 @@ def stack(redis_url: str) -> Iterator[Stack]:
         ready_timeout_s=300,
     )
     s = Stack(cfg, echo=False)
-    s.start()
+    try:
+        s.start()
+    finally:
+        os.environ.pop("KVMEM_DECODE_BURST", None)
     yield s
     s.stop()

@@ -13,10 +13,12 @@ import torch
 from deploy.launcher import Stack
 from services.common.model_files import resolve_model_path
 from services.common.pagehash import chain_hashes
+from services.common.tokenizer import load_tokenizer
 from services.engine.attention import ContiguousKV
 from services.engine.models.loader import load_model
 from services.kvstore.client import KVStoreClient
 from tests.e2e.conftest import API_KEY
+from tests.engine.helpers import reference_greedy
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -53,6 +55,22 @@ def test_stream_reassembles_to_the_same_greedy_answer(client: openai.OpenAI) -> 
     assert text == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_greedy_decode_in_bursts_is_the_reference_up_to_its_stop(client: openai.OpenAI) -> None:
+    """The stack's engine decodes in bursts of 4 (tests/e2e/conftest.py): a greedy completion equals the model's
+    reference decoding (one sequence, contiguous cache) up to the end-of-sequence token, which comes on the
+    first step of a burst: the three steps after it are dropped."""
+    path = resolve_model_path("embedded:smollm2")
+    tokenizer = load_tokenizer(path)
+    prompt = tokenizer.encode("Here is a list of the planets of the solar system, in order from the sun:")
+    _, model = load_model(path, torch.device("cpu"), torch.float32)
+    ref = reference_greedy(model, prompt, 24)
+    eos = next(i for i, t in enumerate(ref) if t in tokenizer.info.eos_token_ids)
+    assert eos % 4 == 0  # token 1 comes from the prefill, token k + 1 from the burst step at offset k - 1
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == eos + 1
+    assert r.choices[0].text == tokenizer.decode(ref[:eos])
 
 
 def test_completions_with_max_tokens_stops_at_length(client: openai.OpenAI) -> None:
