@@ -102,7 +102,7 @@ class LocalRings:
         replaced = self._parked.pop(page_hash, None)
         if replaced is not None:
             self._free.append(replaced.ring_id)
-        self._parked[page_hash] = ParkedRing(ring_id, end, tail, max(end, written if written is not None else end))
+        self._parked[page_hash] = ParkedRing(ring_id, end, tail, end if written is None else written)
 
     def take(self, page_hash: bytes) -> ParkedRing | None:
         """The ring parked under `page_hash`, now owned by the caller (None when there is none)."""
