@@ -80,7 +80,9 @@ class ModelRunner:
     def _local_span(self, span: SeqSpan, w: Work, end: int) -> None:
         """Sliding-window layers: the ring rows of the window before the new tokens (they attend those and
         their own new rows), the ring rows their last min(n, span) tokens are kept in, and the pages the
-        step finishes, staged for the write-through with the ring rows they start in."""
+        step finishes, staged for the write-through with the ring rows they start in. A scoring pass keeps
+        and stages nothing: the real pass of the same chunk reads the window before it from the ring next,
+        and the chunk's own rows would overwrite it (a ring holds one window and a page less one token)."""
         local, ring_id, size = self.pool.local, w.seq.local_ring, self.pool.page_size
         assert local is not None and ring_id >= 0, f"{w.seq.request_id} runs without a local ring"
         first = w.start
@@ -89,9 +91,11 @@ class ModelRunner:
         span.local_ring = ring_id
         span.local_key_pos = torch.arange(lo, end, device=dev)
         span.local_read_rows = local.rows(ring_id, torch.arange(lo, first, device=dev))
-        kept = min(end - first, local.span)
+        kept = 0 if w.score_only else min(end - first, local.span)
         span.local_write_rows = local.rows(ring_id, torch.arange(end - kept, end, device=dev))
         span.local_stage = []
+        if w.score_only:
+            return
         for page in range(first // size, end // size):
             begin = max(page * size, first)  # the page's tokens before `begin` are in the ring already
             before = local.rows(ring_id, torch.arange(page * size, begin, device=dev))

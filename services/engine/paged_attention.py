@@ -125,8 +125,9 @@ class StepAttention:
                     torch.cat((pool.k[layer_idx][before], k_new[lo:hi])),
                     torch.cat((pool.v[layer_idx][before], v_new[lo:hi])),
                 )
-            kept = span.local_write_rows.shape[0]
-            pool.write_stored(layer_idx, span.local_write_rows, k_new[n - kept :], v_new[n - kept :])
+            kept = span.local_write_rows.shape[0]  # 0 in a scoring pass
+            if kept:
+                pool.write_stored(layer_idx, span.local_write_rows, k_new[n - kept :], v_new[n - kept :])
             start += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 

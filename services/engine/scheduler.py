@@ -168,7 +168,12 @@ class Scheduler:
         return want
 
     def _work(self, seq: Sequence, want: int) -> Work:
-        seq.local_end = max(seq.local_end, seq.num_computed + want)  # the step writes these ring rows
+        work = self._shape(seq, want)
+        if not work.score_only:  # the step writes these ring rows (a scoring pass writes none)
+            seq.local_end = max(seq.local_end, seq.num_computed + want)
+        return work
+
+    def _shape(self, seq: Sequence, want: int) -> Work:
         ring = seq.ring
         if ring is None or self.ring is None or not self._over_budget(seq) or ring.policy != "sparse":
             return Work(seq, seq.num_computed, want)
@@ -327,7 +332,7 @@ class Scheduler:
     def _park_or_release_local(self, seq: Sequence, park: bool) -> None:
         """Park the sequence's local ring under its last full page when the ring holds what it computed,
         possibly with less than a page written ahead (a decode burst cut short by a stop: ParkedRing); a
-        failed step or a scoring pass that wrote more ahead frees it."""
+        failed step that wrote more ahead frees it."""
         assert self.pool is not None and self.pool.local is not None
         table, size = seq.page_table, self.page_size
         start = len(table.page_hashes) * size

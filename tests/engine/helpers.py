@@ -76,15 +76,18 @@ def make_engine(
     local_ring: bool = True,
     kv_format: str = "fp32",
     decode_burst: int = 1,
+    local_span: int = 0,
 ) -> Engine:
     """An engine on the CPU; with `ring`, pages go through a real kvstore process at `store_address`.
-    Sliding-window layers get local rings (one per running sequence) unless `local_ring` is False;
-    `kv_format` (one format for every layer, kv_formats.py) is the pool's and the page hashes'."""
+    Sliding-window layers get local rings (one per running sequence, `local_span` rows each, default
+    ring_span's) unless `local_ring` is False; `kv_format` (one format for every layer, kv_formats.py) is
+    the pool's and the page hashes'."""
     cfg = model.config
     windows = {i: w for i, w in enumerate(cfg.layer_windows) if w is not None}
     local = None
     if windows and local_ring:
-        local = LocalRings(windows, ring_span(max(windows.values()), page_size), max_running, page_size)
+        span = local_span or ring_span(max(windows.values()), page_size)
+        local = LocalRings(windows, span, max_running, page_size)
     pool = KVPool(
         cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"),
         [parse_format(kv_format)] * cfg.num_layers, local=local,

@@ -276,6 +276,59 @@ def test_the_kvmem_ring_with_local_rings_matches_the_reference(
     engine.stop()
 
 
+def test_a_scoring_pass_leaves_the_local_rings_as_they_were(
+    gemma, smol_tokenizer: Tokenizer, start_store: StartStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scoring pass of a sparse over-budget prompt's last chunk runs the chunk once for its queries only:
+    it must not write the chunk's rows into the local rings, where they would overwrite the window before
+    the chunk that the real pass of the same chunk reads next (a ring holds a window and a page less one
+    token). On the real Gemma 3 270M that clobbering cost the ring passkeys at 16K and 30K (6/6 -> 2/6).
+    Rings large enough for a chunk and its window (nothing a step writes reaches the window it reads) give
+    the same logits."""
+    import services.engine.engine as engine_module
+
+    address = start_store(host_kv_mib=32).address
+    logits: list[torch.Tensor] = []
+    real_sample = engine_module.sample_rows
+
+    def capture(rows, params, generators):  # type: ignore[no-untyped-def]
+        logits.append(rows.detach().clone())
+        return real_sample(rows, params, generators)
+
+    monkeypatch.setattr(engine_module, "sample_rows", capture)
+    runs = []
+    for span in (0, 64):  # ring_span's 12 rows (window 8, page 4), then room for a chunk and its window
+        engine = make_engine(gemma, smol_tokenizer, num_slots=20, ring=ring_limits(budget_pages=8), ring_chunk=8,
+                             prefill_chunk=8, store_address=address, local_span=span)  # fmt: skip
+        local = engine.pool.local
+        assert local is not None
+        scored: list[bool] = []
+        real = engine.runner.run
+
+        def spy(works, real=real, local=local, engine=engine, scored=scored):  # type: ignore[no-untyped-def]
+            if not any(w.score_only for w in works):
+                return real(works)
+            before = [(engine.pool.k[i].clone(), engine.pool.v[i].clone()) for i in sorted(local.layers)]
+            out = real(works)
+            after = [(engine.pool.k[i], engine.pool.v[i]) for i in sorted(local.layers)]
+            scored.append(all(torch.equal(a, b) for x, y in zip(before, after, strict=True) for a, b in zip(x, y)))
+            return out
+
+        engine.runner.run = spy  # type: ignore[method-assign]
+        logits.clear()
+        seq = engine.submit("scored", _prompt(90, 11), greedy(4), namespace=f"span{span}")  # nothing shared
+        run_until_done(engine, [seq])
+        tokens, done = drain(events_of(seq))
+        assert scored == [True]  # one scoring pass, nothing written to the rings
+        assert len(tokens) == 4 and done.prefill_policy == "sparse"  # type: ignore[union-attr]
+        runs.append((local.span, tokens, torch.cat(logits)))
+        engine.stop()
+    (small, tokens, ring_logits), (roomy, roomy_tokens, roomy_logits) = runs
+    assert small < 8 + 8 <= roomy
+    assert tokens == roomy_tokens
+    torch.testing.assert_close(ring_logits, roomy_logits, rtol=0, atol=1e-5)
+
+
 def test_preempted_sequences_take_their_parked_ring_back(gemma, smol_tokenizer: Tokenizer) -> None:
     """A pool too small for four sequences at once: the youngest are preempted (their rings parked under
     their last page) and re-admitted later, taking their own ring back; every answer is the reference."""
