@@ -11,6 +11,10 @@ tensor on `device`:
   stays pageable (logged once) and its pages go the staging way below;
 - another host: the streamed bytes are packed into a pinned staging buffer, then one H2D copy;
 - CPU device: one memcpy per page into the result.
+`parts` (KVPool.slot_parts, local_parts) fetches only those bytes of each page: a restore into slots
+moves the paged layers, not the sliding layers whose rows live in local rings.
+Pins (a demoted page's host copy kept from eviction) and unpins go to the store off the step's path,
+in order, on the same thread that releases fetched batches.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -25,8 +30,10 @@ import numpy as np
 import torch
 
 from services.engine.kernels.restore import (
+    Part,
     RestoreError,
     host_tensor,
+    parts_nbytes,
     register_host,
     restore_pages,
     unregister_host,
@@ -200,43 +207,63 @@ class KVStoreHostPages:
         batched read; PagesLostError when any is gone."""
         return list(self.fetch_to(page_hashes, torch.device("cpu")))
 
-    def fetch_to(self, page_hashes: list[bytes], device: torch.device) -> torch.Tensor:
+    def fetch_to(
+        self, page_hashes: list[bytes], device: torch.device, parts: tuple[Part, ...] | None = None
+    ) -> torch.Tensor:
         """Pages as one uint8 [P, page_nbytes] tensor on `device` (rows in request order; KVPool.read_page's
-        layout), in one batched read; PagesLostError when any is gone. On CUDA the copies are done on return."""
+        layout), or with `parts` just those byte ranges of each page, packed [P, their size]; in one batched
+        read; PagesLostError when any is gone. On CUDA the copies are done on return."""
         with self._fetch_lock:  # the engine's step and the ring's prefetcher share the staging buffer
-            return self._fetch_to(page_hashes, torch.device(device))
+            return self._fetch_to(page_hashes, torch.device(device), parts or None)
 
-    def _fetch_to(self, page_hashes: list[bytes], device: torch.device) -> torch.Tensor:
+    def _fetch_to(self, page_hashes: list[bytes], device: torch.device, parts: tuple[Part, ...] | None) -> torch.Tensor:
         batch = self._get(page_hashes)
         try:
-            out = torch.empty(len(page_hashes), self._page_nbytes, dtype=torch.uint8, device=device)
+            width = parts_nbytes(parts) if parts else self._page_nbytes
+            out = torch.empty(len(page_hashes), width, dtype=torch.uint8, device=device)
             if device.type == "cpu":
                 rows = out.numpy()
                 for i, data in enumerate(batch):
-                    rows[i] = np.frombuffer(data, dtype=np.uint8)  # type: ignore[arg-type]
+                    page = np.frombuffer(data, dtype=np.uint8)  # type: ignore[arg-type]
+                    rows[i] = page if parts is None else np.concatenate([page[lo:hi] for lo, hi in parts])
             else:
-                self._to_device(batch, out)
+                self._to_device(batch, out, parts)
         except BaseException:
             batch.release()
             raise
-        try:
-            self._releases.submit(batch.release)  # the copies are done
-        except RuntimeError:  # closed (engine stopping): release here
-            batch.release()
+        self._background(batch.release)  # the copies are done
         self.num_fetched += len(page_hashes)
         self.fetched_bytes += out.numel()
         return out
 
     def pin(self, page_hashes: list[bytes]) -> None:
+        """Pin these host copies for this engine, off the caller's path (in order with unpin). A failed pin
+        is logged: the page may then be evicted, and a restore that misses it recomputes it."""
         if self._owner and page_hashes:
-            self._client.pin(self._owner, page_hashes)
+            self._background(self._pin_now, list(page_hashes))
 
     def unpin(self, page_hashes: list[bytes]) -> None:
         if self._owner and page_hashes:
-            try:
-                self._client.unpin(self._owner, page_hashes)
-            except Exception as exc:  # pins lapse by themselves
-                logger.warning("unpin of %d page(s) failed: %s", len(page_hashes), exc)
+            self._background(self._unpin_now, list(page_hashes))
+
+    def _pin_now(self, page_hashes: list[bytes]) -> None:
+        try:
+            self._client.pin(self._owner, page_hashes)
+        except Exception as exc:  # noqa: BLE001 - never fail the step thread's work for a pin
+            logger.warning("pin of %d page(s) failed (they may be evicted, then recomputed): %s", len(page_hashes), exc)
+
+    def _unpin_now(self, page_hashes: list[bytes]) -> None:
+        try:
+            self._client.unpin(self._owner, page_hashes)
+        except Exception as exc:  # noqa: BLE001 - pins lapse by themselves
+            logger.warning("unpin of %d page(s) failed: %s", len(page_hashes), exc)
+
+    def _background(self, fn: Callable[..., object], *args: object) -> None:
+        """Run on the release thread (in submission order), or here once it is closed (engine stopping)."""
+        try:
+            self._releases.submit(fn, *args)
+        except RuntimeError:
+            fn(*args)
 
     def close(self) -> None:
         """Drop the pins still being released, then close the client: its arena mappings are unregistered
@@ -246,7 +273,8 @@ class KVStoreHostPages:
         self._client.close()
 
     def settle(self) -> None:
-        """Wait until every fetched batch's pins are dropped (tests and benchmarks that count pins)."""
+        """Wait until every fetched batch's pins are dropped and every pin and unpin has reached the store
+        (tests and benchmarks that count pins)."""
         self._releases.submit(lambda: None).result()
 
     # ---- reads ------------------------------------------------------------------------------------
@@ -269,7 +297,7 @@ class KVStoreHostPages:
             raise PagesLostError(wrong)
         return batch
 
-    def _to_device(self, batch: PageBatch, out: torch.Tensor) -> None:
+    def _to_device(self, batch: PageBatch, out: torch.Tensor, parts: tuple[Part, ...] | None = None) -> None:
         """Arena views by DMA from their registered arena, other pages through the pinned staging
         buffer; returns when the copies are done (the batch's pins may go)."""
         n = self._page_nbytes
@@ -295,7 +323,7 @@ class KVStoreHostPages:
                 sources[-1] = (staging, [k * n for k in range(len(staged))], staged)
                 self.num_staged += len(staged)
             for src, offsets, rows in sources.values():
-                restore_pages(src, offsets, out, rows, self._method)
+                restore_pages(src, offsets, out, rows, self._method, parts)
             if out.device.type == "cuda":
                 torch.cuda.current_stream(out.device).synchronize()
 

@@ -121,6 +121,28 @@ class KVPool:
         """Bytes of these layers' K and V in one page."""
         return sum(self._layer_offsets[i + 1] - self._layer_offsets[i] for i in layers)
 
+    def layer_parts(self, layers: Iterable[int]) -> tuple[tuple[int, int], ...]:
+        """The byte ranges of a page that hold these layers' K and V, in layer order, adjacent ones merged:
+        what a restore of just these layers reads (kernels/restore.py `parts`)."""
+        parts: list[tuple[int, int]] = []
+        for i in sorted(layers):
+            lo, hi = self._layer_offsets[i], self._layer_offsets[i + 1]
+            if parts and parts[-1][1] == lo:
+                parts[-1] = (parts[-1][0], hi)
+            else:
+                parts.append((lo, hi))
+        return tuple(parts)
+
+    @property
+    def slot_parts(self) -> tuple[tuple[int, int], ...]:
+        """The bytes of a page a slot keeps (its paged layers): what a restore into slots needs."""
+        return self.layer_parts(self.paged_layers)
+
+    @property
+    def local_parts(self) -> tuple[tuple[int, int], ...]:
+        """The bytes of a page the local rings keep (the sliding layers); () without local rings."""
+        return self.layer_parts(self.local.layers) if self.local is not None else ()
+
     @property
     def slot_nbytes(self) -> int:
         """Device bytes of one slot: K and V of the paged layers (page_nbytes without local rings)."""
@@ -296,13 +318,15 @@ class KVPool:
         return (base[:, None] + torch.arange(size, device=self.device)).reshape(-1)
 
     def write_pages(self, slots: list[int], pages: torch.Tensor) -> None:
-        """Inverse of read_page for a batch: pages uint8 [P, page_nbytes] (any device) into `slots`, the
-        paged layers only (a restored page's local rows are not needed: its window has passed)."""
+        """Inverse of read_page for a batch: pages uint8 [P, page_nbytes] (any device), or just their
+        `slot_parts` [P, slot_nbytes], into `slots`: the paged layers only (a restored page's local rows
+        are not needed: its window has passed)."""
         self._write_rows(slots, None, pages, self.paged_layers)
 
     def write_local_pages(self, local_rows: list[int], pages: torch.Tensor) -> None:
-        """The local layers of whole pages (uint8 [P, page_nbytes]) into ring rows starting at `local_rows`
-        (LocalRings.page_row): a reused prefix's last pages, for the window of the first new token."""
+        """The local layers of whole pages (uint8 [P, page_nbytes], or just their `local_parts`) into ring
+        rows starting at `local_rows` (LocalRings.page_row): a reused prefix's last pages, for the window
+        of the first new token."""
         assert self.local is not None
         self._write_rows(None, local_rows, pages, sorted(self.local.layers))
 
@@ -318,16 +342,21 @@ class KVPool:
             base = torch.tensor(starts, dtype=torch.long, device=self.device)
             rows = (base[:, None] + torch.arange(self.page_size, device=self.device)).reshape(-1)
         h, d = self.num_kv_heads, self.head_dim
+        whole = pages.shape[-1] == self.page_nbytes  # else the pages hold `layers` only, in order
+        if not whole and pages.shape[-1] != self._page_nbytes_of(layers):
+            raise ValueError(f"pages of {pages.shape[-1]} bytes hold neither a whole page nor layers {list(layers)}")
+        index = {i: i if whole else j for j, i in enumerate(sorted(layers))}  # a layer's place in the page
         if self._uniform_plain:
             data = pages.to(self.device, non_blocking=True).view(self.k[0].dtype)
-            data = data.view(count, self.num_layers, 2, self.page_size, h, d)
+            data = data.view(count, self.num_layers if whole else len(layers), 2, self.page_size, h, d)
             for i in layers:
-                self.k[i].index_copy_(0, rows, data[:, i, 0].reshape(-1, h, d))
-                self.v[i].index_copy_(0, rows, data[:, i, 1].reshape(-1, h, d))
+                self.k[i].index_copy_(0, rows, data[:, index[i], 0].reshape(-1, h, d))
+                self.v[i].index_copy_(0, rows, data[:, index[i], 1].reshape(-1, h, d))
             return
-        data = pages.to(self.device, non_blocking=True).reshape(count, self.page_nbytes)
+        data = pages.to(self.device, non_blocking=True).reshape(count, pages.shape[-1])
+        offsets = self._layer_offsets if whole else self._packed_offsets(layers)
         for i in layers:
-            k_bytes, v_bytes = self._layer_bytes(data, i)
+            k_bytes, v_bytes = self._layer_bytes(data, i, offsets)
             self.k[i].index_copy_(0, rows, self._rows_of(i, k_bytes))
             self.v[i].index_copy_(0, rows, self._rows_of(i, v_bytes))
 
@@ -343,9 +372,24 @@ class KVPool:
         k_rows, v_rows = self._rows_of(layer, k_bytes), self._rows_of(layer, v_bytes)
         return _keys(fmt, lambda dt: fmt.dequantize(k_rows, dt), dtype), fmt.dequantize(v_rows, dtype)
 
-    def _layer_bytes(self, data: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V bytes of one layer from pages uint8 [P, page_nbytes]: [P, n] each."""
-        lo, hi = self._layer_offsets[layer], self._layer_offsets[layer + 1]
+    def _packed_offsets(self, layers: Iterable[int]) -> dict[int, tuple[int, int]]:
+        """Byte ranges of these layers in pages that hold just them, in layer order."""
+        out, at = {}, 0
+        for i in sorted(layers):
+            n = self._layer_offsets[i + 1] - self._layer_offsets[i]
+            out[i] = (at, at + n)
+            at += n
+        return out
+
+    def _layer_bytes(
+        self, data: torch.Tensor, layer: int, offsets: list[int] | dict[int, tuple[int, int]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V bytes of one layer from pages uint8 [P, page_nbytes] (or packed layers, `offsets` from
+        _packed_offsets): [P, n] each."""
+        if isinstance(offsets, dict):
+            lo, hi = offsets[layer]
+        else:
+            lo, hi = self._layer_offsets[layer], self._layer_offsets[layer + 1]
         mid = (lo + hi) // 2
         return data[:, lo:mid], data[:, mid:hi]
 

@@ -44,9 +44,12 @@ class HostPages(Protocol):
 
     def has(self, page_hash: bytes) -> bool: ...
 
-    def fetch_to(self, page_hashes: list[bytes], device: torch.device) -> torch.Tensor:
+    def fetch_to(
+        self, page_hashes: list[bytes], device: torch.device, parts: tuple[tuple[int, int], ...] | None = None
+    ) -> torch.Tensor:
         """Pages as one uint8 [P, page_nbytes] tensor on `device`, in order, in one batched transfer
-        (by DMA from the registered host copy where it can); PagesLostError when one is gone."""
+        (by DMA from the registered host copy where it can), or with `parts` only those byte ranges of
+        each page, packed (KVPool.slot_parts); PagesLostError when one is gone."""
         ...
 
     def wait(self, page_hashes: list[bytes], timeout_s: float) -> bool:
@@ -54,7 +57,8 @@ class HostPages(Protocol):
         ...
 
     def pin(self, page_hashes: list[bytes]) -> None:
-        """Keep these host copies from eviction (one pin each) until unpinned."""
+        """Keep these host copies from eviction (one pin each) until unpinned; may take effect a little
+        later (off the step's path): a page evicted meanwhile is recomputed like any lost page."""
         ...
 
     def leading_present(self, page_hashes: list[bytes]) -> int:
@@ -131,9 +135,9 @@ class SeqRing:
 
 def restore_pages(host: HostPages, pool: KVPool, slots: SlotAllocator, page_hashes: list[bytes]) -> list[int]:
     """Bring finished pages back from the host store into fresh slots, registered in the prefix cache:
-    one batched transfer and one pool write. Returns the slots in page order; PagesLostError when any
-    page is gone (nothing is allocated then)."""
-    data = host.fetch_to(page_hashes, pool.device)
+    one batched transfer (of the bytes slots keep) and one pool write. Returns the slots in page order;
+    PagesLostError when any page is gone (nothing is allocated then)."""
+    data = host.fetch_to(page_hashes, pool.device, pool.slot_parts)
     new = [slots.allocate() for _ in page_hashes]
     pool.write_pages(new, data)
     for slot, page_hash in zip(new, page_hashes, strict=True):
@@ -287,7 +291,7 @@ class RingManager:
             slots = restore_pages(self.host, self.pool, self.slots, [page_hashes[p] for p in now])
             for p, slot in zip(now, slots, strict=True):
                 slot_ids[p] = slot
-        nbytes = len(pages) * self.pool.page_nbytes
+        nbytes = len(pages) * self.pool.slot_nbytes  # what moved: the bytes slots keep
         ring.num_restores += len(pages)
         ring.restored_bytes += nbytes
         self.num_restores += len(pages)
@@ -355,13 +359,13 @@ class RingManager:
 
     def _prefetch(self, page_hashes: list[bytes]) -> Future[tuple[list[bytes], torch.Tensor]]:
         assert self.host is not None and self._prefetcher is not None
-        host, device = self.host, self.pool.device
+        host, device, parts = self.host, self.pool.device, self.pool.slot_parts
 
         def fetch() -> tuple[list[bytes], torch.Tensor]:
             if self._stream is None:
-                return page_hashes, host.fetch_to(page_hashes, device)
+                return page_hashes, host.fetch_to(page_hashes, device, parts)
             with torch.cuda.stream(self._stream):  # fetch_to returns once this stream's copies are done
-                return page_hashes, host.fetch_to(page_hashes, device)
+                return page_hashes, host.fetch_to(page_hashes, device, parts)
 
         return self._prefetcher.submit(fetch)
 

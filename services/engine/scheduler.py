@@ -461,7 +461,7 @@ class Scheduler:
                 logger.info("%s: its prefix's last pages have no host copy; recomputing", seq.request_id)
                 return False
         try:
-            data = self.host.fetch_to(hashes, self.pool.device)
+            data = self.host.fetch_to(hashes, self.pool.device, self.pool.local_parts)
         except PagesLostError:
             logger.info("%s: its prefix's last pages left the host store; recomputing", seq.request_id)
             return False

@@ -45,6 +45,32 @@ def test_restore_matches_the_reference(method: str) -> None:
     assert torch.equal(out[6], src[5 * PAGE : 6 * PAGE])  # and the reference is what it says
 
 
+def _parts_reference(src: torch.Tensor, offsets: list[int], parts: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.stack([torch.cat([src[o + lo : o + hi] for lo, hi in parts]) for o in offsets])
+
+
+@pytest.mark.parametrize("method", ["copies", "reference", "triton"])
+@pytest.mark.parametrize(
+    "parts",
+    [[(1024, 2048)], [(0, 512), (1024, 1536), (3584, 4096)], [(16, 1040), (2048, 2560), (4096, PAGE)]],
+    ids=["one", "same-size", "mixed-sizes"],
+)
+def test_restoring_parts_of_pages_packs_exactly_those_bytes(method: str, parts: list[tuple[int, int]]) -> None:
+    """A restore of some byte ranges of each page (a slot's paged layers): each part lands packed in its
+    page's row, whichever method moves them; rows are in any order."""
+    if method == "triton":
+        pytest.importorskip("triton")
+    src = _source(8, PAGE, seed=4)
+    offsets = [5 * PAGE, 0, 2 * PAGE, 3 * PAGE, 7 * PAGE]
+    rows = [4, 0, 3, 1, 2]
+    width = sum(hi - lo for lo, hi in parts)
+    out = torch.zeros(5, width, dtype=torch.uint8)
+    restore_pages(src, offsets, out, rows, method=method, parts=parts)
+    assert torch.equal(out[torch.tensor(rows)], _parts_reference(src, offsets, parts))
+    with pytest.raises(RestoreError, match="bytes for parts"):
+        restore_pages(src, offsets, torch.zeros(5, width + 16, dtype=torch.uint8), rows, method=method, parts=parts)
+
+
 def test_triton_gather_matches_the_reference() -> None:
     pytest.importorskip("triton")
     page = 3 * 4096 + 16 * 5  # words beyond one block, a ragged last block
@@ -98,6 +124,11 @@ def test_fetch_to_cpu_returns_the_stored_bytes_in_request_order(start_store: Sta
         listed = host.fetch([hashes[3]])
         assert len(listed) == 1 and listed[0].numpy().tobytes() == data[3]
         assert (host.num_fetched, host.fetched_bytes) == (5, 5 * PAGE)
+        parts = ((16, 1040), (2048, 2560))  # e.g. a slot's paged layers: only those bytes move
+        packed = host.fetch_to([hashes[i] for i in order], torch.device("cpu"), parts)
+        assert packed.shape == (4, 1024 + 512)
+        assert [packed[k].numpy().tobytes() for k in range(4)] == [data[i][16:1040] + data[i][2048:2560] for i in order]
+        assert host.fetched_bytes == 5 * PAGE + 4 * 1536
         assert client.shared_memory is shared
         host.settle()  # the batches' pins are released off the step's path
         assert client.info().num_pinned_pages == 0
@@ -155,6 +186,12 @@ def test_device_path_groups_arena_pages_and_stages_the_rest(
             with client.get_pages([hashes[i] for i in order]) as batch:
                 host._to_device(batch, out)
             assert [out[k].numpy().tobytes() for k in range(len(order))] == [data[i] for i in order]
+        parts = ((0, 512), (2048, 2560))  # only these bytes of each page, from the arena or the staging buffer
+        out = torch.zeros(len(order), 1024, dtype=torch.uint8)
+        with client.get_pages([hashes[i] for i in order]) as batch:
+            host._to_device(batch, out, parts)
+        expected = [data[i][:512] + data[i][2048:2560] for i in order]
+        assert [out[k].numpy().tobytes() for k in range(len(order))] == expected
         mapping = client.arena_mapping()
         if shared:
             assert mapping is not None and calls == [("register", mapping.address)]  # once
@@ -164,7 +201,7 @@ def test_device_path_groups_arena_pages_and_stages_the_rest(
             host.close()
             assert calls[-1] == ("unregister", address) and host_pages.pinned_arenas().registered == []
         else:
-            assert mapping is None and calls == [] and host.num_staged == 2 * len(order)
+            assert mapping is None and calls == [] and host.num_staged == 3 * len(order)
     finally:
         host.close()
         writer.close()

@@ -178,6 +178,29 @@ def test_page_bytes_round_trip_exactly_through_a_mixed_pool() -> None:
         assert torch.equal(k_page, k_ref) and torch.equal(v_page, v_ref)
 
 
+def test_a_restore_of_some_layers_writes_them_from_their_packed_bytes() -> None:
+    """write_pages of a page's parts (KVPool.layer_parts: the bytes of some layers, packed) writes what
+    the whole page writes into those layers; in a mixed pool the parts have different sizes."""
+    for names in (["bf16"] * 4, ["fp8", "bf16", "nvfp4+h", "int8"]):
+        src = _mixed_pool(names)
+        for layer in range(len(names)):
+            src.write(layer, torch.arange(32), _rows(32, 2, 32, seed=layer), _rows(32, 2, 32, seed=10 + layer))
+        pages = torch.stack([src.read_page(s) for s in (1, 3)])
+        layers = (1, 2)
+        parts = src.layer_parts(layers)
+        assert parts == ((src._layer_offsets[1], src._layer_offsets[3]),)  # adjacent layers: one range
+        assert src.layer_parts((0, 3)) == ((0, src._layer_offsets[1]), (src._layer_offsets[3], src.page_nbytes))
+        packed = torch.stack([torch.cat([page[lo:hi] for lo, hi in parts]) for page in pages])
+        whole, part = _mixed_pool(names), _mixed_pool(names)
+        whole._write_rows([2, 0], None, pages, layers)
+        part._write_rows([2, 0], None, packed, layers)
+        for layer in range(len(names)):
+            assert torch.equal(part.k[layer], whole.k[layer]) and torch.equal(part.v[layer], whole.v[layer])
+        assert whole.k[1].any() and not whole.k[0].any()
+        with pytest.raises(ValueError, match="neither a whole page"):
+            part._write_rows([2], None, packed[:1, :-2], layers)
+
+
 def test_copy_rows_moves_quantised_rows() -> None:
     pool = _mixed_pool(["nvfp4", "fp8"])
     for layer in range(2):

@@ -112,6 +112,10 @@ def test_slots_hold_the_paged_layers_only() -> None:
     assert paged.k[0].shape[0] == 48 and paged.k[1].shape[0] == 6 * PAGE
 
 
+def _packed(page: torch.Tensor, parts: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    return torch.cat([page[lo:hi] for lo, hi in parts])
+
+
 def test_a_page_reads_its_local_rows_from_the_ring_and_restores_them() -> None:
     torch.manual_seed(0)
     local = LocalRings({0: 8, 2: 8, 3: 8, 5: 8}, span=24, num_rings=2, page_size=PAGE)
@@ -120,8 +124,9 @@ def test_a_page_reads_its_local_rows_from_the_ring_and_restores_them() -> None:
         t.normal_()
     page = pool.read_page(slot=3, local=(1, 7))  # ring 1, page 7: rows 28..31 of the ring
     other = _pool(LocalRings({0: 8, 2: 8, 3: 8, 5: 8}, span=24, num_rings=2, page_size=PAGE))
-    other.write_pages([5], page[None])
-    other.write_local_pages([local.page_row(0, 2)], page[None])  # ring 0, page 2: rows 8..11
+    assert pool.slot_parts == pool.layer_parts((1, 4)) and len(pool.local_parts) == 3  # layers 0, 2-3, 5
+    other.write_pages([5], _packed(page, pool.slot_parts)[None])  # a restore moves the slots' layers only
+    other.write_local_pages([local.page_row(0, 2)], _packed(page, pool.local_parts)[None])  # ring 0, page 2
     for layer in range(6):
         if layer in local.layers:
             src, dst = slice(24 + 4, 24 + 8), slice(8, 12)

@@ -145,11 +145,18 @@ def test_every_restore_method_from_registered_memory_equals_the_reference(page_n
         offsets = [4096 + p * page_nbytes for p in sorted(order[:8])] + [4096 + p * page_nbytes for p in order[8:]]
         rows = torch.randperm(16, generator=gen).tolist()
         expected = restore_reference(src, offsets, page_nbytes, torch.device("cuda"))
+        third = page_nbytes // 3 // 16 * 16
+        parts = [(0, third), (2 * third, 3 * third)]  # e.g. a slot's paged layers
+        packed = torch.cat([expected[:, lo:hi] for lo, hi in parts], dim=1)
         for method in ("copies", "triton", "reference"):
             out = torch.zeros(16, page_nbytes, dtype=torch.uint8, device="cuda")
             restore_pages(src, offsets, out, rows, method=method)
             torch.cuda.synchronize()
             assert torch.equal(out[torch.tensor(rows, device="cuda")], expected), method
+            out = torch.zeros(16, 2 * third, dtype=torch.uint8, device="cuda")
+            restore_pages(src, offsets, out, rows, method=method, parts=parts)
+            torch.cuda.synchronize()
+            assert torch.equal(out[torch.tensor(rows, device="cuda")], packed), method
     finally:
         torch.cuda.synchronize()
         unregister_host(address)

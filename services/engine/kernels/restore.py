@@ -14,6 +14,10 @@ Methods (`restore_pages(method=...)`):
   (UVA: the host address is the device address), 16-byte words.
 - `reference`: the torch reference: index every page through the CPU tensor, stack, one copy.
 All three are asynchronous on CUDA: the caller synchronizes before the source may change.
+
+`parts` restores only some byte ranges of every page, packed side by side in `out`'s rows (a page's
+paged layers: with local rings a slot holds 3 of Gemma 3 270M's 18 layers, and a restore into slots
+moves a sixth of the page): each (page, part) is then a unit of its own, by the same methods.
 """
 
 from __future__ import annotations
@@ -78,16 +82,29 @@ def restore_reference(
     return pages.to(device)
 
 
+Part = tuple[int, int]  # bytes [lo, hi) of a page
+
+
+def parts_nbytes(parts: Sequence[Part]) -> int:
+    return sum(hi - lo for lo, hi in parts)
+
+
 def restore_pages(
     src: torch.Tensor,
     offsets: Sequence[int],
     out: torch.Tensor,
     rows: Sequence[int] | None = None,
     method: str = "copies",
+    parts: Sequence[Part] | None = None,
 ) -> None:
     """Copy page i of `src` (uint8 [S], host; bytes offsets[i] .. + page_nbytes) into out[rows[i]]
-    (out: uint8 [R, page_nbytes], host or device; rows default to 0..P-1). Asynchronous on CUDA."""
+    (out: uint8 [R, page_nbytes], host or device; rows default to 0..P-1). Asynchronous on CUDA.
+    With `parts` (byte ranges of the source page, in order), only those bytes, packed: out is
+    [R, sum of the parts' sizes]."""
     rows = list(range(len(offsets))) if rows is None else list(rows)
+    if parts is not None and not (len(parts) == 1 and parts[0][0] == 0):
+        _restore_parts(src, offsets, out, rows, method, list(parts))
+        return
     _check(src, offsets, out, rows, method)
     if not offsets:
         return
@@ -104,6 +121,32 @@ def restore_pages(
         out[torch.tensor(rows, dtype=torch.long, device=out.device)] = restore_reference(
             src, offsets, page_nbytes, out.device
         )
+
+
+def _restore_parts(
+    src: torch.Tensor, offsets: Sequence[int], out: torch.Tensor, rows: list[int], method: str, parts: list[Part]
+) -> None:
+    """Each (page, part) as a page of its own: parts of one size in one restore into out viewed as
+    [R * parts, size]; parts of different sizes (layers of different KV formats) one restore each into a
+    buffer, then into their columns of out."""
+    if not parts or any(not 0 <= lo < hi for lo, hi in parts):
+        raise RestoreError(f"parts must be non-empty byte ranges, got {parts}")
+    if out.dim() != 2 or out.shape[1] != parts_nbytes(parts):
+        raise RestoreError(f"out rows of {tuple(out.shape[1:])} bytes for parts of {parts_nbytes(parts)} bytes")
+    widths = {hi - lo for lo, hi in parts}
+    if len(widths) == 1:
+        n, width = len(parts), widths.pop()
+        unit_offsets = [o + lo for o in offsets for lo, _ in parts]
+        unit_rows = [r * n + j for r in rows for j in range(n)]
+        restore_pages(src, unit_offsets, out.view(-1, width), unit_rows, method)
+        return
+    index = torch.tensor(rows, dtype=torch.long, device=out.device)
+    col = 0
+    for lo, hi in parts:
+        buffer = torch.empty(len(rows), hi - lo, dtype=torch.uint8, device=out.device)
+        restore_pages(src, [o + lo for o in offsets], buffer, None, method)
+        out[:, col : col + hi - lo].index_copy_(0, index, buffer)
+        col += hi - lo
 
 
 def _check(src: torch.Tensor, offsets: Sequence[int], out: torch.Tensor, rows: list[int], method: str) -> None:
