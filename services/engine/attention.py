@@ -14,15 +14,30 @@ logger = logging.getLogger(__name__)
 PAD_POS = 1 << 40  # key position of a padding row in a read set: after every query, so never visible
 
 
+KVSink = tuple[Tensor, Tensor, Tensor]  # (k_store, v_store [R, Hkv, D], rows [N] int64): where new K/V rows go
+
+
 class AttentionBackend(Protocol):
     def attend(
-        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None
+        self,
+        layer_idx: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: float,
+        window: int | None = None,
+        stored: bool = False,
     ) -> Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] for the N new tokens of this step (after RoPE and q/k norm).
-        Stores k, v in the cache and returns the attention output [N, Hq, D] over the cached
-        tokens plus the new ones, causal. With a `window` (a sliding-window layer), the query at
-        position p sees only keys at positions > p - window: itself and the window - 1 before it
-        (transformers' sliding_window_overlay); see causal_mask."""
+        Stores k, v in the cache (unless `stored`: the model wrote them into this layer's kv_sink) and
+        returns the attention output [N, Hq, D] over the cached tokens plus the new ones, causal. With a
+        `window` (a sliding-window layer), the query at position p sees only keys at positions > p - window:
+        itself and the window - 1 before it (transformers' sliding_window_overlay); see causal_mask."""
+        ...
+
+    def kv_sink(self, layer_idx: int) -> KVSink | None:
+        """Where this layer's new K/V rows go, when the model may write them itself in its q/k norm + RoPE
+        launch (the decode graphs' plain-format stores); None: attend stores them."""
         ...
 
 
@@ -57,10 +72,21 @@ class ContiguousKV:
         length = self._lengths[layer_idx]
         return k[:, :length], v[:, :length]
 
+    def kv_sink(self, layer_idx: int) -> KVSink | None:
+        return None
+
     def attend(
-        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None
+        self,
+        layer_idx: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: float,
+        window: int | None = None,
+        stored: bool = False,
     ) -> Tensor:
         """Append k, v to layer `layer_idx`, then causal (optionally sliding-window) SDPA of q over the cache."""
+        assert not stored, "ContiguousKV has no sink"
         num_past, num_new = self._lengths[layer_idx], q.shape[0]
         k_all, v_all = self._append(layer_idx, k, v)  # [Hkv, T, D]
         first = first_visible_key(num_past, window)  # keys before it are out of every new token's window

@@ -16,7 +16,9 @@ scoring runs here instead of StepAttention. The step's inputs live in static buf
 
 Masks (causal, gaps, padding, sliding window) are computed inside the step from these positions, once
 per read set and window, and only for layers that take the SDPA path.
-Each layer writes its new K/V with `KVPool.write`; with the Triton tier and a plain-format layer,
+Each layer writes its new K/V with `KVPool.write`, or, on the Triton tier with a plain-format layer,
+the model writes them in its q/k norm + RoPE launch (`kv_sink`, Gemma 3 and q/k-normed Llamas); with the
+Triton tier and a plain-format layer,
 one flash-decoding kernel (kernels/decode_attention_triton.py) reads the rows in place; otherwise the
 padded window is read with `KVPool.gather` and one batched masked SDPA runs for all B sequences (query
 heads grouped onto their KV head, K/V never repeated). The logits [B, V] are computed in the step;
@@ -45,6 +47,7 @@ scored or demoted), instead of per step inside the graph.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -118,11 +121,12 @@ class _Buffers:
 class _GraphAttention:
     """AttentionBackend of one decode step over a bucket's static buffers (B sequences, 1 token each)."""
 
-    def __init__(self, pool: KVPool, bufs: _Buffers, dtype: torch.dtype) -> None:
+    def __init__(self, pool: KVPool, bufs: _Buffers, dtype: torch.dtype, sinks: bool = True) -> None:
         self.pool = pool
         self.bufs = bufs
         self.dtype = dtype
         self.kernels = triton_module("decode_attention_triton", pool.device)
+        self.sinks = sinks  # offer kv_sink (the model writes K/V in its q/k norm + RoPE launch)
         # additive masks [B, 1, 1, W|L] by (read set, window), built on first use: only the SDPA path needs
         # them (the fused kernel masks from the positions itself)
         self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -130,6 +134,15 @@ class _GraphAttention:
         if local is not None:  # the token's row in its sequence's ring
             self.ring_write = bufs.ring_base + bufs.positions.remainder(local.span)
         self._ring_read: tuple[torch.Tensor, torch.Tensor] | None = None  # built only for the SDPA path
+
+    def kv_sink(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The layer's plain K/V stores and the step's rows in them (the ring rows of a local layer), on the
+        Triton tier: the model's q/k norm + RoPE launch writes the new rows (one launch fewer a layer)."""
+        plain = self.pool.plain_kv(layer_idx)
+        if not self.sinks or self.kernels is None or plain is None or not self.kernels.supported(plain[0]):
+            return None
+        rows = self.ring_write if self.pool.is_local(layer_idx) else self.bufs.write_rows
+        return plain[0], plain[1], rows
 
     def attend(
         self,
@@ -139,13 +152,16 @@ class _GraphAttention:
         v: torch.Tensor,
         scale: float,
         window: int | None = None,
+        stored: bool = False,
     ) -> torch.Tensor:
-        """q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D] (one token per sequence)."""
+        """q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D] (one token per sequence); `stored`: the model
+        wrote k, v into kv_sink's rows."""
         bufs = self.bufs
         if self.pool.is_local(layer_idx):
             assert window is not None and self.pool.local is not None
             local = self.pool.local
-            self.pool.write(layer_idx, self.ring_write, k, v)
+            if not stored:
+                self.pool.write(layer_idx, self.ring_write, k, v)
             stores = self._fused_stores(layer_idx, local.window)
             if stores is not None:  # the window before each token, rows by arithmetic
                 return self.kernels.decode_attention_ring(  # type: ignore[union-attr]
@@ -156,7 +172,8 @@ class _GraphAttention:
             rows, key_pos = self._ring_read
             return self._sdpa(layer_idx, q, k.shape[1], "ring", rows, key_pos, window, scale)
         bufs.queries[layer_idx].copy_(q)  # page scoring reads them after the step (scoring steps)
-        self.pool.write(layer_idx, bufs.write_rows, k, v)
+        if not stored:
+            self.pool.write(layer_idx, bufs.write_rows, k, v)
         if window is not None and window in bufs.local_rows:  # a sliding layer's last pages only
             return self._sdpa(layer_idx, q, k.shape[1], "local", bufs.local_rows[window], bufs.local_pos[window],
                               window, scale)  # fmt: skip
@@ -240,6 +257,10 @@ class DecodeGraphs:
         self.num_captures = 0
         self.num_eager = 0
         self._last: _Buffers | None = None  # the buffers of the last step (page_scores reads its queries)
+        # the model writes a step's K/V rows in its q/k norm + RoPE launch (KVMEM_KV_SINK=0: KVPool.write
+        # launches them, for A/B runs)
+        self.kv_sinks = os.environ.get("KVMEM_KV_SINK", "1") != "0"
+        self._paged_index = torch.tensor(pool.paged_layers, dtype=torch.long, device=device)  # page scoring's layers
 
     # -- eligibility -------------------------------------------------------------------------------
 
@@ -321,15 +342,22 @@ class DecodeGraphs:
         (summed over layers, as StepAttention._score does per layer), or None when it does not score."""
         out: list[torch.Tensor | None] = []
         size = self.pool.page_size
+        layers = self.pool.paged_layers
+        scales = {float(self.model.layers[layer].self_attn.scale) for layer in layers}  # type: ignore[union-attr, arg-type]
         for i, w in enumerate(works):
             ring = w.seq.ring
             num_pages = w.start // size
             if not w.score_tokens or ring is None or num_pages == 0:
                 out.append(None)
                 continue
-            total = None
             assert self._last is not None, "page_scores before run"
-            for layer in self.pool.paged_layers:
+            if len(scales) == 1 and ring.summaries.layers == layers:  # every layer in one call (two launches)
+                q = self._last.queries.index_select(0, self._paged_index)[:, i]  # [L, Hq, D], no host sync
+                bounds = ring.summaries.stacked_bounds(num_pages)
+                out.append(page_scores(q.reshape(1, -1, q.shape[-1]), *bounds, *scales))
+                continue
+            total = None
+            for layer in layers:
                 scale = float(self.model.layers[layer].self_attn.scale)  # type: ignore[union-attr, arg-type]
                 q = self._last.queries[layer, i : i + 1]  # [1, Hq, D]
                 s = page_scores(q, *ring.summaries.bounds(layer, num_pages), scale)
@@ -339,7 +367,7 @@ class DecodeGraphs:
 
     def _forward(self, bufs: _Buffers) -> torch.Tensor:
         """The step on the static buffers: hidden states of the B tokens -> logits [B, V] float32."""
-        attn = _GraphAttention(self.pool, bufs, self.dtype)
+        attn = _GraphAttention(self.pool, bufs, self.dtype, self.kv_sinks)
         hidden = self.model(bufs.ids, bufs.positions, attn)  # [B, hidden]
         return self.model.logits(hidden)
 

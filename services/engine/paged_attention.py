@@ -64,6 +64,9 @@ class StepAttention:
         self.write_rows = torch.cat([s.write_rows for s in spans])  # [N], the step's flattened order
         self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}  # (span, window, local) -> mask
 
+    def kv_sink(self, layer_idx: int) -> None:
+        return None  # attend writes (and, for local layers, stages) the rows itself
+
     def attend(
         self,
         layer_idx: int,
@@ -72,8 +75,10 @@ class StepAttention:
         v: torch.Tensor,
         scale: float,
         window: int | None = None,
+        stored: bool = False,
     ) -> torch.Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]; `window`: sliding-window layer (keys > pos - window)."""
+        assert not stored, "StepAttention has no sink"
         if self.pool.is_local(layer_idx):
             return self._attend_local(layer_idx, q, k, v, scale, window)
         self.pool.write(layer_idx, self.write_rows, k, v)

@@ -82,6 +82,16 @@ class PageSummaries:
         row = self._row[layer_idx]
         return self.kmin[row, :num_pages], self.kmax[row, :num_pages]
 
+    def stacked_bounds(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """kmin, kmax [num_pages, L * Hkv, D]: every summarised layer's KV heads side by side (in
+        `layers` order), so that one page_scores call over queries [T, L * Hq, D] (the same layers' heads
+        side by side) scores all of them: its sum over heads is the sum of the per-layer scores."""
+        flat = (num_pages, -1, self.kmin.shape[-1])
+        return (
+            self.kmin[:, :num_pages].transpose(0, 1).reshape(flat),
+            self.kmax[:, :num_pages].transpose(0, 1).reshape(flat),
+        )
+
     def _tables(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         row = self._row[layer_idx]
         return self.kmin[row], self.kmax[row], self.kmean[row]

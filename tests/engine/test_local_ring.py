@@ -382,9 +382,23 @@ def test_quantised_local_rings_equal_quantised_slots(
         engine.stop()
 
 
-def test_local_rings_on_the_triton_tier(gemma, smol_tokenizer: Tokenizer, triton_tier: None) -> None:
+def test_local_rings_on_the_triton_tier(
+    gemma, smol_tokenizer: Tokenizer, triton_tier: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The Triton kernels (interpreted here, compiled on a GPU) write and read the rings: fused norms, the
-    one-launch K/V row write, decode attention where the window is a page multiple (not tiny Gemma's 8)."""
+    K/V rows written by the q/k norm + RoPE launch on decode steps (kv_sink: ring rows and slot rows),
+    decode attention where the window is a page multiple (not tiny Gemma's 8)."""
+    from services.engine.kernels import norm_triton
+
+    sinks: list[int] = []
+    real = norm_triton.qk_norm_rope
+
+    def counted(*args, kv_sink=None, **kwargs):  # type: ignore[no-untyped-def]
+        if kv_sink is not None:
+            sinks.append(int(kv_sink[0].shape[0]))  # the store's rows: a ring's or the slots'
+        return real(*args, kv_sink=kv_sink, **kwargs)
+
+    monkeypatch.setattr(norm_triton, "qk_norm_rope", counted)
     engine = make_engine(gemma, smol_tokenizer, num_slots=16, prefill_chunk=8)
     reference = make_engine(gemma, smol_tokenizer, num_slots=16, prefill_chunk=8, local_ring=False)
     prompt = _prompt(11, 70)
@@ -394,6 +408,7 @@ def test_local_rings_on_the_triton_tier(gemma, smol_tokenizer: Tokenizer, triton
         run_until_done(e, [seq])
         outs.append(drain(events_of(seq))[0])
     assert outs[0] == outs[1] == reference_greedy(gemma, prompt, 3)
+    assert len(set(sinks)) == 2  # decode steps wrote local-ring rows and slot rows through the sink
 
 
 def test_a_parked_ring_serves_a_prefix_ending_at_a_page_boundary(gemma, smol_tokenizer: Tokenizer) -> None:

@@ -80,6 +80,19 @@ def test_qk_norm_rope_matches_norms_then_rope(where: str, dtype: torch.dtype, ge
             q32, k32 = copy.deepcopy(q_norm).float(), copy.deepcopy(k_norm).float()
             exact = apply_rope(torch.cat((q32(q.float()), k32(k.float())), dim=1), cos.float(), sin.float())
         assert (got.float() - exact).abs().mean() <= (want.float() - exact).abs().mean() * 1.05
+    # with a sink: the same output, and k and v written at the rows (write_kv_reference with them)
+    from services.engine.kernels.decode_attention_triton import write_kv_reference
+
+    k_store = torch.randn(16, hkv, dim, device=device).to(dtype)
+    v_store = torch.randn(16, hkv, dim, device=device).to(dtype)
+    k_want, v_want = k_store.clone(), v_store.clone()
+    rows = torch.tensor([9, 0, 15, 4, 3, 11], device=device)
+    sunk = norm_triton.qk_norm_rope(
+        qkv, q_norm.weight, k_norm.weight, cos, sin, 1e-6, hq, hkv, gemma=gemma, kv_sink=(k_store, v_store, rows)
+    )
+    assert torch.equal(sunk, got)
+    write_kv_reference(k_want, v_want, rows, got[:, hq:], qkv[:, hq + hkv :])
+    assert torch.equal(k_store, k_want) and torch.equal(v_store, v_want)
 
 
 def test_tiny_gemma_forward_with_fused_kernels_matches_torch(

@@ -135,10 +135,13 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _qk_norm_rope_kernel(
     qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num_q_heads, num_qk_heads, dim, stride_n, stride_h, eps,
-    GEMMA: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    k_store_ptr, v_store_ptr, rows_ptr, stride_sr, stride_sh,
+    GEMMA: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, q-or-k head): RMSNorm with that head kind's weight, then RoPE
-    (x * cos + roll(x, D/2) * sin, the sin table signed), rounding where the torch reference rounds."""
+    (x * cos + roll(x, D/2) * sin, the sin table signed), rounding where the torch reference rounds.
+    STORE: a k head's program also writes its k, and the token's v of that KV head, into the KV stores
+    at the token's row (KVPool.write's job, without its launch)."""
     pdl.start(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -166,7 +169,16 @@ def _qk_norm_rope_kernel(
     s = tl.load(sin_ptr + n * dim + offs, mask=mask, other=0.0).to(tl.float32)
     a = (y * c).to(out_ty).to(tl.float32)
     b = (y2 * s).to(out_ty).to(tl.float32)
-    tl.store(out_ptr + (n * num_qk_heads + h) * dim + offs, (a + b).to(out_ty), mask=mask)
+    y_out = (a + b).to(out_ty)
+    tl.store(out_ptr + (n * num_qk_heads + h) * dim + offs, y_out, mask=mask)
+    if STORE:
+        if h >= num_q_heads:
+            kv = h - num_q_heads
+            store_ty = k_store_ptr.dtype.element_ty
+            dst = tl.load(rows_ptr + n) * stride_sr + kv * stride_sh + offs
+            tl.store(k_store_ptr + dst, y_out.to(store_ty), mask=mask)
+            v = tl.load(qkv_ptr + n * stride_n + (num_qk_heads + kv) * stride_h + offs, mask=mask, other=0.0)
+            tl.store(v_store_ptr + dst, v.to(store_ty), mask=mask)
 
 
 def qk_norm_rope(
@@ -179,18 +191,29 @@ def qk_norm_rope(
     num_q_heads: int,
     num_kv_heads: int,
     gemma: bool,
+    kv_sink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """qkv: [N, Hq + 2 Hkv, D] (the fused projection, viewed by head); cos, sin: [N, 1, D] from
-    RotaryEmbedding -> [N, Hq + Hkv, D]: q and k normed (their own weights) and rotated, contiguous."""
+    RotaryEmbedding -> [N, Hq + Hkv, D]: q and k normed (their own weights) and rotated, contiguous.
+    kv_sink (k_store, v_store [R, Hkv, D] of a plain dtype, rows [N] int64, distinct): k and v are also
+    written there, row rows[n] (what write_kv_reference does with them)."""
     n, _, d = qkv.shape
     assert qkv.stride(2) == 1 and d % 2 == 0
     heads = num_q_heads + num_kv_heads
     out = torch.empty((n, heads, d), dtype=qkv.dtype, device=qkv.device)
+    store = (out, out, out, 0, 0)  # unused without a sink
+    if kv_sink is not None:
+        k_store, v_store, rows = kv_sink
+        assert k_store.shape[1:] == v_store.shape[1:] == (num_kv_heads, d) and k_store.dtype == v_store.dtype
+        assert k_store.stride() == v_store.stride() and k_store.stride(2) == 1, (k_store.stride(), v_store.stride())
+        assert rows.shape == (n,) and rows.dtype == torch.int64 and rows.is_contiguous(), (rows.shape, rows.dtype)
+        store = (k_store, v_store, rows, k_store.stride(0), k_store.stride(1))
     if n:
         cos2, sin2 = cos.reshape(n, d), sin.reshape(n, d)
         assert cos2.is_contiguous() and sin2.is_contiguous()
         _qk_norm_rope_kernel[(n, heads)](
             qkv, q_weight, k_weight, cos2, sin2, out, num_q_heads, heads, d, qkv.stride(0), qkv.stride(1), eps,
-            GEMMA=gemma, BLOCK_D=triton.next_power_of_2(d), **pdl.launch_args(qkv.device),
+            *store, GEMMA=gemma, BLOCK_D=triton.next_power_of_2(d), STORE=kv_sink is not None,
+            **pdl.launch_args(qkv.device),
         )  # fmt: skip
     return out

@@ -94,15 +94,16 @@ class Gemma3Attention(nn.Module):
         qkv = project(self.qkv_proj, x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # [N, H*, D]
         kernels = fused_kernels(x)
-        if kernels is not None:  # norms and RoPE in one launch
+        sink = attn.kv_sink(self.layer_idx) if kernels is not None else None
+        if kernels is not None:  # norms and RoPE in one launch (and the K/V rows written, with a sink)
             qk = kernels.qk_norm_rope(
                 qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
-                self.num_heads, self.num_kv_heads, gemma=True,
+                self.num_heads, self.num_kv_heads, gemma=True, kv_sink=sink,
             )  # fmt: skip
         else:
             qk = apply_rope(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), cos, sin)  # [N, Hq + Hkv, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
-        out = attn.attend(self.layer_idx, q, k, v, self.scale, window=self.window)  # out: [N, Hq, D]
+        out = attn.attend(self.layer_idx, q, k, v, self.scale, window=self.window, stored=sink is not None)
         return project(self.o_proj, out.reshape(n, -1))
 
 

@@ -136,12 +136,13 @@ class Attention(nn.Module):
         qk, v = qkv.split([num_qk_heads, self.num_kv_heads], dim=1)  # qk: [N, Hq + Hkv, D]; v: [N, Hkv, D]
         kernels = fused_kernels(x) if self.q_norm is not None and self.k_norm is not None else None
         if kernels is not None and self.q_norm is not None and self.k_norm is not None:  # one launch
+            sink = attn.kv_sink(self.layer_idx)  # the K/V rows written in that launch too
             qk = kernels.qk_norm_rope(
                 qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
-                self.num_heads, self.num_kv_heads, gemma=False,
+                self.num_heads, self.num_kv_heads, gemma=False, kv_sink=sink,
             )  # fmt: skip
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            out = attn.attend(self.layer_idx, q, k, v, self.scale)
+            out = attn.attend(self.layer_idx, q, k, v, self.scale, stored=sink is not None)
             return project(self.o_proj, out.reshape(n, -1))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
