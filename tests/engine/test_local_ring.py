@@ -316,7 +316,9 @@ def test_a_scoring_pass_leaves_the_local_rings_as_they_were(
             before = [(engine.pool.k[i].clone(), engine.pool.v[i].clone()) for i in sorted(local.layers)]
             out = real(works)
             after = [(engine.pool.k[i], engine.pool.v[i]) for i in sorted(local.layers)]
-            scored.append(all(torch.equal(a, b) for x, y in zip(before, after, strict=True) for a, b in zip(x, y)))
+            scored.append(
+                all(torch.equal(a, b) for x, y in zip(before, after, strict=True) for a, b in zip(x, y, strict=True))
+            )
             return out
 
         engine.runner.run = spy  # type: ignore[method-assign]
@@ -332,6 +334,49 @@ def test_a_scoring_pass_leaves_the_local_rings_as_they_were(
     assert small < 8 + 8 <= roomy
     assert tokens == roomy_tokens
     torch.testing.assert_close(ring_logits, roomy_logits, rtol=0, atol=1e-5)
+
+
+def _sparse_ring_answers(
+    gemma, tokenizer: Tokenizer, address: str, span: int, scenario: str
+) -> list[tuple[list[int], int]]:
+    """Per request of the scenario (sparse ring over budget, a real store): (tokens, cached_tokens)."""
+    engine = make_engine(gemma, tokenizer, num_slots=24, ring=ring_limits(budget_pages=8), ring_chunk=8,
+                         prefill_chunk=8, store_address=address, local_span=span, decode_burst=4)  # fmt: skip
+    space = f"{scenario}-{span}"  # nothing shared between the two engines' runs
+    out = []
+    if scenario == "concurrent":  # two sequences share the pool, decode in bursts, re-select every 4 steps
+        seqs = [engine.submit(f"c{i}", _prompt(n, 20 + i), greedy(9), namespace=space) for i, n in enumerate((90, 71))]
+        run_until_done(engine, seqs)
+        for seq in seqs:
+            tokens, done = drain(events_of(seq))
+            out.append((tokens, done.cached_tokens))  # type: ignore[union-attr]
+    else:  # multi-turn: turn 2 re-sends turn 1 and its answer (parked ring, pages from the device and host)
+        prompt = _prompt(83, 31)
+        for turn in range(2):
+            seq = engine.submit(f"t{turn}", prompt, greedy(6), namespace=space)
+            run_until_done(engine, [seq])
+            tokens, done = drain(events_of(seq))
+            out.append((tokens, done.cached_tokens))  # type: ignore[union-attr]
+            prompt = prompt + tokens + _prompt(9, 40 + turn)
+    engine.stop()
+    return out
+
+
+@pytest.mark.parametrize("scenario", ["concurrent", "multi-turn"])
+def test_sparse_answers_do_not_depend_on_the_ring_size(
+    gemma, smol_tokenizer: Tokenizer, start_store: StartStore, scenario: str
+) -> None:
+    """Sparse over-budget prompts have no dense reference (they attend a selection), but a local ring's
+    size must never change an answer: a ring of ring_span's rows (a window and a page less one token)
+    gives the tokens of one four times larger, where nothing a step writes reaches the window it reads.
+    The guard against a step writing over rows a later step reads (a scoring pass did, see above)."""
+    address = start_store(host_kv_mib=32).address
+    small = _sparse_ring_answers(gemma, smol_tokenizer, address, 0, scenario)
+    roomy = _sparse_ring_answers(gemma, smol_tokenizer, address, 48, scenario)
+    assert [t for t, _ in small] == [t for t, _ in roomy]
+    assert all(len(t) in (6, 9) for t, _ in small)
+    if scenario == "multi-turn":
+        assert small[1][1] > 0 and roomy[1][1] > 0  # turn 2 reused turn 1's pages
 
 
 def test_preempted_sequences_take_their_parked_ring_back(gemma, smol_tokenizer: Tokenizer) -> None:
