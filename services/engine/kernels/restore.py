@@ -102,6 +102,7 @@ def restore_pages(
     With `parts` (byte ranges of the source page, in order), only those bytes, packed: out is
     [R, sum of the parts' sizes]."""
     rows = list(range(len(offsets))) if rows is None else list(rows)
+    # one part from byte 0 is the pages' first out.shape[1] bytes: the plain restore already copies those
     if parts is not None and not (len(parts) == 1 and parts[0][0] == 0):
         _restore_parts(src, offsets, out, rows, method, list(parts))
         return
