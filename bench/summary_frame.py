@@ -60,14 +60,14 @@ class RecordingKV(ContiguousKV):
         self.query_start = query_start
         self.queries: list[torch.Tensor | None] = [None] * num_layers  # [Tq, Hq, D] each
 
-    def attend(self, layer_idx, q, k, v, scale, window=None):  # type: ignore[no-untyped-def]
+    def attend(self, layer_idx, q, k, v, scale, window=None, stored=False):  # type: ignore[no-untyped-def]
         first = self._lengths[layer_idx]  # position of q[0]
         lo = max(0, self.query_start - first)
         if lo < q.shape[0]:
             prev = self.queries[layer_idx]
             part = q[lo:].detach().clone()
             self.queries[layer_idx] = part if prev is None else torch.cat([prev, part])
-        return super().attend(layer_idx, q, k, v, scale, window)
+        return super().attend(layer_idx, q, k, v, scale, window, stored)
 
 
 def needle_token(tok: Tokenizer, prompt: str, ids: list[int], answer: str) -> int:

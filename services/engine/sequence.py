@@ -84,7 +84,7 @@ class Sequence:
     page_table: PageTable = field(default_factory=PageTable)
     ring: SeqRing | None = None  # set at admission when the engine runs a ring
     local_ring: int = -1  # its ring of the sliding-window layers (LocalRings), while admitted
-    local_end: int = 0  # positions written into that ring (a scoring pass writes ahead of num_computed)
+    local_end: int = 0  # positions written into that ring (a decode burst cut short writes ahead of num_computed)
     num_computed: int = 0  # tokens whose K/V has been computed (resident or on the host)
     num_cached: int = 0  # prompt tokens reused from the prefix cache (first admission)
     admitted_once: bool = False
