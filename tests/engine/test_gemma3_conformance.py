@@ -220,6 +220,21 @@ class WindowlessKV(ContiguousKV):
         return super().attend(layer_idx, q, k, v, scale, stored=stored)
 
 
+def test_the_summary_frame_bench_records_gemma_queries_on_the_reference_backend(pair: tuple) -> None:
+    """bench/summary_frame.py's backend (a ContiguousKV subclass) takes every argument the model passes
+    (Gemma 3 passes attend's `stored`): same logits as ContiguousKV, the queries from query_start kept."""
+    from bench.summary_frame import RecordingKV
+
+    _, _, ours, _ = pair
+    ids = prompt_ids()
+    recording = RecordingKV(ours.config.num_layers, query_start=PROMPT_LEN - 5)
+    with torch.inference_mode():
+        got = ours.logits(ours(ids, torch.arange(PROMPT_LEN), recording))
+        want = ours.logits(ours(ids, torch.arange(PROMPT_LEN), ContiguousKV(ours.config.num_layers)))
+    assert torch.equal(got, want)
+    assert all(q is not None and q.shape[0] == 5 for q in recording.queries)
+
+
 def test_window_changes_logits_exactly_from_position_window(pair: tuple) -> None:
     """The same model on a backend that ignores windows: identical before position WINDOW, different from
     it on (so the windows reach the backend and are applied with transformers' off-by-one)."""
