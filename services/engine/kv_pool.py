@@ -354,9 +354,9 @@ class KVPool:
                 self.v[i].index_copy_(0, rows, data[:, index[i], 1].reshape(-1, h, d))
             return
         data = pages.to(self.device, non_blocking=True).reshape(count, pages.shape[-1])
-        offsets = self._layer_offsets if whole else self._packed_offsets(layers)
+        ranges = self._layer_ranges(range(self.num_layers) if whole else layers)
         for i in layers:
-            k_bytes, v_bytes = self._layer_bytes(data, i, offsets)
+            k_bytes, v_bytes = self._layer_bytes(data, ranges[i])
             self.k[i].index_copy_(0, rows, self._rows_of(i, k_bytes))
             self.v[i].index_copy_(0, rows, self._rows_of(i, v_bytes))
 
@@ -368,12 +368,15 @@ class KVPool:
             data = data.view(self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
             return data[layer, 0].to(dtype), data[layer, 1].to(dtype)
         fmt = self.formats[layer]
-        k_bytes, v_bytes = self._layer_bytes(page.reshape(1, -1), layer)
+        k_bytes, v_bytes = self._layer_bytes(
+            page.reshape(1, -1), (self._layer_offsets[layer], self._layer_offsets[layer + 1])
+        )
         k_rows, v_rows = self._rows_of(layer, k_bytes), self._rows_of(layer, v_bytes)
         return _keys(fmt, lambda dt: fmt.dequantize(k_rows, dt), dtype), fmt.dequantize(v_rows, dtype)
 
-    def _packed_offsets(self, layers: Iterable[int]) -> dict[int, tuple[int, int]]:
-        """Byte ranges of these layers in pages that hold just them, in layer order."""
+    def _layer_ranges(self, layers: Iterable[int]) -> dict[int, tuple[int, int]]:
+        """Byte range of each layer's K and V in pages that hold these layers, in layer order (every layer:
+        a whole page)."""
         out, at = {}, 0
         for i in sorted(layers):
             n = self._layer_offsets[i + 1] - self._layer_offsets[i]
@@ -381,15 +384,9 @@ class KVPool:
             at += n
         return out
 
-    def _layer_bytes(
-        self, data: torch.Tensor, layer: int, offsets: list[int] | dict[int, tuple[int, int]] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V bytes of one layer from pages uint8 [P, page_nbytes] (or packed layers, `offsets` from
-        _packed_offsets): [P, n] each."""
-        if isinstance(offsets, dict):
-            lo, hi = offsets[layer]
-        else:
-            lo, hi = self._layer_offsets[layer], self._layer_offsets[layer + 1]
+    def _layer_bytes(self, data: torch.Tensor, span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V bytes of one layer, bytes `span` of pages uint8 [P, n]: [P, n_layer / 2] each."""
+        lo, hi = span
         mid = (lo + hi) // 2
         return data[:, lo:mid], data[:, mid:hi]
 
