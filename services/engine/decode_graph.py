@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from services.engine.attention import PAD_POS
+from services.engine.attention import PAD_POS, KVSink
 from services.engine.kernels import triton_module
 from services.engine.kv_pool import KVPool
 from services.engine.local_ring import ring_read_set
@@ -135,7 +135,7 @@ class _GraphAttention:
             self.ring_write = bufs.ring_base + bufs.positions.remainder(local.span)
         self._ring_read: tuple[torch.Tensor, torch.Tensor] | None = None  # built only for the SDPA path
 
-    def kv_sink(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def kv_sink(self, layer_idx: int) -> KVSink | None:
         """The layer's plain K/V stores and the step's rows in them (the ring rows of a local layer), on the
         Triton tier: the model's q/k norm + RoPE launch writes the new rows (one launch fewer a layer)."""
         plain = self.pool.plain_kv(layer_idx)
@@ -260,7 +260,13 @@ class DecodeGraphs:
         # the model writes a step's K/V rows in its q/k norm + RoPE launch (KVMEM_KV_SINK=0: KVPool.write
         # launches them, for A/B runs)
         self.kv_sinks = os.environ.get("KVMEM_KV_SINK", "1") != "0"
-        self._paged_index = torch.tensor(pool.paged_layers, dtype=torch.long, device=device)  # page scoring's layers
+        # page scoring: every paged layer in one call, each layer's queries scaled by its attention scale over
+        # the first one's (the bound is linear in q), the heads of all layers side by side
+        scales = [float(model.layers[layer].self_attn.scale) for layer in pool.paged_layers]  # type: ignore[union-attr, arg-type]
+        self._score_scale = scales[0] if scales else 1.0
+        self._paged_index = torch.tensor(pool.paged_layers, dtype=torch.long, device=device)
+        rel = [s / self._score_scale for s in scales]
+        self._query_scales = torch.tensor(rel, dtype=torch.float32, device=device)[:, None, None]  # [L, 1, 1]
 
     # -- eligibility -------------------------------------------------------------------------------
 
@@ -342,8 +348,6 @@ class DecodeGraphs:
         (summed over layers, as StepAttention._score does per layer), or None when it does not score."""
         out: list[torch.Tensor | None] = []
         size = self.pool.page_size
-        layers = self.pool.paged_layers
-        scales = {float(self.model.layers[layer].self_attn.scale) for layer in layers}  # type: ignore[union-attr, arg-type]
         for i, w in enumerate(works):
             ring = w.seq.ring
             num_pages = w.start // size
@@ -351,18 +355,10 @@ class DecodeGraphs:
                 out.append(None)
                 continue
             assert self._last is not None, "page_scores before run"
-            if len(scales) == 1 and ring.summaries.layers == layers:  # every layer in one call (two launches)
-                q = self._last.queries.index_select(0, self._paged_index)[:, i]  # [L, Hq, D], no host sync
-                bounds = ring.summaries.stacked_bounds(num_pages)
-                out.append(page_scores(q.reshape(1, -1, q.shape[-1]), *bounds, *scales))
-                continue
-            total = None
-            for layer in layers:
-                scale = float(self.model.layers[layer].self_attn.scale)  # type: ignore[union-attr, arg-type]
-                q = self._last.queries[layer, i : i + 1]  # [1, Hq, D]
-                s = page_scores(q, *ring.summaries.bounds(layer, num_pages), scale)
-                total = s if total is None else total + s
-            out.append(total)
+            assert ring.summaries.layers == self.pool.paged_layers, (ring.summaries.layers, self.pool.paged_layers)
+            q = self._last.queries.index_select(0, self._paged_index)[:, i].float() * self._query_scales  # [L, Hq, D]
+            bounds = ring.summaries.stacked_bounds(num_pages)
+            out.append(page_scores(q.reshape(1, -1, q.shape[-1]), *bounds, self._score_scale))
         return out
 
     def _forward(self, bufs: _Buffers) -> torch.Tensor:

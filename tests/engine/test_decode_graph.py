@@ -15,6 +15,7 @@ burst equals eager steps.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -159,13 +160,19 @@ def test_ring_sequence_with_gaps_matches_step_attention(model) -> None:
     assert other.output_ids == reference_greedy(h.model, other.prompt_ids, len(other.output_ids))
 
 
-def test_scoring_decode_step_gives_step_attentions_page_scores(model) -> None:
+@pytest.mark.parametrize("scales", ["one", "per-layer"])
+def test_scoring_decode_step_gives_step_attentions_page_scores(model, scales: str) -> None:
     """A re-selecting decode step runs on the runner; its page scores, from the queries the step kept,
-    equal StepAttention's for the same token (which scores inside its attention pass)."""
+    every layer in one call, equal StepAttention's for the same token (which scores inside its attention
+    pass, layer by layer), also when the layers' attention scales differ."""
+    if scales == "per-layer":
+        model = copy.deepcopy(model)
+        for i, layer in enumerate(model.layers):
+            layer.self_attn.scale *= 1.0 + 0.5 * i
     h = Harness(model, [30, 13])
     cfg = model.config
     ring_seq = h.seqs[0]
-    summaries = PageSummaries(cfg.num_layers, 32, cfg.num_kv_heads, cfg.head_dim, h.pool.device)
+    summaries = PageSummaries(cfg.num_layers, 32, cfg.num_kv_heads, cfg.head_dim, h.pool.device, h.pool.paged_layers)
     ring_seq.ring = SeqRing(summaries=summaries, policy="sparse", query_start=0)
     pages = ring_seq.num_computed // PAGE
     rows = h.pool.rows(torch.tensor(ring_seq.page_table.slot_ids[:pages]))
