@@ -240,23 +240,19 @@ class KVStoreHostPages:
         """Pin these host copies for this engine, off the caller's path (in order with unpin). A failed pin
         is logged: the page may then be evicted, and a restore that misses it recomputes it."""
         if self._owner and page_hashes:
-            self._background(self._pin_now, list(page_hashes))
+            self._background(self._pins, self._client.pin, list(page_hashes))
 
     def unpin(self, page_hashes: list[bytes]) -> None:
+        """Drop this engine's pins (off the caller's path; a failed unpin is logged: pins lapse by themselves)."""
         if self._owner and page_hashes:
-            self._background(self._unpin_now, list(page_hashes))
+            self._background(self._pins, self._client.unpin, list(page_hashes))
 
-    def _pin_now(self, page_hashes: list[bytes]) -> None:
+    def _pins(self, call: Callable[[str, list[bytes]], object], page_hashes: list[bytes]) -> None:
+        """client.pin or client.unpin for this engine, on the release thread; a failure is logged."""
         try:
-            self._client.pin(self._owner, page_hashes)
+            call(self._owner, page_hashes)
         except Exception as exc:  # noqa: BLE001 - never fail the step thread's work for a pin
-            logger.warning("pin of %d page(s) failed (they may be evicted, then recomputed): %s", len(page_hashes), exc)
-
-    def _unpin_now(self, page_hashes: list[bytes]) -> None:
-        try:
-            self._client.unpin(self._owner, page_hashes)
-        except Exception as exc:  # noqa: BLE001 - pins lapse by themselves
-            logger.warning("unpin of %d page(s) failed: %s", len(page_hashes), exc)
+            logger.warning("%s of %d page(s) failed: %s", call.__name__, len(page_hashes), exc)
 
     def _background(self, fn: Callable[..., object], *args: object) -> None:
         """Run on the release thread (in submission order), or here once it is closed (engine stopping)."""
