@@ -17,9 +17,10 @@ the rest of the context in a host KV store): the bench starts redis-server and o
 token ids. Engine numbers go through the real engine core (scheduler, ring, paged KV pool, decode
 runner, sampler, detokenizer) in-process, without gRPC; decode is measured in three modes on the same
 prompt (a namespace per mode, so no prefix reuse), and the token streams are compared: `graphs` (the
-decode runner's CUDA graphs, decode bursts of up to --decode-burst steps per host round trip: the
-engine's default), `steps` (the graphs one step per round trip: the burst's baseline) and `eager`
-(no graphs, bursts on). transformers runs `generate` (bf16,
+decode runner's CUDA graphs, decode bursts of up to --decode-burst steps per host round trip, each
+burst launched before the one before it is read: the engine's default), `serial` (the same bursts, each
+read before the next is scheduled: the overlap's baseline), `steps` (the graphs one step per round trip:
+the burst's baseline) and `eager` (no graphs, bursts on). transformers runs `generate` (bf16,
 attn_implementation="eager", its default cache); its decode is timed per token with a streamer over
 --hf-new-tokens tokens only (eager attention over 32K keys is slow). Ratios are engine /
 transformers. The bandwidth column is the share of the H200's HBM bandwidth (4.8 TB/s) the graph
@@ -30,6 +31,7 @@ the tied embedding is the LM head).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -231,7 +233,8 @@ def main() -> int:
         engine, info = build_engine(cfg)
         stack.callback(engine.stop)
         decode = engine.runner.decode
-        modes = ["graphs", "steps", "eager"] if device.type == "cuda" and decode is not None else ["eager"]
+        cuda_modes = ["graphs", "serial", "steps", "eager"]
+        modes = cuda_modes if device.type == "cuda" and decode is not None else ["eager"]
         if "graphs" in modes:
             t1 = time.perf_counter()  # batch 1, every window bucket up to the pool
             n = decode.warm_up([1], [2**k for k in range(8, 30) if 2**k <= decode.max_window])
@@ -303,10 +306,12 @@ def main() -> int:
 
 
 def _set_mode(engine, mode: str, burst: int) -> None:  # type: ignore[no-untyped-def]
-    """graphs: CUDA graphs and decode bursts; steps: graphs, one step per round trip; eager: no graphs."""
+    """graphs: CUDA graphs and overlapped decode bursts; serial: the bursts read one by one; steps: graphs,
+    one step per round trip; eager: no graphs (bursts, overlapped)."""
     if engine.runner.decode is not None:
-        engine.runner.decode.capture = mode in ("graphs", "steps")
+        engine.runner.decode.capture = mode in ("graphs", "serial", "steps")
     engine.scheduler.decode_burst = 1 if mode == "steps" else burst
+    engine.limits = dataclasses.replace(engine.limits, decode_overlap=mode != "serial")
 
 
 def _medians(runs: list[tuple[float, float, list[int]]], prompt_len: int, new_tokens: int) -> tuple[float, float]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import logging
 import os
 import pstats
@@ -147,8 +148,31 @@ def _ring_phases(engine) -> _Phases:  # type: ignore[no-untyped-def]
     return phases
 
 
+def _decode_ms(engine, prompt: list[int], new_tokens: int, name: str) -> float:  # type: ignore[no-untyped-def]
+    """Wall ms a token of one request's decode (from its first token to its last)."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    seq = engine.submit(name, prompt, params, namespace=name)
+    engine.poll()
+    while not seq.output_ids:
+        engine.step()
+    t = time.perf_counter()
+    while engine.scheduler.has_work():
+        engine.step()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t) / (len(seq.output_ids) - 1)
+
+
 def ring(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
     _run(engine, _prompt(30000, vocab, 4), 24, "warm")
+    # overlapped bursts (the default) against bursts read one by one, alternating, fresh 30K prompts
+    timed: dict[bool, list[float]] = {False: [], True: []}
+    for i, overlap in enumerate((False, True, False, True)):
+        engine.limits = dataclasses.replace(engine.limits, decode_overlap=overlap)
+        timed[overlap].append(_decode_ms(engine, _prompt(30000, vocab, 20 + i), 160, f"overlap{i}"))
+    print(f"30K decode, 159 tokens: overlapped bursts {' / '.join(f'{t:.3f}' for t in timed[True])} ms a token, "
+          f"read one by one {' / '.join(f'{t:.3f}' for t in timed[False])} (overlapped steps "
+          f"{engine.stats.overlapped_steps_total})")  # fmt: skip
+    engine.limits = dataclasses.replace(engine.limits, decode_overlap=False)  # the phase table: one burst a step
     phases = _ring_phases(engine)
     per_step: list[tuple[float, dict[str, float]]] = []
     params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)

@@ -100,6 +100,7 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
         ring=ring_limits(config) if config.ring_enabled else None,
         ring_chunk=config.ring_chunk if config.ring_enabled else 0,
         decode_burst=config.burst_for(device),
+        decode_overlap=config.decode_overlap,
     )
     runner = ModelRunner(model, pool, device, host, cuda_graphs=config.cuda_graphs, max_batch=config.max_running)
     engine = Engine(limits, runner, tokenizer, write_through)

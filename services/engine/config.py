@@ -60,6 +60,7 @@ class EngineConfig:
     # -- GPU execution --
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     decode_burst: int = 0  # greedy decode steps per host round trip (1: off; 0: auto, BURST_ON_CUDA on CUDA, 1 on CPU)
+    decode_overlap: bool = True  # launch the next greedy burst before reading the last one's tokens (engine.py)
     kernels: str = "auto"  # page kernel set: auto (from the device capability), triton, cupy, torch
 
     def __post_init__(self) -> None:
@@ -269,6 +270,12 @@ class EngineConfig:
             help="greedy decode steps run on the device per host round trip (1: one step at a time; 0: auto, "
             f"{BURST_ON_CUDA} on CUDA, 1 on the CPU)",
         )
+        p.add_argument(
+            "--no-decode-overlap",
+            action="store_true",
+            default=env("KVMEM_DECODE_OVERLAP", "1") == "0",
+            help="read each greedy burst's tokens before launching the next (no overlapped bursts)",
+        )
         p.add_argument("--kernels", default=env("KVMEM_KERNELS", "auto"), help="auto, triton, cupy or torch")
         p.add_argument(
             "--no-local-ring",
@@ -307,6 +314,7 @@ class EngineConfig:
             retrieval=not a.no_retrieval,
             audit_dir=a.audit_dir,
             cuda_graphs=not a.no_cuda_graphs,
+            decode_overlap=not a.no_decode_overlap,
             decode_burst=a.decode_burst,
             kernels=a.kernels,
             local_ring=not a.no_local_ring,

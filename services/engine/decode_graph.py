@@ -39,7 +39,11 @@ the same K/V into the same row, so padding never touches another page.
 
 Per-step host work: a sequence's padded rows are rebuilt only when its page table (up to its last
 page) changed, and copied into a bucket's buffers only when that batch row held something else;
-otherwise a step copies 4 x B integers to the device, in one copy. The page summary of a ring sequence's page
+otherwise a step copies 4 x B integers to the device, in one copy. A continued step (Work.on_device: the
+step after a burst whose tokens the host has not read, engine.py) keeps the ids the last step left on the
+device and copies the other inputs; the staging buffer alternates between two halves so that filling one
+never races the copy of the other still queued, and the rows come from pinned memory: nothing here waits
+for the burst in flight. The page summary of a ring sequence's page
 is brought up to date once, eagerly, on the step that fills the page (only full pages are ever
 scored or demoted), instead of per step inside the graph.
 """
@@ -61,6 +65,7 @@ from services.engine.models.loader import CausalLM
 from services.engine.scheduler import Work
 from services.engine.sequence import NOT_RESIDENT, Sequence
 from services.engine.summaries import page_scores
+from services.engine.transfers import to_host
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +115,11 @@ class _Buffers:
     ring_base: torch.Tensor  # [B] first row of each sequence's local ring (local rings only)
     step: torch.Tensor  # [1] the step's index in its burst (where its argmax goes in burst_tokens)
     inputs: torch.Tensor  # [5, B] ids, positions, write_rows, ring_base and step (column 0) are its rows
-    staging: torch.Tensor  # [5, B] host copy of `inputs` (pinned on CUDA)
+    staging: torch.Tensor  # [2, 5, B] host copies of `inputs` (pinned on CUDA), used in turn
     burst_tokens: torch.Tensor  # [page_size, B] the argmax of each step of a burst
     queries: torch.Tensor  # [L, B, Hq, D] each layer's queries (after RoPE), kept for page scoring
     owners: list[tuple[int, ...] | None]  # per batch row: the _SeqRows key its rows came from
+    turn: int = 0  # the half of `staging` the next fill writes
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None  # [B, V] the captured graph's logits
 
@@ -338,6 +344,14 @@ class DecodeGraphs:
         self._last = bufs
         return logits
 
+    def tokens_to_host(self, num_works: int, num_steps: int) -> torch.Tensor:
+        """After run() of steps that chose their tokens on the device: per work, the argmax of each step
+        [num_works, num_steps], copied to host memory behind them (transfers.to_host: valid once an event
+        recorded after this call completes; the next run overwrites the device buffer)."""
+        assert self._last is not None, "tokens_to_host before run"
+        tokens = self._last.burst_tokens[:num_steps, :num_works].t()
+        return to_host(tokens.contiguous()) if self.device.type == "cuda" else tokens.clone()
+
     def burst_tokens(self, num_works: int, num_steps: int) -> list[list[int]]:
         """After run() of a burst: per work, the argmax of each of its steps (one device-to-host copy)."""
         assert self._last is not None, "burst_tokens before run"
@@ -412,7 +426,7 @@ class DecodeGraphs:
                 local_rows={w: long(batch, n) for w, n in local.items()},
                 local_pos={w: long(batch, n, fill=PAD_POS) for w, n in local.items()},
                 ring_base=inputs[3], step=inputs[4, :1], inputs=inputs,
-                staging=torch.zeros(5, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
+                staging=torch.zeros(2, 5, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
                 burst_tokens=long(size, batch),
                 queries=torch.zeros(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=dev),
                 owners=[None] * batch,
@@ -423,13 +437,18 @@ class DecodeGraphs:
     def _fill(self, bufs: _Buffers, works: list[Work], entries: list[_SeqRows]) -> None:
         size = self.pool.page_size
         span = self.pool.local.span if self.pool.local is not None else 0
-        staging = bufs.staging.numpy()
+        on_device = works[0].on_device
+        assert all(w.on_device == on_device for w in works), "continued and new steps in one batch"
+        half = bufs.staging[bufs.turn]
+        bufs.turn ^= 1
+        staging = half.numpy()
         for i in range(bufs.batch):
             j = i if i < len(works) else 0  # padding repeats sequence 0
             w, e = works[j], entries[j]
             pos = w.start
             slot = w.seq.page_table.slot_ids[pos // size]
-            staging[:, i] = (w.seq.token_at(pos), pos, slot * size + pos % size, max(0, w.seq.local_ring) * span, 0)
+            token = 0 if on_device else w.seq.token_at(pos)  # continued: the device's own (PENDING here)
+            staging[:, i] = (token, pos, slot * size + pos % size, max(0, w.seq.local_ring) * span, 0)
             if bufs.owners[i] != e.key:  # the rows depend on the key only
                 rows, kpos = self._padded(e, bufs.window)
                 bufs.rows[i].copy_(rows, non_blocking=True)
@@ -438,7 +457,14 @@ class DecodeGraphs:
                     bufs.local_rows[win][i].copy_(lrows, non_blocking=True)
                     bufs.local_pos[win][i].copy_(lpos, non_blocking=True)
                 bufs.owners[i] = e.key
-        bufs.inputs.copy_(bufs.staging, non_blocking=True)
+        if not on_device:
+            bufs.inputs.copy_(half, non_blocking=True)
+            return
+        last = self._last
+        assert last is not None and last.batch == bufs.batch, "a continued step without the step before it"
+        if last is not bufs:  # another window bucket: the last step's argmax is in its buffers
+            bufs.ids.copy_(last.ids)
+        bufs.inputs[1:].copy_(half[1:], non_blocking=True)
 
     def _padded(self, e: _SeqRows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         got = e.padded.get(width)
@@ -447,8 +473,12 @@ class DecodeGraphs:
             pos = torch.full((width,), PAD_POS, dtype=torch.long)
             rows[: e.rows.shape[0]] = e.rows
             pos[: e.pos.shape[0]] = e.pos
-            got = e.padded[width] = (rows, pos)
+            got = e.padded[width] = (self._pinned(rows), self._pinned(pos))
         return got
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor the step copies from without a synchronisation (never changed after): pinned on CUDA."""
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def _rows_of(self, w: Work) -> _SeqRows:
         """The sequence's read set (cached while its page table up to the new token's page is unchanged)."""
@@ -474,7 +504,7 @@ class DecodeGraphs:
             lpos = torch.full((num_pages * size,), PAD_POS, dtype=torch.long)
             lrows[:n] = (slot_t[keep][:, None] * size + offsets).reshape(-1)
             lpos[:n] = (pages[keep][:, None] * size + offsets).reshape(-1)
-            local[win] = (lrows, lpos)
+            local[win] = (self._pinned(lrows), self._pinned(lpos))
         return _SeqRows(key=key, rows=rows, pos=pos, local=local)
 
     # -- page summaries ------------------------------------------------------------------------------
@@ -490,7 +520,7 @@ class DecodeGraphs:
             page = w.start // size
             slot = w.seq.page_table.slot_ids[page]
             rows = torch.arange(slot * size, (slot + 1) * size, device=self.device)
-            page_t = torch.tensor([page], dtype=torch.long, device=self.device)
+            page_t = torch.full((1,), page, dtype=torch.long, device=self.device)  # a fill, not a host copy
             valid = torch.ones(1, size, dtype=torch.bool, device=self.device)
             for layer in self.pool.paged_layers:
                 ring.summaries.update_from_pool(layer, page_t, self.pool, rows, valid)

@@ -25,9 +25,10 @@ class Detokenizer:
         self._sent = 0  # characters of _text already emitted
         self.matched_stop: str | None = None
 
-    def update(self, output_ids: list[int]) -> str:
-        """Take the output so far (the previous call's ids and more); return the text that may be emitted now."""
-        pending = self._decode_new(output_ids)
+    def update(self, output_ids: list[int], end: int | None = None) -> str:
+        """Take the output so far, ids [0, end) (the previous call's ids and more; `end` defaults to all: ids
+        past it are not chosen yet); return the text that may be emitted now."""
+        pending = self._decode_new(output_ids, len(output_ids) if end is None else end)
         self._text = self._committed + pending
         if self._stop:
             start = max(0, self._sent - self._max_stop)
@@ -56,18 +57,18 @@ class Detokenizer:
         """Everything emitted so far."""
         return self._text[: self._sent]
 
-    def _decode_new(self, output_ids: list[int]) -> str:
+    def _decode_new(self, output_ids: list[int], end: int) -> str:
         """The text of output ids [_read, end); committed (window moved on) when it ends in a whole character."""
         decode = self._tokenizer.decode
         context = decode(output_ids[self._prefix : self._read]) if self._read > self._prefix else ""
-        full = decode(output_ids[self._prefix :])
+        full = decode(output_ids[self._prefix : end])
         if full.startswith(context):
             new = full[len(context) :]
         else:  # the context decodes differently with what follows it: decode the whole output once
-            new = decode(output_ids)[len(self._committed) :]
+            new = decode(output_ids[:end])[len(self._committed) :]
         if new and not new.endswith("\ufffd"):
             self._committed += new
-            self._prefix, self._read = self._read, len(output_ids)
+            self._prefix, self._read = self._read, end
             return ""
         return new
 

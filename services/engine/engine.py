@@ -1,4 +1,16 @@
-"""Engine: the step loop (schedule, run the model, post-process) and the thread-safe request API."""
+"""Engine: the step loop (schedule, run the model, post-process) and the thread-safe request API.
+
+Overlapped bursts (`decode_overlap`): when a step chose its tokens on the device (a greedy decode burst),
+the next step for the same sequences is scheduled and launched (Scheduler.continue_decode) before the
+tokens of the first are read, so the host's work for step k + 1 (scheduling, the ring's restores and
+demotions, the graph's inputs) and its reading and streaming of step k's tokens happen while the device
+runs step k + 1: the device does not wait for the host between bursts. A launched burst's tokens are
+PENDING in their sequence's output (Sequence.add_pending) until read; a stop among them ends the sequence
+there and the step after it is dropped (its K/V rows lie past what the sequence computed). The tokens are
+the same as without overlap: the scheduler's plan, clock and re-selections do not depend on token values,
+and a re-selection's prefetch counts from its scoring step. The chain ends whenever a request arrives or
+is aborted, a step needs the host's sampling, or the scheduler declines (continue_decode).
+"""
 
 from __future__ import annotations
 
@@ -15,13 +27,14 @@ from services.common.pagehash import page_hash, root_hash
 from services.common.tokenizer import Tokenizer
 from services.engine.detokenizer import Detokenizer
 from services.engine.kv_pool import KVPool
-from services.engine.model_runner import ModelRunner
+from services.engine.model_runner import Launched, ModelRunner
 from services.engine.ring import PagesLostError, RingLimits, RingManager, SeqRing
 from services.engine.sampling import InvalidRequestError, SamplingParams, sample_rows
 from services.engine.scheduler import Scheduler, Work
 from services.engine.sequence import Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
 from services.engine.slots import SlotAllocator
 from services.engine.summaries import PageSummaries
+from services.engine.transfers import to_host
 
 if TYPE_CHECKING:
     from services.engine.write_through import WriteThrough
@@ -51,6 +64,7 @@ class EngineLimits:
     ring: RingLimits | None = None  # None: every sequence keeps its whole KV resident
     ring_chunk: int = 0
     decode_burst: int = 1  # greedy decode steps one step may run on the device (scheduler.py: decode bursts)
+    decode_overlap: bool = True  # launch the next burst before reading the last one's tokens (module docstring)
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class EngineStats:
     cached_tokens_total: int = 0
     steps_total: int = 0
     step_failures_total: int = 0
+    overlapped_steps_total: int = 0  # steps (a burst counts once) launched before the one before was read
 
 
 class Engine:
@@ -220,8 +235,16 @@ class Engine:
             time.sleep(0.001)  # nothing fits right now (waiting for slots): don't spin hot
             return
         try:
-            logits, scores = self.runner.run(works)
-            self._postprocess(works, logits, scores)
+            launched: Launched | None = self._launch(works)
+            while launched is not None:  # each continued burst is launched before its predecessor is read
+                following = self._continue(launched)
+                self._postprocess(launched)
+                self.stats.steps_total += 1
+                if self.ring is not None and self._snapshot_stale(launched.works):
+                    self.ring_snapshot = self._take_ring_snapshot()
+                launched = following
+                if launched is not None:
+                    works = launched.works
         except PagesLostError as exc:  # an exact step streamed host pages that are gone
             logger.warning("%s; recomputing the %d sequence(s) of this step", exc, len(works))
             for w in works:
@@ -231,9 +254,27 @@ class Engine:
             self.stats.step_failures_total += 1
             for w in works:
                 self._fail(w.seq, "internal", "the engine failed while running this request")
-        self.stats.steps_total += 1
-        if self.ring is not None and self._snapshot_stale(works):
-            self.ring_snapshot = self._take_ring_snapshot()
+
+    def _launch(self, works: list[Work]) -> Launched:
+        """Run the works; a step that chose its tokens on the device leaves them PENDING in each sequence's
+        output, its K/V counted as computed, until _postprocess reads them."""
+        launched = self.runner.launch(works)
+        if launched.tokens is not None:
+            for w in works:
+                w.seq.add_pending(w.num_steps)
+                w.seq.num_computed = w.start + w.num_steps
+        return launched
+
+    def _continue(self, launched: Launched) -> Launched | None:
+        """The next step of the same sequences, launched before `launched` is read (module docstring), or
+        None: overlap off, host sampling, a request or an abort to take in first, or the scheduler declines."""
+        if not self.limits.decode_overlap or launched.tokens is None or self._incoming or self._aborts:
+            return None
+        works = self.scheduler.continue_decode(launched.works)
+        if works is None:
+            return None
+        self.stats.overlapped_steps_total += 1
+        return self._launch(works)
 
     def _snapshot_stale(self, works: list[Work]) -> bool:
         """The bucket counts change only when the running set, a sequence's page count or its
@@ -261,26 +302,32 @@ class Engine:
             totals[5] += sum(1 for p in range(computed_pages) if p not in resident)
         return RingSnapshot(*totals)
 
-    def _postprocess(self, works: list[Work], logits: torch.Tensor, scores: list[torch.Tensor | None]) -> None:
-        if works[0].num_steps > 1:  # a decode burst: its tokens were chosen on the device
-            tokens = iter(self.runner.burst_tokens(len(works), works[0].num_steps))
+    def _postprocess(self, launched: Launched) -> None:
+        works = launched.works
+        if launched.tokens is not None:  # chosen on the device (PENDING in the outputs): read them
+            tokens = iter(self.runner.tokens(launched))
         else:
             sampling = [w.seq for w in works if w.samples]
-            sampled = sample_rows(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            sampled = sample_rows(launched.logits, [s.params for s in sampling], [s.generator for s in sampling])
             tokens = iter([t] for t in sampled)
-        for w, page_scores in zip(works, scores, strict=True):
+        for w, page_scores in zip(works, launched.scores, strict=True):
             seq = w.seq
+            chosen = next(tokens) if w.samples or launched.tokens is not None else []
+            if seq.is_finished:
+                continue  # stopped in the step before this continued one (or aborted, failed): dropped
             if seq.ring is not None and self.ring is not None:
                 self._ring_after_step(w, page_scores, seq.ring)
             if w.score_only:
                 continue
-            if not w.samples:
+            if not chosen:
                 seq.num_computed = w.start + w.num_new
-                self._publish_pages(seq)
+                self._publish_pages(seq, seq.num_computed)
                 continue
-            for i, token in enumerate(next(tokens)):  # one token per step of a burst, as steps one by one
-                seq.num_computed = w.start + w.num_new + i
-                self._publish_pages(seq)
+            for i, token in enumerate(chosen):  # one token per step of a burst, as steps one by one
+                computed = w.start + w.num_new + i
+                if launched.tokens is None:
+                    seq.num_computed = computed
+                self._publish_pages(seq, computed)
                 self._append(seq, token)
                 if seq.is_finished:
                     break  # a stop mid-burst: the tokens after it are dropped
@@ -318,32 +365,38 @@ class Engine:
         self.ring.set_query(seq.ring, len(seq.prompt_ids))
 
     def _append(self, seq: Sequence, token: int) -> None:
-        if not seq.output_ids:
+        """The next output token (the first PENDING one when a burst is being read): stream it, stop on it."""
+        if seq.num_pending:
+            seq.fill_pending(token)
+        else:
+            seq.output_ids.append(token)
+        known = seq.known_outputs
+        if known == 1:
             self.stats.prompt_tokens_total += len(seq.prompt_ids)
             self.stats.cached_tokens_total += seq.num_cached
-        seq.output_ids.append(token)
         self.stats.generated_tokens_total += 1
         reason: FinishReason | None = None
         if token in seq.stop_token_ids:
             reason = FinishReason.STOP
-            text = seq.detokenizer.update(seq.output_ids[:-1]) + seq.detokenizer.flush()
+            text = seq.detokenizer.update(seq.output_ids, known - 1) + seq.detokenizer.flush()
         else:
-            text = seq.detokenizer.update(seq.output_ids)
+            text = seq.detokenizer.update(seq.output_ids, known)
             if seq.detokenizer.matched_stop is not None:
                 reason = FinishReason.STOP
-        if reason is None and (len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.limits.max_context):
+        if reason is None and (known >= seq.max_tokens or len(seq.prompt_ids) + known >= self.limits.max_context):
             reason = FinishReason.LENGTH
             text += seq.detokenizer.flush()
         seq.events.put(Chunk([token], text))
         if reason is not None:
             self._finish(seq, reason)
 
-    def _publish_pages(self, seq: Sequence) -> None:
-        """Hash every newly completed page, offer it to the prefix cache and write it through."""
+    def _publish_pages(self, seq: Sequence, computed: int) -> None:
+        """Hash every page completed within the first `computed` tokens (whose values are known), offer it
+        to the prefix cache and write it through."""
         table = seq.page_table
         size = self.limits.page_size
         written: list[int] = []  # pages to write through, read out of the pool in one batch (one copy)
-        while len(table.page_hashes) < seq.num_computed // size:
+        while len(table.page_hashes) < computed // size:
             i = len(table.page_hashes)
             parent = table.page_hashes[-1] if table.page_hashes else root_hash(seq.namespace)
             h = page_hash(parent, seq.token_ids[i * size : (i + 1) * size], self.limits.model_id, self.limits.kv_format)
@@ -353,9 +406,13 @@ class Engine:
                 written.append(i)
         if written and self.write_through is not None:
             local = (seq.local_ring, written) if self.pool.local is not None else None  # staged or in the ring
-            pages = _to_host(self.pool.read_pages([table.slot_ids[i] for i in written], local))
+            pages = to_host(self.pool.read_pages([table.slot_ids[i] for i in written], local))
+            ready = None
+            if pages.device.type == "cpu" and self.pool.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()  # the writer waits for the copy, not the engine (a burst may be in flight)
             for i, page in zip(written, pages, strict=True):
-                self.write_through.submit(table.page_hashes[i], page, size)
+                self.write_through.submit(table.page_hashes[i], page, size, ready=ready)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         matched = seq.detokenizer.matched_stop or ""
@@ -378,14 +435,3 @@ class Engine:
             self.scheduler.finish(seq)
         seq.finish_reason = FinishReason.ERROR
         seq.events.put(Failed(code, message))
-
-
-def _to_host(pages: torch.Tensor) -> torch.Tensor:
-    """A device batch of pages into pinned host memory (a DMA at the link's speed, not a copy through a
-    pageable bounce: a 2K prefill chunk is 38 MB of Gemma 3 270M pages); a CPU batch as it is. The pinned
-    block returns to torch's caching host allocator once the write-through has written every page of it."""
-    if pages.device.type == "cpu":
-        return pages
-    host = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
-    host.copy_(pages)
-    return host

@@ -22,6 +22,7 @@ import torch
 from services.engine.kernels import active_tier, triton_module
 from services.engine.kv_formats import KVFormat, fp4_table, hadamard, hadamard_matrix
 from services.engine.local_ring import LocalRings
+from services.engine.transfers import device_index
 
 logger = logging.getLogger(__name__)
 
@@ -294,7 +295,7 @@ class KVPool:
                 rows = local_rows[first]
             else:
                 if slot_rows is None:
-                    slot_rows = self.rows(torch.tensor(slots, dtype=torch.long, device=self.device))
+                    slot_rows = self.rows(device_index(slots, self.device))
                 rows, k_src, v_src = slot_rows, self.k[i], self.v[i]
             parts.extend(t.index_select(0, rows).reshape(count, -1) for t in (k_src, v_src))
         if self._uniform_plain:
@@ -314,7 +315,7 @@ class KVPool:
         assert self.local is not None
         size = self.page_size
         starts = [p * size - first for p in pages] if first >= 0 else [self.local.page_row(ring_id, p) for p in pages]
-        base = torch.tensor(starts, dtype=torch.long, device=self.device)
+        base = device_index(starts, self.device)
         return (base[:, None] + torch.arange(size, device=self.device)).reshape(-1)
 
     def write_pages(self, slots: list[int], pages: torch.Tensor) -> None:
@@ -337,9 +338,9 @@ class KVPool:
         if count == 0:
             return
         if slots is not None:
-            rows = self.rows(torch.tensor(slots, dtype=torch.long, device=self.device))
+            rows = self.rows(device_index(slots, self.device))
         else:
-            base = torch.tensor(starts, dtype=torch.long, device=self.device)
+            base = device_index(starts, self.device)  # type: ignore[arg-type]
             rows = (base[:, None] + torch.arange(self.page_size, device=self.device)).reshape(-1)
         h, d = self.num_kv_heads, self.head_dim
         whole = pages.shape[-1] == self.page_nbytes  # else the pages hold `layers` only, in order

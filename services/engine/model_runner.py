@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -13,8 +14,23 @@ from services.engine.paged_attention import SeqSpan, StepAttention
 from services.engine.ring import HostPages
 from services.engine.scheduler import Work
 from services.engine.sequence import NOT_RESIDENT
+from services.engine.transfers import to_host
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Launched:
+    """A step on its way. Steps sampled on the host keep their logits (on the device); steps that chose their
+    tokens on the device (decode bursts, continued steps) have those tokens and their page scores copied to
+    host memory behind them, and `ready` is recorded after the copies (CUDA): reading them waits for this
+    step only, not for a step launched after it."""
+
+    works: list[Work]
+    logits: torch.Tensor  # [sampling works, V] float32: the last step's
+    scores: list[torch.Tensor | None]  # per work: its page scores ([pages]; host memory when `tokens` is set)
+    tokens: torch.Tensor | None = None  # [works, steps] the tokens each step chose, in host memory
+    ready: torch.cuda.Event | None = None
 
 
 class ModelRunner:
@@ -41,10 +57,32 @@ class ModelRunner:
         """Can these works run as a decode burst (only the decode runner runs bursts)."""
         return self.decode is not None and self.decode.accepts(works)
 
-    def burst_tokens(self, num_works: int, num_steps: int) -> list[list[int]]:
-        """After run() of a decode burst: per work, the token each of its steps chose (argmax)."""
+    @staticmethod
+    def chooses_on_device(works: list[Work]) -> bool:
+        """The step's tokens are its argmax on the device (a decode burst or a continued step), not sampled."""
+        return works[0].num_steps > 1 or works[0].on_device
+
+    def launch(self, works: list[Work]) -> Launched:
+        """run(), then for steps that chose their tokens on the device, those tokens and the page scores on
+        their way to host memory (Launched): the host may schedule and launch the next step before reading them."""
+        logits, scores = self.run(works)
+        if not self.chooses_on_device(works):
+            return Launched(works, logits, scores)
         assert self.decode is not None
-        return self.decode.burst_tokens(num_works, num_steps)
+        tokens = self.decode.tokens_to_host(len(works), works[0].num_steps)
+        host_scores = [None if s is None else to_host(s) for s in scores]
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return Launched(works, logits, host_scores, tokens, ready)
+
+    def tokens(self, launched: Launched) -> list[list[int]]:
+        """Per work, the tokens its steps chose (waits for that step's copies only)."""
+        assert launched.tokens is not None, "tokens of a step that samples on the host"
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return launched.tokens.tolist()  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def run(self, works: list[Work]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -55,7 +93,7 @@ class ModelRunner:
         if self.decode is not None and self.decode.accepts(works):
             logits = self.decode.run(works)
             return logits, self.decode.page_scores(works)
-        assert works[0].num_steps == 1, "a decode burst the decode runner does not accept"
+        assert not self.chooses_on_device(works), "a decode burst or continued step the decode runner does not accept"
         token_ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []

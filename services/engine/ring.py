@@ -23,6 +23,7 @@ from services.engine.kv_pool import KVPool
 from services.engine.sequence import NOT_RESIDENT
 from services.engine.slots import SlotAllocator
 from services.engine.summaries import PageSummaries
+from services.engine.transfers import device_index
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class SeqRing:
     scored_tokens: int = 0
     final_scored: bool = False  # the query has been read and scored (retrieval may run)
     decode_steps: int = 0
+    scored_at: int = 0  # decode_steps at the last decode re-selection's scoring step (its prefetch counts from it)
     pinned: list[bytes] = field(default_factory=list)  # host pages pinned for this sequence
     num_restores: int = 0
     pending: PendingEvidence | None = None  # a decode re-selection not in effect yet (prefetch_steps)
@@ -187,8 +189,8 @@ class RingManager:
         if not pages:
             return
         size = self.limits.page_size
-        page_t = torch.tensor(pages, dtype=torch.long, device=self.pool.device)
-        rows = self.pool.rows(torch.tensor([slot_ids[p] for p in pages], dtype=torch.long, device=self.pool.device))
+        page_t = device_index(pages, self.pool.device)
+        rows = self.pool.rows(device_index([slot_ids[p] for p in pages], self.pool.device))
         valid = torch.ones(len(pages), size, dtype=torch.bool, device=self.pool.device)
         for layer in self.pool.paged_layers:
             ring.summaries.update_from_pool(layer, page_t, self.pool, rows, valid)
@@ -335,7 +337,8 @@ class RingManager:
             if p < len(page_hashes) and slot_ids[p] == NOT_RESIDENT and self.slots.lookup(page_hashes[p]) is None
         ]
         fetch = self._prefetch(wanted) if wanted and self._prefetcher is not None else None
-        ring.pending = PendingEvidence(chosen, ring.decode_steps + self.limits.prefetch_steps, fetch)
+        # from the scoring step's clock, not this call's: an overlapped burst may already be scheduled after it
+        ring.pending = PendingEvidence(chosen, ring.scored_at + self.limits.prefetch_steps, fetch)
 
     def apply_pending(self, ring: SeqRing, force: bool = False) -> None:
         """Put a pending re-selection in effect once its step has come (or now, `force`); its fetched pages

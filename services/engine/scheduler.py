@@ -18,6 +18,12 @@ current page (no page is filled, demoted or allocated mid-burst), within its max
 or before the next re-selection step (a re-selection scores the burst's last query). A stop token
 mid-burst ends the sequence there: the tokens after it are dropped, their K/V rows lie past
 num_computed and are never read.
+
+Overlapped bursts: `continue_decode` schedules the decode step (or burst) after one still on the device,
+for the same sequences, before its tokens are read (engine.py): the launched burst's tokens hold their
+places as PENDING (Sequence.add_pending) and its K/V counts as computed, so the plan, the clock and the
+page table move on exactly as if it had been read; only token values are unknown, and nothing here reads
+them. The next step's input tokens are the device's own (Work.on_device).
 """
 
 from __future__ import annotations
@@ -48,11 +54,16 @@ class Work(NamedTuple):
     score_tokens: int = 0  # trailing tokens of this work whose queries score pages (ring)
     score_only: bool = False  # a scoring pass: nothing is kept but the scores
     num_steps: int = 1  # a decode burst: this many greedy decode steps in a row (num_new == 1)
+    on_device: bool = False  # its input token is the last step's argmax, not read by the host yet
 
     @property
     def samples(self) -> bool:
         """The step reaches the end of the sequence, so its last logits give the next token."""
         return not self.score_only and self.start + self.num_new == self.seq.num_tokens
+
+
+class _NoRoom(Exception):
+    """Room for a continued step would take a preemption (continue_decode never preempts)."""
 
 
 class Scheduler:
@@ -141,7 +152,47 @@ class Scheduler:
                 break  # it preempted itself back into the queue
             works.append(self._work(seq, want))
             budget -= want
-        return self._burst(works)
+        return self._stamp(self._burst(works))
+
+    def continue_decode(self, prev: list[Work]) -> list[Work] | None:
+        """The decode step or burst after `prev`, a greedy decode launched on the device whose tokens are
+        PENDING, for the same sequences, scheduled before those tokens are read (module docstring). None
+        when the next step needs the host first: other sequences running or waiting, a work that is not a
+        greedy decode, a sequence at its token limit, an exact ring (its steps may stream host pages), a
+        re-selection that takes effect at the next step (no prefetch steps), or room that only a preemption
+        would make."""
+        seqs = [w.seq for w in prev]
+        if self.waiting or self.burst_ok is None or len(seqs) != len(self.running) or set(seqs) != set(self.running):
+            return None
+        for w in prev:
+            seq, params = w.seq, w.seq.params
+            if w.num_new != 1 or w.score_only or seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
+                return None
+            if params.temperature != 0.0 or params.logit_bias or len(seq.output_ids) >= seq.max_tokens:
+                return None
+            if seq.ring is not None and seq.ring.policy == "exact":
+                return None
+            if w.score_tokens and (self.ring is None or self.ring.limits.prefetch_steps == 0):
+                return None  # its re-selection takes effect at the very next step: the host selects first
+        for seq in seqs:
+            try:
+                self._make_room_or_raise(seq, 1, preempt=False)
+            except (_NoRoom, PagesLostError, RingExhaustedError) as exc:
+                logger.debug("%s: no continued step (%s); the host schedules the next one", seq.request_id, exc)
+                self._room_keys.pop(seq, None)  # the next schedule plans it again
+                return None
+        self.num_steps += 1
+        works = [w._replace(on_device=True) for w in self._burst([self._work(seq, 1) for seq in seqs])]
+        assert self.burst_ok(works), "a continued decode step the decode runner does not accept"
+        return self._stamp(works)
+
+    def _stamp(self, works: list[Work]) -> list[Work]:
+        """Note the decode clock of each re-selection's scoring step (its prefetch counts from there)."""
+        for w in works:
+            ring = w.seq.ring
+            if w.score_tokens and ring is not None and not w.seq.in_prefill:
+                ring.scored_at = ring.decode_steps
+        return works
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished sequence's slots and forget it."""
@@ -268,7 +319,7 @@ class Scheduler:
             self._failures.append((seq, str(exc)))
             return False
 
-    def _make_room_or_raise(self, seq: Sequence, want: int) -> bool:
+    def _make_room_or_raise(self, seq: Sequence, want: int, preempt: bool = True) -> bool:
         end = seq.num_computed + want
         table = seq.page_table
         if seq.ring is not None and self.ring is not None:
@@ -288,6 +339,8 @@ class Scheduler:
             if seq.ring.policy == "sparse":
                 seq.ring.hidden_pages = max(seq.ring.hidden_pages, hidden)
         while self._needed(seq, want) > self.slots.num_available():
+            if not preempt:
+                raise _NoRoom(f"{self._needed(seq, want)} slot(s) needed, {self.slots.num_available()} free")
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
@@ -315,6 +368,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release_all(self, seq: Sequence, keep_partial: bool = True, park: bool = True) -> None:
+        seq.drop_pending()  # a burst's unread tokens never reach the prefix cache or a parked ring
         self._room_keys.pop(seq, None)
         if keep_partial:
             self._keep_partial(seq)
@@ -330,18 +384,21 @@ class Scheduler:
         seq.ring = None
 
     def _park_or_release_local(self, seq: Sequence, park: bool) -> None:
-        """Park the sequence's local ring under its last full page when the ring holds what it computed,
-        possibly with less than a page written ahead (a decode burst cut short by a stop: ParkedRing); a
-        failed step that wrote more ahead frees it."""
+        """Park the sequence's local ring under its last full page when the ring still holds the window
+        before that page's end, possibly with positions written ahead (a decode burst cut short by a stop:
+        ParkedRing); a step that wrote so far ahead that the window is overwritten frees it (an overlapped
+        burst that ran into the next page after a stop near a page end: the next turn fills a ring afresh)."""
         assert self.pool is not None and self.pool.local is not None
-        table, size = seq.page_table, self.page_size
+        local, table, size = self.pool.local, seq.page_table, self.page_size
         start = len(table.page_hashes) * size
-        ahead = seq.local_end - seq.num_computed
-        if park and table.page_hashes and seq.num_computed >= start and 0 <= ahead < size:
-            tail = tuple(seq.token_ids[start : seq.num_computed])
-            self.pool.local.park(table.page_hashes[-1], seq.local_ring, seq.num_computed, tail, seq.local_end)
+        computed, ahead = seq.num_computed, seq.local_end - seq.num_computed
+        # the next turn takes it over at the last full page (LocalRings.covers at `start`)
+        window_kept = seq.local_end - local.span <= max(0, start - local.window + 1)
+        if park and table.page_hashes and computed >= start and ahead >= 0 and window_kept:
+            tail = tuple(seq.token_ids[start:computed])
+            local.park(table.page_hashes[-1], seq.local_ring, computed, tail, seq.local_end)
         else:
-            self.pool.local.release(seq.local_ring)
+            local.release(seq.local_ring)
         seq.local_ring = -1
         seq.local_end = 0
 

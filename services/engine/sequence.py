@@ -53,6 +53,7 @@ class Failed(NamedTuple):
 Event = Chunk | Done | Failed
 
 NOT_RESIDENT = -1
+PENDING = -1  # an output token the device has chosen and the host has not read yet
 
 
 @dataclass
@@ -79,7 +80,8 @@ class Sequence:
     generator: torch.Generator | None
     prefill_policy: str = "sparse"  # for the part of the context that outgrows the ring budget
     query_start: int = -1  # token index of the query (last user turn); -1: unknown
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # the last num_pending are PENDING
+    num_pending: int = 0  # output tokens of a decode burst in flight (engine.py: overlapped bursts)
     status: SeqStatus = SeqStatus.WAITING
     page_table: PageTable = field(default_factory=PageTable)
     ring: SeqRing | None = None  # set at admission when the engine runs a ring
@@ -91,6 +93,29 @@ class Sequence:
     finish_reason: FinishReason | None = None
     events: queue.Queue[Event] = field(default_factory=queue.Queue)
     arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def known_outputs(self) -> int:
+        """Output tokens the host has read."""
+        return len(self.output_ids) - self.num_pending
+
+    def add_pending(self, count: int) -> None:
+        """A burst of `count` steps was launched: its tokens hold places in the output until they are read."""
+        self.output_ids.extend([PENDING] * count)
+        self.num_pending += count
+
+    def fill_pending(self, token: int) -> None:
+        """The first pending token has been read."""
+        self.output_ids[len(self.output_ids) - self.num_pending] = token
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        """Forget the tokens not read yet (a stop before them, a failure): the output ends at the last read
+        token, and the K/V computed is the context before it."""
+        if self.num_pending:
+            del self.output_ids[-self.num_pending :]
+            self.num_pending = 0
+            self.num_computed = min(self.num_computed, self.num_tokens - 1)
 
     def token_at(self, pos: int) -> int:
         """The token at `pos` without building prompt + output (token_ids copies the whole context)."""

@@ -159,6 +159,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             local_ring_reuses_total=e.scheduler.num_local_reuses,
             local_ring_fills_total=e.scheduler.num_local_fills,
             device_kv_bytes=e.pool.nbytes + e.pool.local_nbytes,
+            overlapped_steps_total=s.overlapped_steps_total,
         )
 
 

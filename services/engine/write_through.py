@@ -19,8 +19,9 @@ MAX_BATCH = 64  # pages per put_pages call (a ring chunk of 2,048 tokens finishe
 
 class PendingPage(NamedTuple):
     page_hash: bytes
-    data: torch.Tensor  # uint8 [page_nbytes] on the CPU (a row of KVPool.read_pages), already copied out of the pool
+    data: torch.Tensor  # uint8 [page_nbytes] on the CPU (a row of KVPool.read_pages), copied out of the pool
     num_tokens: int
+    ready: torch.cuda.Event | None = None  # the copy into `data` is done once this event has completed
 
 
 class WriteThrough:
@@ -39,17 +40,25 @@ class WriteThrough:
         self._thread = threading.Thread(target=self._run, name="write-through", daemon=True)
         self._thread.start()
 
-    def submit(self, page_hash: bytes, page: torch.Tensor, num_tokens: int, timeout_s: float = 30.0) -> None:
+    def submit(
+        self,
+        page_hash: bytes,
+        page: torch.Tensor,
+        num_tokens: int,
+        timeout_s: float = 30.0,
+        ready: torch.cuda.Event | None = None,
+    ) -> None:
         """Queue a page (unless it is written or queued already); when the writer is behind, wait for
         room (the ring relies on host copies), and only after `timeout_s` drop it (counted). A CPU `page`
-        is handed over as it is (the caller's own copy, never changed afterwards); a device one is copied."""
+        is handed over as it is (the caller's own copy, never changed afterwards; still arriving from the
+        device until `ready` completes: the writer waits for it); a device one is copied."""
         with self._written_cond:
             if page_hash in self._written or page_hash in self._queued:
                 return
             self._queued.add(page_hash)
         try:
             data = page if page.device.type == "cpu" else page.to("cpu")
-            self._queue.put(PendingPage(page_hash, data, num_tokens), timeout=timeout_s)
+            self._queue.put(PendingPage(page_hash, data, num_tokens, ready), timeout=timeout_s)
         except queue.Full:
             with self._written_cond:
                 self._queued.discard(page_hash)
@@ -120,6 +129,8 @@ class WriteThrough:
     def _write(self, items: list[PendingPage]) -> None:
         puts = []
         for item in items:
+            if item.ready is not None:
+                item.ready.synchronize()
             data = item.data.contiguous().view(torch.uint8).numpy().reshape(-1)
             meta = PageMeta(
                 page_hash=item.page_hash, kv_format=self._kv_format, num_tokens=item.num_tokens, nbytes=data.nbytes

@@ -77,6 +77,7 @@ def make_engine(
     kv_format: str = "fp32",
     decode_burst: int = 1,
     local_span: int = 0,
+    decode_overlap: bool = True,
 ) -> Engine:
     """An engine on the CPU; with `ring`, pages go through a real kvstore process at `store_address`.
     Sliding-window layers get local rings (one per running sequence, `local_span` rows each, default
@@ -110,6 +111,7 @@ def make_engine(
         ring=ring,
         ring_chunk=ring_chunk,
         decode_burst=decode_burst,
+        decode_overlap=decode_overlap,
     )
     return Engine(limits, ModelRunner(model, pool, torch.device("cpu"), host), tokenizer, write_through)
 

@@ -249,9 +249,16 @@ def test_ring_engine_greedy_is_the_same_with_and_without_the_decode_runner(
 
 
 def _burst_run(
-    model, tokenizer: Tokenizer, burst: int, params: list[SamplingParams], namespace: str, **kw: object
+    model,
+    tokenizer: Tokenizer,
+    burst: int,
+    params: list[SamplingParams],
+    namespace: str,
+    lengths: tuple[int, ...] = (7, 30, 19),
+    **kw: object,
 ) -> tuple[list[tuple[list[int], object]], list[list[Work]], object]:
-    """Three prompts decoded together; (per request (tokens, Done), the works of every step, the engine)."""
+    """Prompts of these lengths decoded together; (per request (tokens, Done), the works of every step, the
+    engine)."""
     engine = make_engine(model, tokenizer, decode_burst=burst, **kw)  # type: ignore[arg-type]
     steps: list[list[Work]] = []
     real = engine.runner.run
@@ -262,7 +269,7 @@ def _burst_run(
 
     engine.runner.run = spy  # type: ignore[method-assign]
     rng = random.Random(11)
-    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (7, 30, 19)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
     seqs = [engine.submit(f"b{i}", p, params[i], namespace=namespace) for i, p in enumerate(prompts)]
     run_until_done(engine, seqs)
     return [drain(events_of(s)) for s in seqs], steps, engine
@@ -362,6 +369,29 @@ def test_ring_bursts_end_at_re_selection_steps(model, smol_tokenizer: Tokenizer,
     assert scoring_bursts, "a burst must end on a re-selection step"
     assert all(w.score_tokens <= 1 for ws in steps if ws[0].num_steps > 1 for w in ws)
     assert [t for t, _ in burst] == [t for t, _ in single]
+
+
+def test_overlapped_bursts_give_the_tokens_of_bursts_read_one_by_one(
+    model, smol_tokenizer: Tokenizer, start_store: StartStore
+) -> None:
+    """Each burst launched before the one before it is read (engine.py: overlapped bursts), through the ring
+    with re-selections every 4 steps taking effect 2 steps later (their pages prefetched), page ends and
+    sequences finishing at different lengths: the same tokens and finishes as bursts read one by one."""
+    address = start_store(host_kv_mib=32).address
+    ring = ring_limits(8, rescore_interval=4, prefetch_steps=2)
+    kw = dict(num_slots=26, ring=ring, ring_chunk=8, store_address=address, lengths=(61, 30, 45))
+    params = [greedy(20), greedy(13), greedy(24)]
+    serial, serial_steps, _ = _burst_run(model, smol_tokenizer, 4, params, "serial", decode_overlap=False, **kw)
+    overlapped, steps, engine = _burst_run(model, smol_tokenizer, 4, params, "overlap", **kw)
+    continued = [ws for ws in steps if ws[0].on_device]
+    assert not any(ws[0].on_device for ws in serial_steps)
+    assert len(continued) >= 5 and engine.stats.overlapped_steps_total == len(continued)  # type: ignore[attr-defined]
+    assert any(w.start % PAGE == 0 for ws in continued for w in ws)  # continued into a new page
+    assert any(w.score_tokens for ws in continued for w in ws)  # a continued step scored the pages
+    assert engine.ring.num_prefetched > 0  # type: ignore[attr-defined]  # re-selections took pages in
+    assert [t for t, _ in overlapped] == [t for t, _ in serial]
+    assert [d.finish_reason for _, d in overlapped] == [d.finish_reason for _, d in serial]  # type: ignore[attr-defined]
+    assert [len(t) for t, _ in overlapped] == [20, 13, 24]
 
 
 # -- GPU: capture and replay ---------------------------------------------------------------------------

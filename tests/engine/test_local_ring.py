@@ -172,11 +172,15 @@ def test_engine_pool_with_local_rings_is_smaller_and_greedy_is_the_reference(gem
     assert outs[0] == outs[1] == [reference_greedy(gemma, p, 14) for p in prompts]
 
 
-def test_a_stop_mid_burst_still_parks_the_ring_for_the_next_turn(gemma, smol_tokenizer: Tokenizer) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_stop_mid_burst_still_parks_the_ring_for_the_next_turn(
+    gemma, smol_tokenizer: Tokenizer, overlap: bool
+) -> None:
     """Turn 1 decodes in bursts (pages of 4, bursts up to the page end) and its stop token ends it mid-burst:
     the ring, written a position past the stop, is parked all the same (ParkedRing.written) and turn 2
-    takes it over; its answer is the reference's."""
-    engine = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8, decode_burst=4)
+    takes it over; its answer is the reference's. Overlapped, the burst launched after it ran into the next
+    page, past the window the ring can hold for turn 2: freed, and turn 2 is computed afresh, as correctly."""
+    engine = make_engine(gemma, smol_tokenizer, num_slots=32, prefill_chunk=8, decode_burst=4, decode_overlap=overlap)
     prompt = _prompt(41, 1)
     ref = reference_greedy(gemma, prompt, 4)
     assert ref[2] not in ref[:2]
@@ -185,14 +189,20 @@ def test_a_stop_mid_burst_still_parks_the_ring_for_the_next_turn(gemma, smol_tok
     run_until_done(engine, [first])
     answer, done = drain(events_of(first))
     assert answer == ref[:3] and done.finish_reason == FinishReason.STOP  # type: ignore[union-attr]
-    assert engine.pool.local is not None and engine.pool.local.num_parked == 1
-    parked = next(iter(engine.pool.local._parked.values()))
-    assert (parked.end, parked.written) == (43, 44)  # the burst from position 41 ran to the page end
+    assert engine.pool.local is not None
     turn2 = prompt + answer + [5, 6, 7]
+    if overlap:
+        # the burst from position 41 ran to the page end and the next page's burst was on its way: the ring
+        # no longer holds the window before position 40 (where turn 2 would take it over) and is freed
+        assert engine.pool.local.num_parked == 0
+    else:
+        parked = next(iter(engine.pool.local._parked.values()))
+        assert (parked.end, parked.written) == (43, 44)  # the burst from position 41 ran to the page end
     seq = engine.submit("t2", turn2, greedy(4))
     run_until_done(engine, [seq])
     tokens, done = drain(events_of(seq))
-    assert done.cached_tokens == 43 and engine.scheduler.num_local_reuses == 1  # type: ignore[union-attr]
+    reused = (0, 0) if overlap else (43, 1)
+    assert (done.cached_tokens, engine.scheduler.num_local_reuses) == reused  # type: ignore[union-attr]
     assert tokens == reference_greedy(gemma, turn2, 4)
 
 

@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from services.engine.transfers import device_index
+
 logger = logging.getLogger(__name__)
 
 METHODS = ("copies", "triton", "reference")
@@ -141,7 +143,7 @@ def _restore_parts(
         unit_rows = [r * n + j for r in rows for j in range(n)]
         restore_pages(src, unit_offsets, out.view(-1, width), unit_rows, method)
         return
-    index = torch.tensor(rows, dtype=torch.long, device=out.device)
+    index = device_index(rows, out.device)
     col = 0
     for lo, hi in parts:
         buffer = torch.empty(len(rows), hi - lo, dtype=torch.uint8, device=out.device)
