@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -13,6 +14,8 @@ import torch
 from deploy.launcher import Stack
 from services.common.model_files import resolve_model_path
 from services.common.pagehash import chain_hashes
+from services.common.protos import engine_pb2 as pb
+from services.common.protos import engine_pb2_grpc as pb_grpc
 from services.common.tokenizer import load_tokenizer
 from services.engine.attention import ContiguousKV
 from services.engine.models.loader import load_model
@@ -57,10 +60,11 @@ def test_stream_reassembles_to_the_same_greedy_answer(client: openai.OpenAI) -> 
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_greedy_decode_in_bursts_is_the_reference_up_to_its_stop(client: openai.OpenAI) -> None:
-    """The stack's engine decodes in bursts of 4 (tests/e2e/conftest.py): a greedy completion equals the model's
-    reference decoding (one sequence, contiguous cache) up to the end-of-sequence token, which comes on the
-    first step of a burst: the three steps after it are dropped."""
+def test_greedy_decode_in_bursts_is_the_reference_up_to_its_stop(client: openai.OpenAI, stack: Stack) -> None:
+    """The stack's engine decodes in bursts of 4 (tests/e2e/conftest.py), each launched before the one before it
+    is read (overlapped bursts): a greedy completion equals the model's reference decoding (one sequence,
+    contiguous cache) up to the end-of-sequence token, which comes on the first step of a burst: the three
+    steps after it, and the burst launched after that one, are dropped."""
     path = resolve_model_path("embedded:smollm2")
     tokenizer = load_tokenizer(path)
     prompt = tokenizer.encode("Here is a list of the planets of the solar system, in order from the sun:")
@@ -68,9 +72,14 @@ def test_greedy_decode_in_bursts_is_the_reference_up_to_its_stop(client: openai.
     ref = reference_greedy(model, prompt, 24)
     eos = next(i for i, t in enumerate(ref) if t in tokenizer.info.eos_token_ids)
     assert eos % 4 == 0  # token 1 comes from the prefill, token k + 1 from the burst step at offset k - 1
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    with grpc.insecure_channel(f"127.0.0.1:{stack.ports['engine']}") as channel:
+        engine = pb_grpc.EngineStub(channel)
+        before = engine.GetStats(pb.GetStatsRequest()).overlapped_steps_total
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        overlapped = engine.GetStats(pb.GetStatsRequest()).overlapped_steps_total - before
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == eos + 1
     assert r.choices[0].text == tokenizer.decode(ref[:eos])
+    assert overlapped >= eos // 4 - 1  # every burst after the first was launched before its predecessor was read
 
 
 def test_completions_with_max_tokens_stops_at_length(client: openai.OpenAI) -> None:
