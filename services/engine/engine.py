@@ -267,8 +267,11 @@ class Engine:
 
     def _continue(self, launched: Launched) -> Launched | None:
         """The next step of the same sequences, launched before `launched` is read (module docstring), or
-        None: overlap off, host sampling, a request or an abort to take in first, or the scheduler declines."""
-        if not self.limits.decode_overlap or launched.tokens is None or self._incoming or self._aborts:
+        None: overlap off, host sampling, a request or an abort to take in first, the engine stopping, or the
+        scheduler declines."""
+        if not self.limits.decode_overlap or launched.tokens is None:
+            return None
+        if self._incoming or self._aborts or self._stopped:  # the loop takes them in (or stops) first
             return None
         works = self.scheduler.continue_decode(launched.works)
         if works is None:
