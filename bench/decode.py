@@ -329,6 +329,10 @@ def _print_row(n, res, stats, h, new_tokens, hf_tokens, weight_bytes, modes) -> 
     if h:
         pf, dc = _medians(h, n - new_tokens, hf_tokens)
         parts.append(f"transformers: prefill {pf:.0f} tok/s, decode {dc:.1f} tok/s")
+    first = modes[0]
+    for m in modes[1:]:  # tokens equal to the first mode's, per prompt: up to where
+        lead = [_leading_equal(res[first][i][2], res[m][i][2]) for i in range(len(res[first]))]
+        parts.append(f"{m} = {first} for the first {lead} tokens")
     print(f"context {n}: " + "; ".join(parts), flush=True)
 
 
@@ -338,11 +342,13 @@ def _table_line(n, res, stats, h, new_tokens, hf_tokens, weight_bytes, modes) ->
     decodes = [_medians(res[m], n - new_tokens, new_tokens)[1] for m in modes]
     hp, hd = _medians(h, n - new_tokens, hf_tokens) if h else (float("nan"), float("nan"))
     bw = weight_bytes * decodes[0] / HBM_BYTES_PER_S
-    same = all(res[m][i][2] == res[first][i][2] for m in modes for i in range(len(res[first])))
+    # True, or the modes whose tokens differ from the first mode's on some prompt
+    differ = [m for m in modes if any(res[m][i][2] != res[first][i][2] for i in range(len(res[first])))]
+    same = "True" if not differ else "!=" + ",".join(differ)
     lead = _leading_equal(res[first][0][2], h[0][2]) if h else 0
     runner = f"{stats[first][0]}/{stats[first][2]}" if first in stats else "-"
     print(f"{n:>7} | {ep:>13.1f} {hp:>9.1f} {ep / hp:>6.2f} | " + " ".join(f"{d:>13.1f}" for d in decodes)
-          + f" {hd:>8.1f} {decodes[0] / hd:>7.2f} | {bw:>7.3f} | {runner:>12} | {str(same):>11} {lead:>8}")  # fmt: skip
+          + f" {hd:>8.1f} {decodes[0] / hd:>7.2f} | {bw:>7.3f} | {runner:>12} | {same:>11} {lead:>8}")  # fmt: skip
 
 
 if __name__ == "__main__":

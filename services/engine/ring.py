@@ -115,7 +115,8 @@ class SeqRing:
     scored_tokens: int = 0
     final_scored: bool = False  # the query has been read and scored (retrieval may run)
     decode_steps: int = 0
-    scored_at: int = 0  # decode_steps at the last decode re-selection's scoring step (its prefetch counts from it)
+    scored_at: int | None = None  # decode_steps at the last decode re-selection's scoring step (the prefetch counts
+    # from it)
     pinned: list[bytes] = field(default_factory=list)  # host pages pinned for this sequence
     num_restores: int = 0
     pending: PendingEvidence | None = None  # a decode re-selection not in effect yet (prefetch_steps)
@@ -338,6 +339,7 @@ class RingManager:
         ]
         fetch = self._prefetch(wanted) if wanted and self._prefetcher is not None else None
         # from the scoring step's clock, not this call's: an overlapped burst may already be scheduled after it
+        assert ring.scored_at is not None, "a decode re-selection without its scoring step"
         ring.pending = PendingEvidence(chosen, ring.scored_at + self.limits.prefetch_steps, fetch)
 
     def apply_pending(self, ring: SeqRing, force: bool = False) -> None:

@@ -15,7 +15,9 @@ Decode bursts: when every item of a step is a greedy decode the decode runner ca
 `num_steps` decode steps in a row (up to `decode_burst`), each one's argmax the next one's input on
 the device, the host coming back only at the burst's end. A burst stays inside every sequence's
 current page (no page is filled, demoted or allocated mid-burst), within its max_tokens, and ends at
-or before the next re-selection step (a re-selection scores the burst's last query). A stop token
+or before the next re-selection step (a re-selection scores the burst's last query) and at the step where
+the last re-selection takes effect (its scoring step + prefetch_steps): the same steps attend the same pages
+whatever the burst size, so a sparse answer does not depend on it. A stop token
 mid-burst ends the sequence there: the tokens after it are dropped, their K/V rows lie past
 num_computed and are never read.
 
@@ -267,9 +269,17 @@ class Scheduler:
             steps = min(steps, size - w.start % size, seq.max_tokens - len(seq.output_ids))
         rescoring = [w.seq for w in works if self._rescores(w.seq)]
         if rescoring:  # end at the next re-selection step at the latest
-            interval = self.ring.limits.rescore_interval  # type: ignore[union-attr]
+            assert self.ring is not None
+            interval = self.ring.limits.rescore_interval
             if interval > 0:
                 steps = min(steps, interval - clock % interval + 1)
+            for seq in rescoring:  # and where the last one takes effect (the same steps see the same pages
+                ring = seq.ring  # whatever the burst size): the scheduler puts it in effect between steps
+                assert ring is not None
+                if ring.scored_at is not None:
+                    due = ring.scored_at + self.ring.limits.prefetch_steps
+                    if ring.decode_steps <= due:  # decode_steps counts the burst's first step already
+                        steps = min(steps, due - ring.decode_steps + 1)
         if steps <= 1:
             return works
         last_scores = bool(rescoring) and self._rescore_at(clock + steps - 1)

@@ -383,6 +383,7 @@ def test_overlapped_bursts_give_the_tokens_of_bursts_read_one_by_one(
     params = [greedy(20), greedy(13), greedy(24)]
     serial, serial_steps, _ = _burst_run(model, smol_tokenizer, 4, params, "serial", decode_overlap=False, **kw)
     overlapped, steps, engine = _burst_run(model, smol_tokenizer, 4, params, "overlap", **kw)
+    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "single", **kw)
     continued = [ws for ws in steps if ws[0].on_device]
     assert not any(ws[0].on_device for ws in serial_steps)
     assert len(continued) >= 5 and engine.stats.overlapped_steps_total == len(continued)  # type: ignore[attr-defined]
@@ -390,6 +391,7 @@ def test_overlapped_bursts_give_the_tokens_of_bursts_read_one_by_one(
     assert any(w.score_tokens for ws in continued for w in ws)  # a continued step scored the pages
     assert engine.ring.num_prefetched > 0  # type: ignore[attr-defined]  # re-selections took pages in
     assert [t for t, _ in overlapped] == [t for t, _ in serial]
+    assert [t for t, _ in overlapped] == [t for t, _ in single]  # re-selections take effect on the same steps
     assert [d.finish_reason for _, d in overlapped] == [d.finish_reason for _, d in serial]  # type: ignore[attr-defined]
     assert [len(t) for t, _ in overlapped] == [20, 13, 24]
 

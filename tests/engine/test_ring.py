@@ -248,18 +248,21 @@ def _timeline(engine, seq, max_steps: int = 5000) -> list[tuple[int, frozenset[i
 
 
 @pytest.mark.parametrize("slow", [False, True], ids=["fast-store", "slow-store"])
+@pytest.mark.parametrize("burst", [1, 4])
 def test_decode_reselection_takes_effect_prefetch_steps_later_whatever_the_fetch_time(
-    model, smol_tokenizer: Tokenizer, store_address: str, slow: bool
+    model, smol_tokenizer: Tokenizer, store_address: str, slow: bool, burst: int
 ) -> None:
-    """With prefetch_steps 2 a decode re-selection is in effect exactly two decode steps after it was made;
+    """With prefetch_steps 2 a decode re-selection is in effect exactly two decode steps after its scoring step;
     its host pages arrive through the background fetch (num_prefetched); a store 40 ms slow gives the same
-    evidence timeline and the same tokens as a fast one (the schedule depends on steps, never on timing)."""
+    evidence timeline and the same tokens as a fast one (the schedule depends on steps, never on timing).
+    Decode bursts of 4 (overlapped) end where a re-selection takes effect: the same timeline as single steps."""
     import time
 
     limits = ring_limits(budget_pages=8, rescore_interval=4, prefetch_steps=2)
     runs = {}
     for name in ("fast", "slow") if slow else ("fast",):
-        engine = make_engine(model, smol_tokenizer, num_slots=8, ring=limits, ring_chunk=8, store_address=store_address)
+        engine = make_engine(model, smol_tokenizer, num_slots=8, ring=limits, ring_chunk=8, store_address=store_address,
+                             decode_burst=burst)  # fmt: skip
         ring = engine.ring
         made: list[tuple[int, frozenset[int]]] = []
         applied: list[int] = []
@@ -267,7 +270,7 @@ def test_decode_reselection_takes_effect_prefetch_steps_later_whatever_the_fetch
 
         def recording_select(r, *args, _sd=select_deferred, _made=made):  # type: ignore[no-untyped-def]
             _sd(r, *args)
-            _made.append((r.decode_steps, frozenset(r.pending.evidence)))
+            _made.append((r.scored_at, frozenset(r.pending.evidence)))
 
         def recording_apply(r, force=False, _ap=apply_pending, _applied=applied):  # type: ignore[no-untyped-def]
             had = r.pending is not None
