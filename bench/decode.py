@@ -184,7 +184,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--no-hf", action="store_true", help="engine only")
     p.add_argument("--no-local-ring", action="store_true", help="page the sliding-window layers too")
-    p.add_argument("--ring-prefetch-steps", type=int, default=4, help="EngineConfig.ring_prefetch_steps (0: restores "
+    p.add_argument("--ring-prefetch-steps", type=int, default=8, help="EngineConfig.ring_prefetch_steps (0: restores "
                    "inside the re-selecting step)")  # fmt: skip
     p.add_argument("--decode-burst", type=int, default=8, help="EngineConfig.decode_burst of the graphs mode")
     p.add_argument("--seed", type=int, default=0)
@@ -261,7 +261,7 @@ def main() -> int:
             warm_n = torch.randint(100, info.vocab_size, (plen,), generator=gen).tolist()
             for mode in modes:
                 _set_mode(engine, mode, a.decode_burst)
-                engine_run(engine, warm_n, 8, namespace=f"warm-{mode}-{n}")
+                engine_run(engine, warm_n, 24, namespace=f"warm-{mode}-{n}")  # past a decode re-selection
             for mode in modes:
                 _set_mode(engine, mode, a.decode_burst)
                 if decode is not None:

@@ -53,7 +53,9 @@ class EngineConfig:
     neighbor_pages: int = 1  # seam completion reach
     query_tail: int = 64  # scored tokens when no query span is known
     rescore_interval: int = 16  # decode steps between re-selections (0: select at prefill only)
-    ring_prefetch_steps: int = 4  # decode re-selections take effect this many steps later (pages fetched meanwhile)
+    # decode re-selections take effect this many steps later, their host pages fetched meanwhile: a fetch of ~30
+    # pages takes ~4.6 ms on the H200 host (GetPages and Python) against ~0.65 ms a decode step (bench/RESULTS.md)
+    ring_prefetch_steps: int = 8
     retrieval: bool = True  # False: the negative control (evidence stays empty)
     audit_dir: str = ""  # write per-selection scores and choices here
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
@@ -246,7 +248,7 @@ class EngineConfig:
         p.add_argument(
             "--ring-prefetch-steps",
             type=int,
-            default=int(env("KVMEM_RING_PREFETCH_STEPS", "4")),
+            default=int(env("KVMEM_RING_PREFETCH_STEPS", "8")),
             help="decode steps between a re-selection and its evidence taking effect (its host pages are "
             "fetched in the background meanwhile); 0: at the next step, restored inside it",
         )

@@ -59,8 +59,9 @@ class ModelRunner:
 
     @staticmethod
     def chooses_on_device(works: list[Work]) -> bool:
-        """The step's tokens are its argmax on the device (a decode burst or a continued step), not sampled."""
-        return works[0].num_steps > 1 or works[0].on_device
+        """The step's tokens are its argmax on the device (a greedy decode burst, of one step or more), not
+        sampled on the host."""
+        return works[0].device_argmax
 
     def launch(self, works: list[Work]) -> Launched:
         """run(), then for steps that chose their tokens on the device, those tokens and the page scores on

@@ -12,8 +12,8 @@ prefill chunk of a sparse over-budget prompt first runs once as a scoring pass s
 sees the whole query before the chunk is computed for real.
 
 Decode bursts: when every item of a step is a greedy decode the decode runner can run, the step is
-`num_steps` decode steps in a row (up to `decode_burst`), each one's argmax the next one's input on
-the device, the host coming back only at the burst's end. A burst stays inside every sequence's
+`num_steps` decode steps in a row (up to `decode_burst`; one when a step re-selects), each one's argmax
+the next one's input on the device, the host coming back only at the burst's end. A burst stays inside every sequence's
 current page (no page is filled, demoted or allocated mid-burst), within its max_tokens, and ends at
 or before the next re-selection step (a re-selection scores the burst's last query) and at the step where
 the last re-selection takes effect (its scoring step + prefetch_steps): the same steps attend the same pages
@@ -57,6 +57,7 @@ class Work(NamedTuple):
     score_only: bool = False  # a scoring pass: nothing is kept but the scores
     num_steps: int = 1  # a decode burst: this many greedy decode steps in a row (num_new == 1)
     on_device: bool = False  # its input token is the last step's argmax, not read by the host yet
+    device_argmax: bool = False  # its tokens are each step's argmax, chosen on the device (a greedy decode burst)
 
     @property
     def samples(self) -> bool:
@@ -185,7 +186,7 @@ class Scheduler:
                 return None
         self.num_steps += 1
         works = [w._replace(on_device=True) for w in self._burst([self._work(seq, 1) for seq in seqs])]
-        assert self.burst_ok(works), "a continued decode step the decode runner does not accept"
+        assert all(w.device_argmax for w in works), "a continued decode step the decode runner does not accept"
         return self._stamp(works)
 
     def _stamp(self, works: list[Work]) -> list[Work]:
@@ -234,9 +235,10 @@ class Scheduler:
         end = seq.num_computed + want
         if not seq.in_prefill:
             # decode: only the step that re-selects evidence scores (its query token), once every
-            # rescore_interval steps, on the same steps for every sequence
+            # rescore_interval of the sequence's own decode steps (never of the engine's: the answer must not
+            # depend on what ran before it)
             ring.decode_steps += 1
-            return Work(seq, seq.num_computed, want, score_tokens=1 if self._rescore_at(self.num_steps) else 0)
+            return Work(seq, seq.num_computed, want, score_tokens=1 if self._rescore_at(ring.decode_steps) else 0)
         if end == len(seq.prompt_ids):
             if ring.final_scored or not lim.retrieval:
                 return Work(seq, seq.num_computed, want)
@@ -245,7 +247,7 @@ class Scheduler:
         return Work(seq, seq.num_computed, want, score_tokens=min(want, lim.query_tail))
 
     def _rescore_at(self, clock: int) -> bool:
-        """Decode re-selection steps: every rescore_interval-th step of the clock."""
+        """Decode re-selection steps: every rescore_interval-th decode step of a sequence (its ring's clock)."""
         assert self.ring is not None
         interval = self.ring.limits.rescore_interval
         return interval > 0 and clock % interval == 0
@@ -260,32 +262,33 @@ class Scheduler:
         docstring), or unchanged (one step)."""
         if self.decode_burst <= 1 or not works or self.burst_ok is None:
             return works
-        size, clock = self.page_size, self.num_steps
+        size = self.page_size
         steps = self.decode_burst
         for w in works:
             seq, params = w.seq, w.seq.params
-            if w.num_new != 1 or w.score_tokens or not w.samples or params.temperature != 0.0 or params.logit_bias:
+            if w.num_new != 1 or not w.samples or params.temperature != 0.0 or params.logit_bias:
                 return works
             steps = min(steps, size - w.start % size, seq.max_tokens - len(seq.output_ids))
+            if w.score_tokens:  # a re-selection scores this step's query: a burst of one (tokens on the device)
+                steps = 1
         rescoring = [w.seq for w in works if self._rescores(w.seq)]
-        if rescoring:  # end at the next re-selection step at the latest
-            assert self.ring is not None
-            interval = self.ring.limits.rescore_interval
-            if interval > 0:
-                steps = min(steps, interval - clock % interval + 1)
-            for seq in rescoring:  # and where the last one takes effect (the same steps see the same pages
-                ring = seq.ring  # whatever the burst size): the scheduler puts it in effect between steps
-                assert ring is not None
-                if ring.scored_at is not None:
-                    due = ring.scored_at + self.ring.limits.prefetch_steps
-                    if ring.decode_steps <= due:  # decode_steps counts the burst's first step already
-                        steps = min(steps, due - ring.decode_steps + 1)
-        if steps <= 1:
-            return works
-        last_scores = bool(rescoring) and self._rescore_at(clock + steps - 1)
+        assert self.ring is not None or not rescoring
+        interval = self.ring.limits.rescore_interval if self.ring is not None else 0
+        for seq in rescoring:
+            ring = seq.ring  # its decode_steps counts the burst's first step already (never a scoring one here)
+            assert ring is not None and self.ring is not None
+            if interval > 0:  # end at its next re-selection step at the latest
+                steps = min(steps, interval - ring.decode_steps % interval + 1)
+            if ring.scored_at is not None:  # and where its last one takes effect (the same steps see the same
+                due = ring.scored_at + self.ring.limits.prefetch_steps  # pages whatever the burst size)
+                if ring.decode_steps <= due:
+                    steps = min(steps, due - ring.decode_steps + 1)
+        last = {seq: seq.ring.decode_steps + steps - 1 for seq in rescoring}  # type: ignore[union-attr]
         burst = [
-            w._replace(num_steps=steps, score_tokens=1 if last_scores and w.seq in rescoring else 0) for w in works
-        ]
+            w._replace(num_steps=steps, score_tokens=int(w.seq in last and self._rescore_at(last[w.seq])),
+                       device_argmax=True)
+            for w in works
+        ]  # fmt: skip
         if not self.burst_ok(burst):
             return works
         self.num_steps += steps - 1

@@ -356,18 +356,24 @@ def test_a_stop_token_mid_burst_ends_the_sequence_there(smol_tokenizer: Tokenize
     assert tokens == reference_greedy(model, follow, 6)
 
 
-def test_ring_bursts_end_at_re_selection_steps(model, smol_tokenizer: Tokenizer, start_store: StartStore) -> None:
-    """Re-selection every 4 decode steps on a 12-page budget: bursts end on the scoring step (its query
-    scores the pages), the tokens equal single steps'."""
+@pytest.mark.parametrize("lengths", [(62,), (7, 30, 19)], ids=["one", "three"])
+def test_ring_bursts_end_at_re_selection_steps(
+    model, smol_tokenizer: Tokenizer, start_store: StartStore, lengths: tuple[int, ...]
+) -> None:
+    """Re-selection every 4 of a sequence's own decode steps on an 8-page budget: a burst ends on a scoring
+    step (its query scores the pages; one over-budget sequence of 62 tokens, whose scoring steps fall mid-page:
+    the burst before each ends there), and the tokens equal single steps'. Three sequences re-select at their
+    own phases: a step where one of them scores is a burst of one, its token still chosen on the device."""
     address = start_store(host_kv_mib=32).address
     kw = dict(num_slots=40, ring=ring_limits(8, rescore_interval=4), ring_chunk=8, store_address=address)
-    params = [greedy(20)] * 3
-    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "ring1", **kw)
-    burst, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "ring4", **kw)
+    params = [greedy(20)] * len(lengths)
+    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "ring1", lengths=lengths, **kw)
+    burst, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "ring4", lengths=lengths, **kw)
     assert _check_bursts(steps) >= 3
-    scoring_bursts = [ws for ws in steps if ws[0].num_steps > 1 and any(w.score_tokens for w in ws)]
-    assert scoring_bursts, "a burst must end on a re-selection step"
-    assert all(w.score_tokens <= 1 for ws in steps if ws[0].num_steps > 1 for w in ws)
+    scoring = [ws for ws in steps if any(w.score_tokens for w in ws) and all(w.num_new == 1 for w in ws)]
+    assert scoring and all(w.score_tokens <= 1 and w.device_argmax for ws in scoring for w in ws)
+    if len(lengths) == 1:
+        assert any(ws[0].num_steps > 1 for ws in scoring), "a burst must end on a re-selection step"
     assert [t for t, _ in burst] == [t for t, _ in single]
 
 

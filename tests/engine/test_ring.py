@@ -247,6 +247,38 @@ def _timeline(engine, seq, max_steps: int = 5000) -> list[tuple[int, frozenset[i
     raise AssertionError("the sequence did not finish")
 
 
+@pytest.mark.parametrize("burst", [1, 4])
+def test_a_sparse_answer_does_not_depend_on_what_the_engine_ran_before(
+    model, smol_tokenizer: Tokenizer, store_address: str, burst: int
+) -> None:
+    """Decode re-selections come every rescore_interval of the sequence's own decode steps, never of the
+    engine's: the same over-budget request, first on a fresh engine and again after requests of other lengths,
+    scores on the same decode steps (4, 8, 12, ...) and gives the same tokens."""
+    limits = ring_limits(budget_pages=8, rescore_interval=4, prefetch_steps=2)
+    engine = make_engine(model, smol_tokenizer, num_slots=8, ring=limits, ring_chunk=8, store_address=store_address,
+                         decode_burst=burst)  # fmt: skip
+    scored: list[int] = []
+    select_deferred = engine.ring.select_deferred
+
+    def recording(r, *args, _sd=select_deferred):  # type: ignore[no-untyped-def]
+        scored.append(r.scored_at)
+        _sd(r, *args)
+
+    engine.ring.select_deferred = recording  # type: ignore[method-assign]
+    runs = []
+    for i, (other, other_tokens) in enumerate([(0, 0), (45, 7), (70, 5)]):
+        if other:  # something else first: the engine's own step count moves on by an odd amount
+            seq = engine.submit(f"other{i}", _prompt(other, 90 + i), greedy(other_tokens), namespace=f"o{burst}-{i}")
+            _timeline(engine, seq)
+        scored.clear()
+        seq = engine.submit(f"same{i}", _prompt(70, 61), greedy(22), namespace=f"s{burst}-{i}")  # no shared prefix
+        _timeline(engine, seq)
+        runs.append((drain(events_of(seq))[0], list(scored)))
+    engine.stop()
+    assert runs[0][1][:4] == [4, 8, 12, 16]
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
 @pytest.mark.parametrize("slow", [False, True], ids=["fast-store", "slow-store"])
 @pytest.mark.parametrize("burst", [1, 4])
 def test_decode_reselection_takes_effect_prefetch_steps_later_whatever_the_fetch_time(
