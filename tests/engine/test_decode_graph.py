@@ -402,6 +402,70 @@ def test_overlapped_bursts_give_the_tokens_of_bursts_read_one_by_one(
     assert [len(t) for t, _ in overlapped] == [20, 13, 24]
 
 
+def _loop_until_done(engine, seqs: list[Sequence]) -> None:  # type: ignore[no-untyped-def]
+    """What the engine thread does (poll, then step), by hand, until every sequence has finished."""
+    for _ in range(1000):
+        if all(s.is_finished for s in seqs):
+            return
+        engine.poll()
+        engine.step()
+        engine.slots.check_integrity()
+    raise AssertionError("sequences did not finish")
+
+
+def _chain_hook(engine, at: int, action) -> list[list[Work]]:  # type: ignore[no-untyped-def]
+    """Record every launched step's works; `action()` runs when the `at`-th continued step is launched."""
+    launched: list[list[Work]] = []
+    real = engine.runner.launch
+
+    def spy(works: list[Work]):  # type: ignore[no-untyped-def]
+        launched.append(list(works))
+        if works[0].on_device and sum(ws[0].on_device for ws in launched) == at:
+            action()
+        return real(works)
+
+    engine.runner.launch = spy
+    return launched
+
+
+def test_a_request_arriving_during_overlapped_bursts_is_taken_in_at_the_next_burst(
+    model, smol_tokenizer: Tokenizer
+) -> None:
+    """A chain of overlapped bursts ends when a request arrives: the next step admits it (its prefill runs
+    while the first request is still decoding), and both answers are the references."""
+    engine = make_engine(model, smol_tokenizer, num_slots=64, decode_burst=4)
+    rng = random.Random(5)
+    first_prompt, second_prompt = [rng.randrange(VOCAB) for _ in range(9)], [rng.randrange(VOCAB) for _ in range(6)]
+    second: list[Sequence] = []
+    launched = _chain_hook(engine, 2, lambda: second.append(engine.submit("late", second_prompt, greedy(8))))
+    first = engine.submit("early", first_prompt, greedy(40))
+    _loop_until_done(engine, [first])
+    _loop_until_done(engine, second)
+    continued = [i for i, ws in enumerate(launched) if ws[0].on_device]
+    admitted = next(i for i, ws in enumerate(launched) if any(w.seq is second[0] for w in ws))
+    assert admitted == continued[1] + 1  # the step after the burst in flight when it arrived
+    assert len(continued) > 2  # the first request's bursts overlapped again afterwards
+    assert drain(events_of(first))[0] == reference_greedy(model, first_prompt, 40)
+    assert drain(events_of(second[0]))[0] == reference_greedy(model, second_prompt, 8)
+
+
+def test_an_abort_during_overlapped_bursts_ends_the_chain_and_drops_the_unread_tokens(
+    model, smol_tokenizer: Tokenizer
+) -> None:
+    """Aborted while a burst is in flight behind the one being read: the request ends with ABORT after the
+    tokens read so far (a prefix of the reference), its unread tokens are dropped and its slots come back."""
+    engine = make_engine(model, smol_tokenizer, num_slots=64, decode_burst=4)
+    prompt = [random.Random(6).randrange(VOCAB) for _ in range(9)]
+    seq = engine.submit("aborted", prompt, greedy(40))
+    _chain_hook(engine, 3, lambda: engine.abort(seq))
+    _loop_until_done(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert done.finish_reason == FinishReason.ABORT  # type: ignore[union-attr]
+    assert 0 < len(tokens) < 40 and tokens == reference_greedy(model, prompt, len(tokens))
+    assert seq.num_pending == 0 and len(seq.output_ids) == len(tokens)
+    assert engine.slots.num_available() == 64  # every slot free or cached (reusable)
+
+
 # -- GPU: capture and replay ---------------------------------------------------------------------------
 
 
