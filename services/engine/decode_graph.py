@@ -352,11 +352,6 @@ class DecodeGraphs:
         tokens = self._last.burst_tokens[:num_steps, :num_works].t()
         return to_host(tokens.contiguous()) if self.device.type == "cuda" else tokens.clone()
 
-    def burst_tokens(self, num_works: int, num_steps: int) -> list[list[int]]:
-        """After run() of a burst: per work, the argmax of each of its steps (one device-to-host copy)."""
-        assert self._last is not None, "burst_tokens before run"
-        return self._last.burst_tokens[:num_steps, :num_works].t().tolist()  # type: ignore[no-any-return]
-
     def page_scores(self, works: list[Work]) -> list[torch.Tensor | None]:
         """After run(works): per work, the page scores of its token's query over pages [0, its page)
         (summed over layers, as StepAttention._score does per layer), or None when it does not score."""

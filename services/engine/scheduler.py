@@ -105,7 +105,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
-        self.num_steps = 0  # decode steps scheduled (a burst counts each): the clock of decode re-selection
         # ring sequence -> (page table, pages, evidence, skeleton) of its last room-making
         self._room_keys: dict[Sequence, tuple[object, ...]] = {}
         self._failures: list[tuple[Sequence, str]] = []
@@ -123,7 +122,6 @@ class Scheduler:
 
     def schedule(self) -> list[Work]:
         """The work of the next step; allocates (and, with a ring, demotes and restores) slots."""
-        self.num_steps += 1
         works: list[Work] = []
         budget = self.prefill_chunk
         for seq in list(self.running):
@@ -184,7 +182,6 @@ class Scheduler:
                 logger.debug("%s: no continued step (%s); the host schedules the next one", seq.request_id, exc)
                 self._room_keys.pop(seq, None)  # the next schedule plans it again
                 return None
-        self.num_steps += 1
         works = [w._replace(on_device=True) for w in self._burst([self._work(seq, 1) for seq in seqs])]
         assert all(w.device_argmax for w in works), "a continued decode step the decode runner does not accept"
         return self._stamp(works)
@@ -291,7 +288,6 @@ class Scheduler:
         ]  # fmt: skip
         if not self.burst_ok(burst):
             return works
-        self.num_steps += steps - 1
         for w in burst:
             w.seq.local_end = max(w.seq.local_end, w.start + steps)
             if w.seq.ring is not None and self._rescores(w.seq):

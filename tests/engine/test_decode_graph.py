@@ -295,7 +295,10 @@ def _burst_equals_single_steps(model: torch.nn.Module, device: torch.device, cap
         works = [Work(s, s.num_computed, 1, num_steps=PAGE) for s in burst.seqs]
         assert burst.graphs.accepts(works)
         burst.graphs.run(works)
-        for s, tokens in zip(burst.seqs, burst.graphs.burst_tokens(2, PAGE), strict=True):
+        chosen = burst.graphs.tokens_to_host(2, PAGE)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the copy is queued behind the burst (ModelRunner waits on an event)
+        for s, tokens in zip(burst.seqs, chosen.tolist(), strict=True):
             s.num_computed += PAGE
             s.output_ids.extend(tokens)
         for _ in range(PAGE):
