@@ -11,6 +11,8 @@ from deploy.launcher import LaunchConfig, Stack
 from tests.conftest import free_port
 
 API_KEY = "sk-e2e-test"
+TEAM_KEY = "sk-e2e-team"  # a second key of tenant e2e: shares its prefixes (configured so)
+OTHER_KEY = "sk-e2e-other"  # tenant other: never shares a page with e2e
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +23,7 @@ def stack(redis_url: str) -> Iterator[Stack]:
     cfg = LaunchConfig(
         port=free_port(),
         redis_url=redis_url,
-        api_keys=f"e2e:{API_KEY}",
+        api_keys=f"e2e:{API_KEY},other:{OTHER_KEY},e2e:{TEAM_KEY}",
         host_kv_mib=256,
         max_context=2048,
         kv_capacity=4096,

@@ -20,7 +20,7 @@ from services.common.tokenizer import load_tokenizer
 from services.engine.attention import ContiguousKV
 from services.engine.models.loader import load_model
 from services.kvstore.client import KVStoreClient
-from tests.e2e.conftest import API_KEY
+from tests.e2e.conftest import API_KEY, OTHER_KEY, TEAM_KEY
 from tests.engine.helpers import reference_greedy
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -125,6 +125,26 @@ def test_resent_history_reuses_cached_pages(client: openai.OpenAI) -> None:
     assert first.usage.prompt_tokens > 256
     assert cached >= (first.usage.prompt_tokens // 64) * 64
     assert cached < second.usage.prompt_tokens
+
+
+def test_tenants_share_prefixes_only_when_configured_to(stack: Stack, client: openai.OpenAI) -> None:
+    """Prefix pages are namespaced by tenant: the same prompt from another tenant's key reuses nothing
+    (its pages hash under another root), while a second key configured with the same tenant name
+    (KVMEM_API_KEYS `e2e:key1,e2e:key2`) reuses every full page the first key's request left."""
+    prompt = "Inventory of the north warehouse: " + ", ".join(f"bin {i} holds {i * 7 % 13} crates" for i in range(60))
+
+    def cached_and_prompt(key: str) -> tuple[int, int]:
+        c = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0, timeout=120)
+        r = c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=2)
+        details = r.usage.prompt_tokens_details
+        return (details.cached_tokens if details is not None else 0) or 0, r.usage.prompt_tokens
+
+    first, n = cached_and_prompt(API_KEY)
+    assert n > 256 and first < 64  # nobody sent this prompt before
+    other, _ = cached_and_prompt(OTHER_KEY)
+    assert other == 0
+    team, _ = cached_and_prompt(TEAM_KEY)
+    assert team >= (n - 1) // 64 * 64
 
 
 def test_bad_requests_get_openai_errors_and_the_stack_keeps_serving(stack: Stack, client: openai.OpenAI) -> None:
