@@ -526,6 +526,49 @@ def test_batch_and_window_buckets_each_capture_once(model) -> None:
     assert h.graphs.num_captures == 3 and h.graphs.num_replays == 2
 
 
+def _attach_ring(h: Harness) -> Sequence:
+    """Harness sequence 0 becomes a ring sequence with summaries of its computed pages (page scoring)."""
+    cfg = h.model.config
+    seq = h.seqs[0]
+    summaries = PageSummaries(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, h.pool.device, h.pool.paged_layers)
+    seq.ring = SeqRing(summaries=summaries, policy="sparse", query_start=0)
+    pages = seq.num_computed // PAGE
+    rows = h.pool.rows(torch.tensor(seq.page_table.slot_ids[:pages], device=h.pool.device))
+    valid = torch.ones(pages, PAGE, dtype=torch.bool, device=h.pool.device)
+    for layer in h.pool.paged_layers:
+        summaries.update_from_pool(layer, torch.arange(pages, device=h.pool.device), h.pool, rows, valid)
+    return seq
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_scoring_steps_give_the_eager_page_scores(model) -> None:
+    """Page scores read the queries a step kept: with captured graphs (several buckets sharing one memory
+    pool, the first step of each a capture) they equal the uncaptured runner's at every scoring step, also
+    when steps of another bucket run in between."""
+    m = _gpu_model(model)
+    dev = torch.device("cuda")
+    cap = Harness(m, [30, 13, 200], num_slots=256, device=dev, capture=True)
+    ref = Harness(m, [30, 13, 200], num_slots=256, device=dev, capture=False)
+    for h in (cap, ref):
+        _attach_ring(h)
+    for step, subset in enumerate(([0], [0, 1], [0, 1, 2], [0], [0, 1, 2], [0, 1], [0])):
+        scores = []
+        for h in (cap, ref):
+            works = [h.works()[i] for i in subset]
+            works[0] = Work(works[0].seq, works[0].start, 1, score_tokens=1)
+            logits = h.graphs.run(works)
+            scores.append(h.graphs.page_scores(works)[0])
+            for w, row in zip(works, logits, strict=True):
+                w.seq.num_computed += 1
+                w.seq.output_ids.append(int(row.argmax()))
+        got, want = scores
+        assert got is not None and want is not None
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"step {step}, batch {subset}")
+    assert cap.graphs.num_captures >= 3 and cap.graphs.num_replays >= 3
+    assert [s.output_ids for s in cap.seqs] == [s.output_ids for s in ref.seqs]
+
+
 def _decode_with_the_fused_kernel(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
     """Two decode steps of two sequences on the runner with the Triton decode-attention kernel (interpreted
     on the CPU; the other kernels stay torch), each equal to StepAttention's, then greedy equal to the
