@@ -160,6 +160,20 @@ def test_ring_sequence_with_gaps_matches_step_attention(model) -> None:
     assert other.output_ids == reference_greedy(h.model, other.prompt_ids, len(other.output_ids))
 
 
+def _attach_ring(h: Harness) -> Sequence:
+    """Harness sequence 0 becomes a ring sequence with summaries of its computed pages (page scoring)."""
+    cfg = h.model.config
+    seq = h.seqs[0]
+    summaries = PageSummaries(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, h.pool.device, h.pool.paged_layers)
+    seq.ring = SeqRing(summaries=summaries, policy="sparse", query_start=0)
+    pages = seq.num_computed // PAGE
+    rows = h.pool.rows(torch.tensor(seq.page_table.slot_ids[:pages], device=h.pool.device))
+    valid = torch.ones(pages, PAGE, dtype=torch.bool, device=h.pool.device)
+    for layer in h.pool.paged_layers:
+        summaries.update_from_pool(layer, torch.arange(pages, device=h.pool.device), h.pool, rows, valid)
+    return seq
+
+
 @pytest.mark.parametrize("scales", ["one", "per-layer"])
 def test_scoring_decode_step_gives_step_attentions_page_scores(model, scales: str) -> None:
     """A re-selecting decode step runs on the runner; its page scores, from the queries the step kept,
@@ -171,14 +185,8 @@ def test_scoring_decode_step_gives_step_attentions_page_scores(model, scales: st
             layer.self_attn.scale *= 1.0 + 0.5 * i
     h = Harness(model, [30, 13])
     cfg = model.config
-    ring_seq = h.seqs[0]
-    summaries = PageSummaries(cfg.num_layers, 32, cfg.num_kv_heads, cfg.head_dim, h.pool.device, h.pool.paged_layers)
-    ring_seq.ring = SeqRing(summaries=summaries, policy="sparse", query_start=0)
+    ring_seq = _attach_ring(h)
     pages = ring_seq.num_computed // PAGE
-    rows = h.pool.rows(torch.tensor(ring_seq.page_table.slot_ids[:pages]))
-    valid = torch.ones(pages, PAGE, dtype=torch.bool)
-    for layer in h.pool.paged_layers:
-        summaries.update_from_pool(layer, torch.arange(pages), h.pool, rows, valid)
     works = [Work(ring_seq, ring_seq.num_computed, 1, score_tokens=1), Work(h.seqs[1], h.seqs[1].num_computed, 1)]
     assert h.graphs.accepts(works)
     h.graphs.run(works)
@@ -524,20 +532,6 @@ def test_batch_and_window_buckets_each_capture_once(model) -> None:
         assert torch.allclose(got, expected, rtol=0, atol=1e-5), (subset, (got - expected).abs().max().item())
     # (1, 256), (2, 256), (4, 1024) captured once each; the repeats replayed
     assert h.graphs.num_captures == 3 and h.graphs.num_replays == 2
-
-
-def _attach_ring(h: Harness) -> Sequence:
-    """Harness sequence 0 becomes a ring sequence with summaries of its computed pages (page scoring)."""
-    cfg = h.model.config
-    seq = h.seqs[0]
-    summaries = PageSummaries(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, h.pool.device, h.pool.paged_layers)
-    seq.ring = SeqRing(summaries=summaries, policy="sparse", query_start=0)
-    pages = seq.num_computed // PAGE
-    rows = h.pool.rows(torch.tensor(seq.page_table.slot_ids[:pages], device=h.pool.device))
-    valid = torch.ones(pages, PAGE, dtype=torch.bool, device=h.pool.device)
-    for layer in h.pool.paged_layers:
-        summaries.update_from_pool(layer, torch.arange(pages, device=h.pool.device), h.pool, rows, valid)
-    return seq
 
 
 @pytest.mark.gpu
