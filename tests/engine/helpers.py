@@ -193,3 +193,16 @@ def tiny_gemma(vocab_size: int, seed: int = 0, window: int = 8) -> torch.nn.Modu
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     return model.eval()
+
+
+DECODE_MODELS = ("llama", "gemma", "gemma-local")  # the decode tests' model kinds
+
+
+def decode_model(kind: str, vocab_size: int) -> torch.nn.Module:
+    """A decode test's model (DECODE_MODELS): tiny Llama, tiny Gemma 3 (window 8), or tiny Gemma 3 whose
+    sliding layers a test pool puts in local rings (`test_local_rings`)."""
+    if kind == "llama":
+        return tiny_model(vocab_size, seed=3)
+    m = tiny_gemma(vocab_size, seed=3, window=8)
+    m.test_local_rings = kind == "gemma-local"
+    return m

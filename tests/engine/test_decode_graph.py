@@ -6,11 +6,10 @@ Llama and tiny Gemma (sliding window 8 over pages of 4: the local read set is ex
 with the sliding layers in local rings, `gemma-local`), batches of
 1-3 sequences of different lengths on scattered slots, and a ring sequence with pages that are not
 resident (gaps). Engine level: greedy output with the decode runner equals output without it, with
-and without the ring. Decode bursts (several greedy steps per host round trip): the same tokens,
-finish reasons and reusable K/V as one step at a time, bursts kept inside a page, ended at
-re-selection steps, never for sampled requests. GPU (`gpu` marker): a captured graph replayed equals
-the eager step, for several batch and window buckets and after the page table changed, and a captured
-burst equals eager steps.
+and without the ring. A decode burst on the runner (tokens chosen on the device) equals single steps
+(engine-level bursts and overlapped bursts: test_decode_bursts.py). GPU (`gpu` marker): a captured graph
+replayed equals the eager step, for several batch and window buckets and after the page table changed; a
+captured burst equals eager steps; captured scoring steps give the uncaptured runner's page scores.
 """
 
 from __future__ import annotations
@@ -29,10 +28,12 @@ from services.engine.model_runner import ModelRunner
 from services.engine.ring import SeqRing
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import Work
-from services.engine.sequence import NOT_RESIDENT, FinishReason, Sequence
+from services.engine.sequence import NOT_RESIDENT, Sequence
 from services.engine.summaries import PageSummaries
 from tests.conftest import StartStore
 from tests.engine.helpers import (
+    DECODE_MODELS,
+    decode_model,
     drain,
     events_of,
     greedy,
@@ -41,7 +42,6 @@ from tests.engine.helpers import (
     ring_limits,
     run_until_done,
     tiny_gemma,
-    tiny_model,
 )
 
 VOCAB = 256
@@ -50,13 +50,9 @@ ATOL = 1e-4
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma", "gemma-local"])
+@pytest.fixture(scope="module", params=DECODE_MODELS)
 def model(request: pytest.FixtureRequest) -> torch.nn.Module:
-    if request.param == "llama":
-        return tiny_model(VOCAB, seed=3)
-    m = tiny_gemma(VOCAB, seed=3, window=8)
-    m.test_local_rings = request.param == "gemma-local"  # the Harness's pool puts sliding layers in local rings
-    return m
+    return decode_model(request.param, VOCAB)
 
 
 def _seq(prompt: list[int], name: str) -> Sequence:
@@ -253,46 +249,7 @@ def test_ring_engine_greedy_is_the_same_with_and_without_the_decode_runner(
     assert with_runner == without
 
 
-# -- decode bursts ------------------------------------------------------------------------------------
-
-
-def _burst_run(
-    model,
-    tokenizer: Tokenizer,
-    burst: int,
-    params: list[SamplingParams],
-    namespace: str,
-    lengths: tuple[int, ...] = (7, 30, 19),
-    **kw: object,
-) -> tuple[list[tuple[list[int], object]], list[list[Work]], object]:
-    """Prompts of these lengths decoded together; (per request (tokens, Done), the works of every step, the
-    engine)."""
-    engine = make_engine(model, tokenizer, decode_burst=burst, **kw)  # type: ignore[arg-type]
-    steps: list[list[Work]] = []
-    real = engine.runner.run
-
-    def spy(works: list[Work]):  # type: ignore[no-untyped-def]
-        steps.append(list(works))
-        return real(works)
-
-    engine.runner.run = spy  # type: ignore[method-assign]
-    rng = random.Random(11)
-    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
-    seqs = [engine.submit(f"b{i}", p, params[i], namespace=namespace) for i, p in enumerate(prompts)]
-    run_until_done(engine, seqs)
-    return [drain(events_of(s)) for s in seqs], steps, engine
-
-
-def _check_bursts(steps: list[list[Work]], page: int = PAGE) -> int:
-    """Every burst is all-decode, uniform, inside each sequence's page; returns how many ran."""
-    bursts = 0
-    for works in steps:
-        n = works[0].num_steps
-        assert all(w.num_steps == n for w in works)
-        if n > 1:
-            bursts += 1
-            assert all(w.num_new == 1 and w.start % page + n <= page for w in works), works
-    return bursts
+# -- decode bursts on the runner (engine-level bursts: test_decode_bursts.py) ---------------------------
 
 
 def _burst_equals_single_steps(model: torch.nn.Module, device: torch.device, capture: bool) -> DecodeGraphs:
@@ -319,162 +276,6 @@ def _burst_equals_single_steps(model: torch.nn.Module, device: torch.device, cap
 def test_runner_burst_equals_single_steps(model) -> None:
     graphs = _burst_equals_single_steps(model, CPU, capture=False)
     assert graphs.num_eager == 3 * PAGE
-
-
-def test_bursts_give_the_tokens_of_single_steps(model, smol_tokenizer: Tokenizer) -> None:
-    params = [greedy(20)] * 3
-    single, steps1, _ = _burst_run(model, smol_tokenizer, 1, params, "one", num_slots=64)
-    burst, steps4, _ = _burst_run(model, smol_tokenizer, 4, params, "burst", num_slots=64)
-    assert _check_bursts(steps1) == 0 and _check_bursts(steps4) >= 4
-    assert len(steps4) < len(steps1) - 4  # fewer host round trips (3 sequences at different page offsets)
-    assert [t for t, _ in burst] == [t for t, _ in single]
-    assert all(len(t) == 20 for t, _ in burst)
-
-
-def test_a_sampled_request_keeps_the_step_one_token_at_a_time(model, smol_tokenizer: Tokenizer) -> None:
-    params = [greedy(12), SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True), greedy(12)]
-    _, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "sampled", num_slots=64)
-    assert _check_bursts(steps[:-12]) == 0  # while the sampled request runs (it decodes to the end with the others)
-
-
-def test_a_stop_token_mid_burst_ends_the_sequence_there(smol_tokenizer: Tokenizer) -> None:
-    """The stop is a token the first request emits mid-burst: same tokens and finish as single steps; a
-    follow-up request extending that output reuses the finished request's pages and decodes correctly.
-    Tiny Llama only: the tiny random Gemma repeats one token from the start."""
-    model = tiny_model(VOCAB, seed=3)
-    results, _, _ = _burst_run(model, smol_tokenizer, 1, [greedy(20)] * 3, "free", num_slots=64)
-    free_run = results[0][0]
-    prompt0_len = 7
-    # a token at a position not at a page end (so a burst runs past it), first occurrence
-    k = next(
-        i for i in range(2, 20) if (prompt0_len + i) % PAGE not in (0, PAGE - 1) and free_run[i] not in free_run[:i]
-    )
-    stop = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=(free_run[k],))
-    params = [stop, greedy(20), greedy(20)]
-    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "stop1", num_slots=64)
-    burst, steps, engine = _burst_run(model, smol_tokenizer, 4, params, "stop4", num_slots=64)
-    assert _check_bursts(steps) >= 2
-    assert burst[0][0] == single[0][0] == free_run[: k + 1]
-    assert burst[0][1] == single[0][1] and burst[0][1].finish_reason == FinishReason.STOP  # type: ignore[union-attr]
-    assert [t for t, _ in burst[1:]] == [t for t, _ in single[1:]]
-    rng = random.Random(11)
-    prompt0 = [rng.randrange(VOCAB) for _ in range(prompt0_len)]
-    follow = prompt0 + free_run[: k + 1]
-    seq = engine.submit("follow", follow, greedy(6), namespace="stop4")
-    run_until_done(engine, [seq])
-    tokens, done = drain(events_of(seq))
-    assert done.cached_tokens > 0  # type: ignore[union-attr]  # the stopped request's pages were reused
-    assert tokens == reference_greedy(model, follow, 6)
-
-
-@pytest.mark.parametrize("lengths", [(62,), (7, 30, 19)], ids=["one", "three"])
-def test_ring_bursts_end_at_re_selection_steps(
-    model, smol_tokenizer: Tokenizer, start_store: StartStore, lengths: tuple[int, ...]
-) -> None:
-    """Re-selection every 4 of a sequence's own decode steps on an 8-page budget: a burst ends on a scoring
-    step (its query scores the pages; one over-budget sequence of 62 tokens, whose scoring steps fall mid-page:
-    the burst before each ends there), and the tokens equal single steps'. Three sequences re-select at their
-    own phases: a step where one of them scores is a burst of one, its token still chosen on the device."""
-    address = start_store(host_kv_mib=32).address
-    kw = dict(num_slots=40, ring=ring_limits(8, rescore_interval=4), ring_chunk=8, store_address=address)
-    params = [greedy(20)] * len(lengths)
-    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "ring1", lengths=lengths, **kw)
-    burst, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "ring4", lengths=lengths, **kw)
-    assert _check_bursts(steps) >= 3
-    scoring = [ws for ws in steps if any(w.score_tokens for w in ws) and all(w.num_new == 1 for w in ws)]
-    assert scoring and all(w.score_tokens <= 1 and w.device_argmax for ws in scoring for w in ws)
-    if len(lengths) == 1:
-        assert any(ws[0].num_steps > 1 for ws in scoring), "a burst must end on a re-selection step"
-    assert [t for t, _ in burst] == [t for t, _ in single]
-
-
-def test_overlapped_bursts_give_the_tokens_of_bursts_read_one_by_one(
-    model, smol_tokenizer: Tokenizer, start_store: StartStore
-) -> None:
-    """Each burst launched before the one before it is read (engine.py: overlapped bursts), through the ring
-    with re-selections every 4 steps taking effect 2 steps later (their pages prefetched), page ends and
-    sequences finishing at different lengths: the same tokens and finishes as bursts read one by one."""
-    address = start_store(host_kv_mib=32).address
-    ring = ring_limits(8, rescore_interval=4, prefetch_steps=2)
-    kw = dict(num_slots=26, ring=ring, ring_chunk=8, store_address=address, lengths=(61, 30, 45))
-    params = [greedy(20), greedy(13), greedy(24)]
-    serial, serial_steps, _ = _burst_run(model, smol_tokenizer, 4, params, "serial", decode_overlap=False, **kw)
-    overlapped, steps, engine = _burst_run(model, smol_tokenizer, 4, params, "overlap", **kw)
-    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "single", **kw)
-    continued = [ws for ws in steps if ws[0].on_device]
-    assert not any(ws[0].on_device for ws in serial_steps)
-    assert len(continued) >= 5 and engine.stats.overlapped_steps_total == len(continued)  # type: ignore[attr-defined]
-    assert any(w.start % PAGE == 0 for ws in continued for w in ws)  # continued into a new page
-    assert any(w.score_tokens for ws in continued for w in ws)  # a continued step scored the pages
-    assert engine.ring.num_prefetched > 0  # type: ignore[attr-defined]  # re-selections took pages in
-    assert [t for t, _ in overlapped] == [t for t, _ in serial]
-    assert [t for t, _ in overlapped] == [t for t, _ in single]  # re-selections take effect on the same steps
-    assert [d.finish_reason for _, d in overlapped] == [d.finish_reason for _, d in serial]  # type: ignore[attr-defined]
-    assert [len(t) for t, _ in overlapped] == [20, 13, 24]
-
-
-def _loop_until_done(engine, seqs: list[Sequence]) -> None:  # type: ignore[no-untyped-def]
-    """What the engine thread does (poll, then step), by hand, until every sequence has finished."""
-    for _ in range(1000):
-        if all(s.is_finished for s in seqs):
-            return
-        engine.poll()
-        engine.step()
-        engine.slots.check_integrity()
-    raise AssertionError("sequences did not finish")
-
-
-def _chain_hook(engine, at: int, action) -> list[list[Work]]:  # type: ignore[no-untyped-def]
-    """Record every launched step's works; `action()` runs when the `at`-th continued step is launched."""
-    launched: list[list[Work]] = []
-    real = engine.runner.launch
-
-    def spy(works: list[Work]):  # type: ignore[no-untyped-def]
-        launched.append(list(works))
-        if works[0].on_device and sum(ws[0].on_device for ws in launched) == at:
-            action()
-        return real(works)
-
-    engine.runner.launch = spy
-    return launched
-
-
-def test_a_request_arriving_during_overlapped_bursts_is_taken_in_at_the_next_burst(
-    model, smol_tokenizer: Tokenizer
-) -> None:
-    """A chain of overlapped bursts ends when a request arrives: the next step admits it (its prefill runs
-    while the first request is still decoding), and both answers are the references."""
-    engine = make_engine(model, smol_tokenizer, num_slots=64, decode_burst=4)
-    rng = random.Random(5)
-    first_prompt, second_prompt = [rng.randrange(VOCAB) for _ in range(9)], [rng.randrange(VOCAB) for _ in range(6)]
-    second: list[Sequence] = []
-    launched = _chain_hook(engine, 2, lambda: second.append(engine.submit("late", second_prompt, greedy(8))))
-    first = engine.submit("early", first_prompt, greedy(40))
-    _loop_until_done(engine, [first])
-    _loop_until_done(engine, second)
-    continued = [i for i, ws in enumerate(launched) if ws[0].on_device]
-    admitted = next(i for i, ws in enumerate(launched) if any(w.seq is second[0] for w in ws))
-    assert admitted == continued[1] + 1  # the step after the burst in flight when it arrived
-    assert len(continued) > 2  # the first request's bursts overlapped again afterwards
-    assert drain(events_of(first))[0] == reference_greedy(model, first_prompt, 40)
-    assert drain(events_of(second[0]))[0] == reference_greedy(model, second_prompt, 8)
-
-
-def test_an_abort_during_overlapped_bursts_ends_the_chain_and_drops_the_unread_tokens(
-    model, smol_tokenizer: Tokenizer
-) -> None:
-    """Aborted while a burst is in flight behind the one being read: the request ends with ABORT after the
-    tokens read so far (a prefix of the reference), its unread tokens are dropped and its slots come back."""
-    engine = make_engine(model, smol_tokenizer, num_slots=64, decode_burst=4)
-    prompt = [random.Random(6).randrange(VOCAB) for _ in range(9)]
-    seq = engine.submit("aborted", prompt, greedy(40))
-    _chain_hook(engine, 3, lambda: engine.abort(seq))
-    _loop_until_done(engine, [seq])
-    tokens, done = drain(events_of(seq))
-    assert done.finish_reason == FinishReason.ABORT  # type: ignore[union-attr]
-    assert 0 < len(tokens) < 40 and tokens == reference_greedy(model, prompt, len(tokens))
-    assert seq.num_pending == 0 and len(seq.output_ids) == len(tokens)
-    assert engine.slots.num_available() == 64  # every slot free or cached (reusable)
 
 
 # -- GPU: capture and replay ---------------------------------------------------------------------------
