@@ -39,7 +39,7 @@ the same K/V into the same row, so padding never touches another page.
 
 Per-step host work: a sequence's padded rows are rebuilt only when its page table (up to its last
 page) changed, and copied into a bucket's buffers only when that batch row held something else;
-otherwise a step copies 4 x B integers to the device, in one copy. A continued step (Work.on_device: the
+otherwise a step copies 5 x B integers to the device, in one copy. A continued step (Work.on_device: the
 step after a burst whose tokens the host has not read, engine.py) keeps the ids the last step left on the
 device and copies the other inputs; the staging buffer alternates between two halves so that filling one
 never races the copy of the other still queued, and the rows come from pinned memory: nothing here waits

@@ -34,7 +34,7 @@ from services.engine.scheduler import Scheduler, Work
 from services.engine.sequence import Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
 from services.engine.slots import SlotAllocator
 from services.engine.summaries import PageSummaries
-from services.engine.transfers import to_host
+from services.engine.transfers import copied, to_host
 
 if TYPE_CHECKING:
     from services.engine.write_through import WriteThrough
@@ -410,10 +410,7 @@ class Engine:
         if written and self.write_through is not None:
             local = (seq.local_ring, written) if self.pool.local is not None else None  # staged or in the ring
             pages = to_host(self.pool.read_pages([table.slot_ids[i] for i in written], local))
-            ready = None
-            if pages.device.type == "cpu" and self.pool.device.type == "cuda":
-                ready = torch.cuda.Event()
-                ready.record()  # the writer waits for the copy, not the engine (a burst may be in flight)
+            ready = copied(self.pool.device)  # the writer waits for the copy, not the engine (a burst may be in flight)
             for i, page in zip(written, pages, strict=True):
                 self.write_through.submit(table.page_hashes[i], page, size, ready=ready)
 

@@ -14,7 +14,7 @@ from services.engine.paged_attention import SeqSpan, StepAttention
 from services.engine.ring import HostPages
 from services.engine.scheduler import Work
 from services.engine.sequence import NOT_RESIDENT
-from services.engine.transfers import to_host
+from services.engine.transfers import copied, to_host
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +72,7 @@ class ModelRunner:
         assert self.decode is not None
         tokens = self.decode.tokens_to_host(len(works), works[0].num_steps)
         host_scores = [None if s is None else to_host(s) for s in scores]
-        ready = None
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
-        return Launched(works, logits, host_scores, tokens, ready)
+        return Launched(works, logits, host_scores, tokens, copied(self.device))
 
     def tokens(self, launched: Launched) -> list[list[int]]:
         """Per work, the tokens its steps chose (waits for that step's copies only)."""

@@ -5,8 +5,8 @@ synchronises the host with everything queued on the stream before it: a decode b
 (engine.py: overlapped bursts) would be waited for by every restore, page read or summary that builds an
 index. Through pinned memory the copy is queued like a kernel (the caching host allocator keeps the pinned
 block until the copy is done). The same holds the other way: a device tensor copied into pinned memory
-with `to_host` arrives behind what is queued before it, and the caller waits for an event recorded after
-it (not for the whole stream).
+with `to_host` arrives behind what is queued before it, and the caller waits for the event `copied`
+records after it (not for the whole stream).
 """
 
 from __future__ import annotations
@@ -32,3 +32,13 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     return host
+
+
+def copied(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded on `device`'s current stream after the copies queued so far (CUDA; None on the
+    CPU, where `to_host` copies nothing): whoever reads those host copies waits for it."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
