@@ -114,7 +114,7 @@ def score_case(model, tok: Tokenizer, case, page_size: int) -> dict:  # type: ig
     num_pages = query_start // page_size  # pages wholly before the question's page
     scale = cfg.head_dim**-0.5
     pos = torch.arange(len(ids))
-    cos, sin = model.rotary(pos, torch.float32)  # [T, 1, D]
+    cos, sin = model.rotary(pos, torch.float32).rows  # [T, 1, D]
     scores = {name: torch.zeros(num_pages, dtype=torch.float64) for name in SCORERS}
     worst = 0.0
     for layer in range(cfg.num_layers):

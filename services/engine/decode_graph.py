@@ -72,6 +72,17 @@ logger = logging.getLogger(__name__)
 MIN_WINDOW = 256
 
 
+def advance_inputs(token: torch.Tensor, burst_tokens: torch.Tensor, inputs: torch.Tensor) -> None:
+    """The end of a step: its token [B] into burst_tokens [P, B] at the step index and into the input ids,
+    positions and write rows one on, the step index (inputs [5, B]: ids, positions, write_rows, ring_base,
+    step) on modulo P (replays past a page wrap). kernels/step_triton.py does it in one launch."""
+    step = inputs[4, :1]
+    burst_tokens.index_copy_(0, step, token[None])
+    inputs[0].copy_(token)
+    inputs[1:3] += 1  # positions, write_rows: the burst stays inside the page
+    torch.remainder(step + 1, burst_tokens.shape[0], out=step)
+
+
 def batch_bucket(n: int) -> int:
     """Smallest power of two >= n: 1, 2, 4, 8, 16, ..."""
     b = 1
@@ -380,10 +391,8 @@ class DecodeGraphs:
         """The step, then its inputs advanced to the next step of a burst (the module docstring)."""
         logits = self._forward(bufs)
         token = torch.argmax(logits, dim=-1)  # [B]
-        bufs.burst_tokens.index_copy_(0, bufs.step, token[None])
-        bufs.ids.copy_(token)
-        bufs.inputs[1:3] += 1  # positions, write_rows: the burst stays inside the page
-        torch.remainder(bufs.step + 1, bufs.burst_tokens.shape[0], out=bufs.step)  # replays past a page wrap
+        kernels = triton_module("step_triton", self.device)
+        (kernels.advance if kernels is not None else advance_inputs)(token, bufs.burst_tokens, bufs.inputs)
         return logits
 
     def _capture(self, bufs: _Buffers) -> torch.Tensor:

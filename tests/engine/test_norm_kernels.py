@@ -49,6 +49,32 @@ def test_rms_norm_matches_the_module(where: str, dtype: torch.dtype, gemma: bool
 
 
 @pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
+def test_embed_rms_norm_matches_lookup_scale_then_norm(where: str, dtype: torch.dtype) -> None:
+    """Gemma's scaled embedding and its first input norm in one launch: ids in any order and repeated."""
+    from services.engine.kernels import norm_triton
+    from services.engine.models.gemma3 import embed_scale
+
+    device = device_or_skip(where)
+    torch.manual_seed(3)
+    dim = 48  # not a power of two: the block is masked
+    table = torch.randn(20, dim, device=device).to(dtype)
+    norm = GemmaRMSNorm(dim, 1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)
+    ids = torch.tensor([7, 0, 19, 7, 3], device=device)
+    scale = embed_scale(dim, dtype)
+    x, h = norm_triton.embed_rms_norm(ids, table, scale, norm.weight, 1e-6, gemma=True)
+    x_want = torch.nn.functional.embedding(ids, table) * scale
+    with torch.no_grad():
+        h_want = norm(x_want)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    if dtype == torch.float32 or device.type == "cuda":  # rounded as torch rounds (the interpreter truncates bf16)
+        assert torch.equal(x, x_want)
+    torch.testing.assert_close(x.float(), x_want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(h.float(), h_want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
 @pytest.mark.parametrize("gemma", [True, False])
 def test_qk_norm_rope_matches_norms_then_rope(where: str, dtype: torch.dtype, gemma: bool) -> None:
     from services.engine.kernels import norm_triton
@@ -67,7 +93,8 @@ def test_qk_norm_rope_matches_norms_then_rope(where: str, dtype: torch.dtype, ge
         rope_scaling=None, tie_word_embeddings=True, attention_bias=False, qk_norm=True,
         max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
-    cos, sin = RotaryEmbedding(cfg)(torch.tensor([0, 3, 17, 100, 200, 511], device=device), dtype)
+    rope = RotaryEmbedding(cfg)(torch.tensor([0, 3, 17, 100, 200, 511], device=device), dtype)
+    cos, sin = rope.rows
     qkv = (torch.randn(n, hq + 2 * hkv, dim, device=device) * 2).to(dtype)
     q, k, _ = qkv.split([hq, hkv, hkv], dim=1)
     with torch.no_grad():
@@ -75,6 +102,11 @@ def test_qk_norm_rope_matches_norms_then_rope(where: str, dtype: torch.dtype, ge
     got = norm_triton.qk_norm_rope(qkv, q_norm.weight, k_norm.weight, cos, sin, 1e-6, hq, hkv, gemma=gemma)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    # the whole tables read at the positions in the launch: the rows the gather gives
+    tabled = norm_triton.qk_norm_rope(
+        qkv, q_norm.weight, k_norm.weight, rope.cos, rope.sin, 1e-6, hq, hkv, gemma=gemma, positions=rope.positions
+    )
+    assert torch.equal(tabled, got)
     if dtype == torch.bfloat16 and device.type == "cuda":  # compiled: no further from the float32 result
         with torch.no_grad():  # than torch's bf16 ops (the interpreter truncates instead of rounding)
             q32, k32 = copy.deepcopy(q_norm).float(), copy.deepcopy(k_norm).float()
@@ -101,7 +133,7 @@ def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
     from services.engine.kernels import norm_triton
 
     calls: dict[str, int] = {}
-    for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "gelu_tanh_mul"):  # the fused path must really run
+    for name in ("embed_rms_norm", "add_rms_norm", "qk_norm_rope", "gelu_tanh_mul"):  # the fused path must really run
         real = getattr(norm_triton, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):  # type: ignore[no-untyped-def]
@@ -124,13 +156,14 @@ def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
     pos = torch.arange(20)
     with torch.no_grad():
         fused = model.logits(model(ids[:12], pos[:12], ContiguousKV(6)))
-        # the first input norm; per layer two post-norms, each with its residual add and the next norm (the
-        # pre-feedforward norm, the next layer's input norm or the final norm); q/k; three projections and
-        # the gated one (GELU and product in its epilogue) for a decode-sized input
-        assert calls == {"rms_norm": 1, "add_rms_norm": 6 * 2, "qk_norm_rope": 6, "linear_gated": 6, "linear": 18}
+        # the embedding lookup, its scale and the first input norm; per layer two post-norms, each with its
+        # residual add and the next norm (the pre-feedforward norm, the next layer's input norm or the final
+        # norm); q/k with RoPE (the tables read in the launch); three projections and the gated one (GELU and
+        # product in its epilogue) for a decode-sized input
+        assert calls == {"embed_rms_norm": 1, "add_rms_norm": 6 * 2, "qk_norm_rope": 6, "linear_gated": 6, "linear": 18}
         calls.clear()
         longer = model.logits(model(ids, pos, ContiguousKV(6)))  # 20 rows: torch projections, GELU kernel
-        assert calls == {"rms_norm": 1, "add_rms_norm": 6 * 2, "qk_norm_rope": 6, "gelu_tanh_mul": 6}
+        assert calls == {"embed_rms_norm": 1, "add_rms_norm": 6 * 2, "qk_norm_rope": 6, "gelu_tanh_mul": 6}
         kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
         plain = model.logits(model(ids[:12], pos[:12], ContiguousKV(6)))
         plain_longer = model.logits(model(ids, pos, ContiguousKV(6)))

@@ -19,25 +19,32 @@ from services.engine.kernels import pdl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, res_ptr, out_ptr, w2_ptr, out2_ptr, num_heads, dim, stride_n, stride_h, eps, w_offset,
-    GEMMA: tl.constexpr, RESIDUAL: tl.constexpr, NEXT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, res_ptr, out_ptr, w2_ptr, out2_ptr, ids_ptr, num_heads, dim, stride_n, stride_h, eps, w_offset,
+    scale, GEMMA: tl.constexpr, RESIDUAL: tl.constexpr, NEXT: tl.constexpr, EMBED: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, head) row of D values. GEMMA: x * r * (w + w_offset) in fp32, then cast;
     else (Llama): cast(x * r) * w in the model dtype. RESIDUAL: res + that, added in the model dtype.
-    NEXT: also the norm (weight w2) of the stored result, into out2 (the next norm of a Gemma layer)."""
+    NEXT: also the norm (weight w2) of the stored result, into out2 (the next norm of a Gemma layer).
+    EMBED (with NEXT): the stored result is instead row ids[n] of the table x times `scale`, rounded to
+    the model dtype (a Gemma embedding lookup), and out2 its norm."""
     pdl.start(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < dim
-    x = tl.load(x_ptr + n * stride_n + h * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
-    if GEMMA:
-        y = x * r * (w + w_offset)
+    if EMBED:
+        row = tl.load(ids_ptr + n)
+        y = tl.load(x_ptr + row * stride_n + offs, mask=mask, other=0.0).to(tl.float32) * scale
     else:
-        y = (x * r).to(out_ty).to(tl.float32) * w
+        x = tl.load(x_ptr + n * stride_n + h * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if GEMMA:
+            y = x * r * (w + w_offset)
+        else:
+            y = (x * r).to(out_ty).to(tl.float32) * w
     if RESIDUAL:  # residual rows are contiguous [N * H, D], like the output
         res = tl.load(res_ptr + (n * num_heads + h) * dim + offs, mask=mask, other=0.0).to(tl.float32)
         y = res + y.to(out_ty).to(tl.float32)
@@ -68,9 +75,9 @@ def rms_norm(
         assert residual.shape == x.shape and residual.is_contiguous() and residual.dtype == x.dtype
     if n:
         _rms_norm_kernel[(n, h)](
-            x3, weight, residual if residual is not None else out, out, weight, out, h, d, x3.stride(0),
-            x3.stride(1), eps, 1.0 if gemma else 0.0, GEMMA=gemma, RESIDUAL=residual is not None, NEXT=False,
-            BLOCK_D=triton.next_power_of_2(d), **pdl.launch_args(x.device),
+            x3, weight, residual if residual is not None else out, out, weight, out, out, h, d, x3.stride(0),
+            x3.stride(1), eps, 1.0 if gemma else 0.0, 1.0, GEMMA=gemma, RESIDUAL=residual is not None, NEXT=False,
+            EMBED=False, BLOCK_D=triton.next_power_of_2(d), **pdl.launch_args(x.device),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -88,9 +95,28 @@ def add_rms_norm(
     out2 = torch.empty_like(residual)
     if n:
         _rms_norm_kernel[(n, 1)](
-            x, weight, residual, out, next_weight, out2, 1, d, x.stride(0), 0, eps, 1.0 if gemma else 0.0,
-            GEMMA=gemma, RESIDUAL=True, NEXT=True, BLOCK_D=triton.next_power_of_2(d),
+            x, weight, residual, out, next_weight, out2, out, 1, d, x.stride(0), 0, eps, 1.0 if gemma else 0.0, 1.0,
+            GEMMA=gemma, RESIDUAL=True, NEXT=True, EMBED=False, BLOCK_D=triton.next_power_of_2(d),
             **pdl.launch_args(x.device),
+        )  # fmt: skip
+    return out, out2
+
+
+def embed_rms_norm(
+    ids: torch.Tensor, table: torch.Tensor, scale: float, weight: torch.Tensor, eps: float, gemma: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, norm(x)) with x = table[ids] * scale rounded to the table's dtype (Gemma's scaled embedding,
+    `scale` a float the dtype holds exactly) and norm the first layer's input norm, in one launch:
+    ids [N] int64; table [V, D] (last dim contiguous) -> two [N, D] tensors of the table's dtype."""
+    assert ids.dim() == 1 and ids.dtype == torch.int64 and table.dim() == 2 and table.stride(1) == 1
+    n, d = ids.shape[0], table.shape[1]
+    out = torch.empty((n, d), dtype=table.dtype, device=table.device)
+    out2 = torch.empty_like(out)
+    if n:
+        _rms_norm_kernel[(n, 1)](
+            table, weight, out, out, weight, out2, ids.contiguous(), 1, d, table.stride(0), 0, eps,
+            1.0 if gemma else 0.0, scale, GEMMA=gemma, RESIDUAL=False, NEXT=True, EMBED=True,
+            BLOCK_D=triton.next_power_of_2(d), **pdl.launch_args(table.device),
         )  # fmt: skip
     return out, out2
 
@@ -134,14 +160,15 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num_q_heads, num_qk_heads, dim, stride_n, stride_h, eps,
-    k_store_ptr, v_store_ptr, rows_ptr, stride_sr, stride_sh,
-    GEMMA: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr,
+    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, num_q_heads, num_qk_heads, dim, stride_n, stride_h,
+    eps, k_store_ptr, v_store_ptr, rows_ptr, stride_sr, stride_sh,
+    GEMMA: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, q-or-k head): RMSNorm with that head kind's weight, then RoPE
     (x * cos + roll(x, D/2) * sin, the sin table signed), rounding where the torch reference rounds.
     STORE: a k head's program also writes its k, and the token's v of that KV head, into the KV stores
-    at the token's row (KVPool.write's job, without its launch)."""
+    at the token's row (KVPool.write's job, without its launch). TABLE: cos/sin are the whole tables,
+    read at the token's position (pos_ptr), instead of rows gathered per token."""
     pdl.start(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -165,8 +192,9 @@ def _qk_norm_rope_kernel(
     else:
         y = ((x * r).to(out_ty).to(tl.float32) * w).to(out_ty).to(tl.float32)
         y2 = ((x2 * r).to(out_ty).to(tl.float32) * w2).to(out_ty).to(tl.float32)
-    c = tl.load(cos_ptr + n * dim + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + n * dim + offs, mask=mask, other=0.0).to(tl.float32)
+    row = tl.load(pos_ptr + n) if TABLE else n
+    c = tl.load(cos_ptr + row * dim + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + row * dim + offs, mask=mask, other=0.0).to(tl.float32)
     a = (y * c).to(out_ty).to(tl.float32)
     b = (y2 * s).to(out_ty).to(tl.float32)
     y_out = (a + b).to(out_ty)
@@ -192,9 +220,11 @@ def qk_norm_rope(
     num_kv_heads: int,
     gemma: bool,
     kv_sink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv: [N, Hq + 2 Hkv, D] (the fused projection, viewed by head); cos, sin: [N, 1, D] from
-    RotaryEmbedding -> [N, Hq + Hkv, D]: q and k normed (their own weights) and rotated, contiguous.
+    RotaryEmbedding, or with `positions` [N] int64 the whole tables [P, D] (each token's row read in the
+    launch: no gather launches) -> [N, Hq + Hkv, D]: q and k normed (their own weights) and rotated, contiguous.
     kv_sink (k_store, v_store [R, Hkv, D] of a plain dtype, rows [N] int64, distinct): k and v are also
     written there, row rows[n] (what write_kv_reference does with them)."""
     n, _, d = qkv.shape
@@ -208,12 +238,18 @@ def qk_norm_rope(
         assert k_store.stride() == v_store.stride() and k_store.stride(2) == 1, (k_store.stride(), v_store.stride())
         assert rows.shape == (n,) and rows.dtype == torch.int64 and rows.is_contiguous(), (rows.shape, rows.dtype)
         store = (k_store, v_store, rows, k_store.stride(0), k_store.stride(1))
-    if n:
+    if positions is not None:
+        assert positions.shape == (n,) and positions.dtype == torch.int64, (positions.shape, positions.dtype)
+        assert cos.dim() == 2 and cos.shape[1] == d and cos.is_contiguous() and sin.is_contiguous(), cos.shape
+        cos2, sin2 = cos, sin
+    else:
         cos2, sin2 = cos.reshape(n, d), sin.reshape(n, d)
         assert cos2.is_contiguous() and sin2.is_contiguous()
+    if n:
         _qk_norm_rope_kernel[(n, heads)](
-            qkv, q_weight, k_weight, cos2, sin2, out, num_q_heads, heads, d, qkv.stride(0), qkv.stride(1), eps,
+            qkv, q_weight, k_weight, cos2, sin2, positions.contiguous() if positions is not None else cos2, out,
+            num_q_heads, heads, d, qkv.stride(0), qkv.stride(1), eps,
             *store, GEMMA=gemma, BLOCK_D=triton.next_power_of_2(d), STORE=kv_sink is not None,
-            **pdl.launch_args(qkv.device),
+            TABLE=positions is not None, **pdl.launch_args(qkv.device),
         )  # fmt: skip
     return out

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from services.engine.attention import AttentionBackend
 from services.engine.models.config import ModelConfig
-from services.engine.models.llama import MLP, RotaryEmbedding, apply_rope, fused_kernels, project
+from services.engine.models.llama import MLP, Rope, RotaryEmbedding, apply_rope, fused_kernels, project
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
         n = x.shape[0]
         qkv = project(self.qkv_proj, x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # [N, H*, D]
@@ -97,11 +97,11 @@ class Gemma3Attention(nn.Module):
         sink = attn.kv_sink(self.layer_idx) if kernels is not None else None
         if kernels is not None:  # norms and RoPE in one launch (and the K/V rows written, with a sink)
             qk = kernels.qk_norm_rope(
-                qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
-                self.num_heads, self.num_kv_heads, gemma=True, kv_sink=sink,
+                qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, self.q_norm.eps,
+                self.num_heads, self.num_kv_heads, gemma=True, kv_sink=sink, positions=rope.positions,
             )  # fmt: skip
         else:
-            qk = apply_rope(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), cos, sin)  # [N, Hq + Hkv, D]
+            qk = apply_rope(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), *rope.rows)  # [N, Hq + Hkv, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
         out = attn.attend(self.layer_idx, q, k, v, self.scale, window=self.window, stored=sink is not None)
         return project(self.o_proj, out.reshape(n, -1))
@@ -122,11 +122,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(
-        self, x: Tensor, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, nxt: GemmaRMSNorm
+        self, x: Tensor, h: Tensor, rope: Rope, attn: AttentionBackend, nxt: GemmaRMSNorm
     ) -> tuple[Tensor, Tensor]:
         """x: the residual stream, h = input_layernorm(x) -> (the new residual, nxt(it)): nxt is the next
         layer's input norm (the final norm after the last layer), so each norm pair is one launch."""
-        attended = self.self_attn(h, cos, sin, attn)
+        attended = self.self_attn(h, rope, attn)
         x, h = self.post_attention_layernorm.add_then(x, attended, self.pre_feedforward_layernorm)
         return self.post_feedforward_layernorm.add_then(x, self.mlp(h), nxt)
 
@@ -154,19 +154,24 @@ class Gemma3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """input_ids, positions: [N] -> final-normed hidden states [N, hidden]."""
-        x = self.embed_tokens(input_ids)  # x: [N, hidden]
-        x = x * embed_scale(self.config.hidden_size, x.dtype)
-        rope = self._rope_tables(positions, x.dtype)
+        table = self.embed_tokens.weight  # [V, hidden]
+        scale = embed_scale(self.config.hidden_size, table.dtype)
         layers = cast(list[Gemma3DecoderLayer], list(self.layers))
-        h = layers[0].input_layernorm(x)
+        first = layers[0].input_layernorm
+        kernels = fused_kernels(table)
+        if kernels is not None and input_ids.dtype == torch.int64:  # lookup, scale and first norm: one launch
+            x, h = kernels.embed_rms_norm(input_ids, table, scale, first.weight, first.eps, gemma=True)
+        else:
+            x = self.embed_tokens(input_ids) * scale  # x: [N, hidden]
+            h = first(x)
+        rope = self._rope_tables(positions, x.dtype)
         nxt = [*(layer.input_layernorm for layer in layers[1:]), self.norm]
         for layer, is_sliding, norm in zip(layers, self.layer_is_sliding, nxt, strict=True):
-            cos, sin = rope[is_sliding]  # [N, 1, D] each
-            x, h = layer(x, h, cos, sin, attn, norm)
+            x, h = layer(x, h, rope[is_sliding], attn, norm)
         return h
 
-    def _rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict[bool, tuple[Tensor, Tensor]]:
-        """is_sliding -> (cos, sin) [N, 1, D], only for the layer kinds the model has."""
+    def _rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict[bool, Rope]:
+        """is_sliding -> the tokens' Rope, only for the layer kinds the model has."""
         rotary = {True: self.rotary_local, False: self.rotary_global}
         return {sliding: rotary[sliding](positions, dtype) for sliding in set(self.layer_is_sliding)}
 

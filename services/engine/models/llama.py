@@ -6,6 +6,8 @@ sequences they belong to; the AttentionBackend does the per-sequence bookkeeping
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -81,6 +83,22 @@ def _llama3_scaled(inv_freq: Tensor, scaling: dict[str, float]) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """The rotation of N tokens: the whole cos / signed-sin tables [P, D] and the tokens' positions [N]
+    (int64). The fused q/k norm + RoPE kernel reads each token's rows itself (no gather launches); the
+    torch path takes them gathered once (`rows`)."""
+
+    cos: Tensor
+    sin: Tensor
+    positions: Tensor
+
+    @functools.cached_property
+    def rows(self) -> tuple[Tensor, Tensor]:
+        """cos, sin [N, 1, D] of the tokens (broadcast over heads): apply_rope's."""
+        return self.cos[self.positions].unsqueeze(1), self.sin[self.positions].unsqueeze(1)
+
+
 class RotaryEmbedding(nn.Module):
     """cos / signed-sin tables [max_positions, D], built lazily on the model's device, indexed by position.
 
@@ -94,12 +112,12 @@ class RotaryEmbedding(nn.Module):
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
 
-    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions: [N] -> cos, sin: [N, 1, D] (broadcast over heads)."""
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> Rope:
+        """positions: [N] int64 -> their Rope."""
         if self._cos is None or self._cos.device != positions.device or self._cos.dtype != dtype:
             self._build(positions.device, dtype)
         assert self._cos is not None and self._sin is not None
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+        return Rope(self._cos, self._sin, positions)
 
     def _build(self, device: torch.device, dtype: torch.dtype) -> None:
         inv_freq = rope_inv_freq(self.config).to(device)  # [D/2]
@@ -130,7 +148,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
         n, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
         qkv = project(self.qkv_proj, x).view(n, num_qk_heads + self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([num_qk_heads, self.num_kv_heads], dim=1)  # qk: [N, Hq + Hkv, D]; v: [N, Hkv, D]
@@ -138,8 +156,8 @@ class Attention(nn.Module):
         if kernels is not None and self.q_norm is not None and self.k_norm is not None:  # one launch
             sink = attn.kv_sink(self.layer_idx)  # the K/V rows written in that launch too
             qk = kernels.qk_norm_rope(
-                qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
-                self.num_heads, self.num_kv_heads, gemma=False, kv_sink=sink,
+                qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, self.q_norm.eps,
+                self.num_heads, self.num_kv_heads, gemma=False, kv_sink=sink, positions=rope.positions,
             )  # fmt: skip
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             out = attn.attend(self.layer_idx, q, k, v, self.scale, stored=sink is not None)
@@ -147,7 +165,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k rotated together
+        qk = apply_rope(qk, *rope.rows)  # q and k rotated together
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
         out = attn.attend(self.layer_idx, q, k, v, self.scale)  # out: [N, Hq, D]
         return project(self.o_proj, out.reshape(n, -1))
@@ -195,8 +213,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+    def forward(self, x: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -220,9 +238,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """input_ids, positions: [N] -> final-normed hidden states [N, hidden]."""
         x = self.embed_tokens(input_ids)  # x: [N, hidden]
-        cos, sin = self.rotary(positions, x.dtype)  # [N, 1, D]
+        rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+            x = layer(x, rope, attn)
         return self.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
