@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.tokenizer import Tokenizer
+from services.common.tokenizer import Tokenizer, TokenizerInfo
 from services.engine.attention import ContiguousKV
 from services.engine.engine import Engine, EngineLimits
 from services.engine.host_pages import KVStoreHostPages
@@ -78,8 +78,11 @@ def make_engine(
     decode_burst: int = 1,
     local_span: int = 0,
     decode_overlap: bool = True,
+    device: str = "cpu",
+    cuda_graphs: bool = True,
 ) -> Engine:
-    """An engine on the CPU; with `ring`, pages go through a real kvstore process at `store_address`.
+    """An engine on `device` (the model already there; on CUDA the decode runner captures its steps unless
+    `cuda_graphs` is False); with `ring`, pages go through a real kvstore process at `store_address`.
     Sliding-window layers get local rings (one per running sequence, `local_span` rows each, default
     ring_span's) unless `local_ring` is False; `kv_format` (one format for every layer, kv_formats.py) is
     the pool's and the page hashes'."""
@@ -90,7 +93,7 @@ def make_engine(
         span = local_span or ring_span(max(windows.values()), page_size)
         local = LocalRings(windows, span, max_running, page_size)
     pool = KVPool(
-        cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"),
+        cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device(device),
         [parse_format(kv_format)] * cfg.num_layers, local=local,
     )  # fmt: skip
     write_through = host = None
@@ -113,7 +116,8 @@ def make_engine(
         decode_burst=decode_burst,
         decode_overlap=decode_overlap,
     )
-    return Engine(limits, ModelRunner(model, pool, torch.device("cpu"), host), tokenizer, write_through)
+    runner = ModelRunner(model, pool, torch.device(device), host, cuda_graphs=cuda_graphs)
+    return Engine(limits, runner, tokenizer, write_through)
 
 
 def ring_limits(budget_pages: int, page_size: int = 4, retrieval: bool = True, **kw: object) -> RingLimits:
@@ -140,6 +144,18 @@ def reference_greedy(model: LlamaForCausalLM, prompt: list[int], num_new: int) -
         pos = len(ids) + len(out) - 1
         hidden = model(torch.tensor([token]), torch.tensor([pos]), kv)
     return out
+
+
+def word_tokenizer(vocab_size: int) -> Tokenizer:
+    """A word-level tokenizer of tokens t0 .. t{vocab_size - 1}, no special tokens: for tests that only
+    detokenize ids, on machines without the embedded model (the GPU host)."""
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    fast = FastTokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    fast.pre_tokenizer = WhitespaceSplit()
+    return Tokenizer(fast, TokenizerInfo(None, None, None, None, (), False))
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -29,6 +29,7 @@ from tests.engine.helpers import (
     ring_limits,
     run_until_done,
     tiny_model,
+    word_tokenizer,
 )
 
 VOCAB = 256
@@ -169,6 +170,41 @@ def test_overlapped_bursts_give_the_tokens_of_bursts_read_one_by_one(
     assert [t for t, _ in overlapped] == [t for t, _ in single]  # re-selections take effect on the same steps
     assert [d.finish_reason for _, d in overlapped] == [d.finish_reason for _, d in serial]  # type: ignore[attr-defined]
     assert [len(t) for t, _ in overlapped] == [20, 13, 24]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("burst", [1, 4])
+def test_captured_decode_through_the_ring_gives_the_uncaptured_tokens(
+    model, start_store: StartStore, burst: int
+) -> None:
+    """The decode runner on CUDA with its steps captured (graphs sharing one pool, captured as buckets come)
+    against the same runner without capture, through the ring: re-selections every 4 steps scored from the
+    queries a step kept, prefetched 2 steps ahead, overlapped bursts, page ends, a sampled request whose
+    tokens come from the logits read after each replay. Same tokens, request by request (a graph output read
+    after another graph wrote over it would show here: run 13's kept queries did so at 8K, bench/RESULTS.md)."""
+    import copy
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    address = start_store(host_kv_mib=32).address
+    ring = ring_limits(8, rescore_interval=4, prefetch_steps=2)
+    on_gpu = copy.deepcopy(model).to("cuda")
+    kw = dict(num_slots=26, ring=ring, ring_chunk=8, store_address=address, lengths=(61, 30, 45, 9))
+    kw["device"] = "cuda"
+    params = [greedy(40), greedy(33), SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True),
+              greedy(44)]  # fmt: skip
+    runs = {}
+    for graphs in (True, False):
+        got, _, engine = _burst_run(
+            on_gpu, word_tokenizer(VOCAB), burst, params, f"g{graphs}{burst}", cuda_graphs=graphs, **kw
+        )
+        engine.stop()  # type: ignore[attr-defined]  # its host arena unregistered before the next engine's
+        decode = engine.runner.decode  # type: ignore[attr-defined]
+        assert (decode.num_replays > 0) == graphs and (decode.num_eager > 0) != graphs
+        assert engine.ring.num_prefetched > 0  # type: ignore[attr-defined]
+        runs[graphs] = [t for t, _ in got]
+    assert [len(t) for t in runs[True]] == [40, 33, 30, 44]
+    assert runs[True] == runs[False]
 
 
 def _loop_until_done(engine, seqs: list[Sequence]) -> None:  # type: ignore[no-untyped-def]

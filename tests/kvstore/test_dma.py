@@ -166,6 +166,29 @@ def test_every_restore_method_from_registered_memory_equals_the_reference(page_n
 
 @pytest.mark.gpu
 @needs_cuda
+def test_a_refused_registration_raises_and_leaves_no_error_behind() -> None:
+    """cudaHostRegister refusing a range (already registered; a null range) is a RestoreError, and the
+    error the runtime kept for this thread is consumed: torch's next launch does not raise it as its own
+    (the engine then restores that arena through staged copies)."""
+    from services.engine.kernels.restore import RestoreError, register_host, unregister_host
+
+    mm = mmap.mmap(-1, 1 << 20)
+    holder = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(holder)
+    register_host(address, len(mm))
+    try:
+        for where in (address, 0):
+            with pytest.raises(RestoreError, match="cudaHostRegister"):
+                register_host(where, len(mm))
+            assert torch.ones(4, device="cuda").sum().item() == 4.0
+    finally:
+        unregister_host(address)
+        del holder
+        mm.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("method", ["copies", "triton"])
 @pytest.mark.parametrize("shared", [True, False], ids=["same-host", "streamed"])
 def test_fetch_to_cuda_is_byte_identical_to_the_cpu_read(

@@ -233,16 +233,27 @@ def register_host(address: int, nbytes: int) -> None:
     start = time.monotonic()
     rc = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, HOST_REGISTER_FLAGS))
     if rc != 0:
-        torch.cuda.cudart().cudaGetLastError()  # clear it, or torch's next CUDA call raises it as its own
+        _clear_cuda_error()
         raise RestoreError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed: CUDA error {rc}")
     elapsed_s = time.monotonic() - start
     logger.info("registered %d MiB of host memory at %#x as pinned in %.2f s", nbytes >> 20, address, elapsed_s)
+
+
+def _clear_cuda_error() -> None:
+    """Consume the error a failed runtime call left for this thread. torch reads that error at its next
+    kernel-launch check and raises it as the launching op's own; torch.cuda.cudart() does not bind
+    cudaGetLastError, so a one-element fill is that check here."""
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:  # torch.AcceleratorError: the error being cleared
+        pass
 
 
 def unregister_host(address: int) -> None:
     """cudaHostUnregister (logged, never raised: the caller is tearing down)."""
     rc = int(torch.cuda.cudart().cudaHostUnregister(address))
     if rc != 0:
+        _clear_cuda_error()
         logger.warning("cudaHostUnregister at %#x failed: CUDA error %d", address, rc)
 
 
