@@ -1,4 +1,5 @@
-"""Engine test fixtures: the real SmolLM2 tokenizer (loaded once), the Triton tier on the CPU."""
+"""Engine test fixtures: the real SmolLM2 tokenizer (loaded once), the Triton tier on the CPU, the tests' engines
+stopped after each test."""
 
 from __future__ import annotations
 
@@ -15,6 +16,19 @@ from services.engine import kernels
 @pytest.fixture(scope="session")
 def smol_tokenizer() -> Tokenizer:
     return load_tokenizer(resolve_model_path("embedded:smollm2"))
+
+
+@pytest.fixture(autouse=True)
+def stop_made_engines() -> Iterator[None]:
+    """Stop the engines the test itself made with helpers.make_engine (not a module fixture's, made before
+    it; stopping twice is harmless): their store clients stop renewing pins when the test's kvstore goes
+    away (they logged a failed renewal every 2 s for the rest of the run)."""
+    from tests.engine import helpers
+
+    before = len(helpers.made_engines)
+    yield
+    while len(helpers.made_engines) > before:
+        helpers.made_engines.pop().stop()
 
 
 @pytest.fixture

@@ -117,7 +117,12 @@ def make_engine(
         decode_overlap=decode_overlap,
     )
     runner = ModelRunner(model, pool, torch.device(device), host, cuda_graphs=cuda_graphs)
-    return Engine(limits, runner, tokenizer, write_through)
+    engine = Engine(limits, runner, tokenizer, write_through)
+    made_engines.append(engine)
+    return engine
+
+
+made_engines: list[Engine] = []  # every make_engine engine, stopped after its test (conftest.py)
 
 
 def ring_limits(budget_pages: int, page_size: int = 4, retrieval: bool = True, **kw: object) -> RingLimits:
