@@ -18,6 +18,19 @@ from services.engine.kernels import pdl
 
 
 @triton.jit
+def _normed(x, w_ptr, out_ptr, offs, mask, dim, eps, w_offset, GEMMA: tl.constexpr):
+    """One row x (fp32 [BLOCK_D]) RMS-normed with the weight at w_ptr, in fp32: GEMMA x * r * (w + w_offset),
+    else (Llama) cast(x * r) * w, cast to out_ptr's dtype as the torch reference rounds."""
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        y = x * r * (w + w_offset)
+    else:
+        y = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    return y
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, res_ptr, out_ptr, w2_ptr, out2_ptr, ids_ptr, num_heads, dim, stride_n, stride_h, eps, w_offset,
     scale, GEMMA: tl.constexpr, RESIDUAL: tl.constexpr, NEXT: tl.constexpr, EMBED: tl.constexpr,
@@ -39,25 +52,14 @@ def _rms_norm_kernel(
         y = tl.load(x_ptr + row * stride_n + offs, mask=mask, other=0.0).to(tl.float32) * scale
     else:
         x = tl.load(x_ptr + n * stride_n + h * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if GEMMA:
-            y = x * r * (w + w_offset)
-        else:
-            y = (x * r).to(out_ty).to(tl.float32) * w
+        y = _normed(x, w_ptr, out_ptr, offs, mask, dim, eps, w_offset, GEMMA)
     if RESIDUAL:  # residual rows are contiguous [N * H, D], like the output
         res = tl.load(res_ptr + (n * num_heads + h) * dim + offs, mask=mask, other=0.0).to(tl.float32)
         y = res + y.to(out_ty).to(tl.float32)
     y = y.to(out_ty)
     tl.store(out_ptr + (n * num_heads + h) * dim + offs, y, mask=mask)
     if NEXT:
-        z = y.to(tl.float32)
-        r2 = tl.rsqrt(tl.sum(z * z, axis=0) / dim + eps)
-        w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if GEMMA:
-            z = z * r2 * (w2 + w_offset)
-        else:
-            z = (z * r2).to(out_ty).to(tl.float32) * w2
+        z = _normed(y.to(tl.float32), w2_ptr, out_ptr, offs, mask, dim, eps, w_offset, GEMMA)
         tl.store(out2_ptr + (n * num_heads + h) * dim + offs, z.to(out_ty), mask=mask)
 
 
