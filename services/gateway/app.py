@@ -148,9 +148,9 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()
+            task.cancel()  # delivered at the task's next await: it is not done yet
             logger.info("client disconnected; request cancelled")
-    return None if task.cancelled() else task.result()
+    return task.result() if task.done() and not task.cancelled() else None
 
 
 # ---------------------------------------------------------------- generation
