@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
@@ -18,8 +19,32 @@ INT32_MAX = 2**31 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_unicode(value: Any) -> None:
+    """ValueError when a string in `value` (nested lists and dicts too) holds a surrogate code point: JSON
+    can spell one (a lone \\ud800 escape) but it is not Unicode text, and the guard call's UTF-8 cannot carry it."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise ValueError("text holds a lone surrogate code point (not valid Unicode)")
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*")
+    @classmethod
+    def _unicode_text(cls, value: Any) -> Any:  # nested models check their own fields
+        _check_unicode(value)
+        return value
 
 
 class FunctionCall(_Request):

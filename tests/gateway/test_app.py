@@ -231,6 +231,8 @@ async def test_completions_stream(client: httpx.AsyncClient) -> None:
 
 # ---------------------------------------------------------------- bad input
 
+JSON = {"Content-Type": "application/json"}  # bodies sent as json.dumps writes them: lone surrogates as escapes
+
 
 @pytest.mark.parametrize(
     ("body", "param", "message_part"),
@@ -245,12 +247,15 @@ async def test_completions_stream(client: httpx.AsyncClient) -> None:
         (chat_body("hi", presence_penalty=0.5), "presence_penalty", "not supported"),
         (chat_body("hi", response_format={"type": "json_object"}), "response_format", "not supported"),
         ({"model": "m", "messages": []}, "messages", "at least 1 item"),
+        # a lone surrogate escape is valid JSON but not Unicode text (it was a 500 building the guard call)
+        ({"model": "m", "messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content", "surrogate"),
+        (chat_body("hi", stop=["\udc00"]), "stop", "surrogate"),
     ],
 )
 async def test_bad_chat_input_is_400(
     client: httpx.AsyncClient, fake: FakeGuard, body: dict[str, Any], param: str, message_part: str
 ) -> None:
-    r = await client.post("/v1/chat/completions", json=body)
+    r = await client.post("/v1/chat/completions", content=json.dumps(body), headers=JSON)  # surrogates escaped
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param
@@ -263,8 +268,9 @@ async def test_bad_completions_input_is_400(client: httpx.AsyncClient) -> None:
         ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
         ({"model": "m", "prompt": "a", "echo": True}, "echo"),
         ({"model": "m", "prompt": [-1]}, "prompt"),
+        ({"model": "m", "prompt": "\ud800"}, "prompt"),
     ]:
-        r = await client.post("/v1/completions", json=body)
+        r = await client.post("/v1/completions", content=json.dumps(body), headers=JSON)
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), body
 
 
