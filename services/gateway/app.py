@@ -116,6 +116,15 @@ def _guard(request: Request) -> GuardClient:
     return guard
 
 
+def _normalizations_off(request: Request) -> bool:
+    """X-KVMem-Normalize: off renders the messages exactly as sent (the prefix-stability control); on (or no
+    header) lets the guard normalise; any other value is a 400, not a silent default."""
+    value = request.headers.get("x-kvmem-normalize", "").strip().lower()
+    if value not in ("", "on", "off"):
+        raise invalid_request(f"X-KVMem-Normalize is {value!r}; use 'off' (or 'on', the default)")
+    return value == "off"
+
+
 def _session_id(request: Request) -> str:
     session_id = request.headers.get("x-session-id", "").strip()
     if len(session_id) > MAX_SESSION_ID_CHARS:
@@ -254,8 +263,7 @@ async def _generate(
     plan: PlanRequest,
 ) -> Response:
     guard = _guard(request)
-    # X-KVMem-Normalize: off renders the messages exactly as sent (the prefix-stability control).
-    greq.normalizations_off = request.headers.get("x-kvmem-normalize", "").strip().lower() == "off"
+    greq.normalizations_off = _normalizations_off(request)
     # The segment planner picks the level: L1 goes on below as one call; L2/L2z/L3 are planned answers.
     planned = await _until_disconnect(request, planning.decide(guard, request.app.state.config, greq, plan))
     if planned is None:

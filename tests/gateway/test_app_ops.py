@@ -160,3 +160,6 @@ async def test_normalize_header_turns_the_guard_normalisations_off(client: httpx
     await client.post("/v1/completions", json={"model": "m", "prompt": "hi"}, headers={"X-KVMem-Normalize": "OFF"})
     await client.post("/v1/chat/completions", json=chat_body("hi"), headers={"X-KVMem-Normalize": "on"})
     assert [r.normalizations_off for r in fake.requests] == [False, True, True, False]
+    r = await client.post("/v1/chat/completions", json=chat_body("hi"), headers={"X-KVMem-Normalize": "maybe"})
+    assert r.status_code == 400 and "X-KVMem-Normalize is 'maybe'" in r.json()["error"]["message"]
+    assert len(fake.requests) == 4  # refused before the guard
