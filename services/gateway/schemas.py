@@ -11,7 +11,7 @@ import logging
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,15 @@ class ChatMessage(_Request):
                 raise ValueError("a text content part needs a string 'text'")
             texts.append(part["text"])
         return "".join(texts)
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        """Only an assistant message that calls tools may go without content (OpenAI's rule)."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                f"a {self.role!r} message needs 'content' (only an assistant message with tool_calls may omit it)"
+            )
+        return self
 
 
 class FunctionDef(_Request):

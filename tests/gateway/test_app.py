@@ -250,6 +250,8 @@ JSON = {"Content-Type": "application/json"}  # bodies sent as json.dumps writes 
         # a lone surrogate escape is valid JSON but not Unicode text (it was a 500 building the guard call)
         ({"model": "m", "messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content", "surrogate"),
         (chat_body("hi", stop=["\udc00"]), "stop", "surrogate"),
+        ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0]", "needs 'content'"),
+        ({"model": "m", "messages": [{"role": "assistant"}]}, "messages[0]", "needs 'content'"),
     ],
 )
 async def test_bad_chat_input_is_400(
