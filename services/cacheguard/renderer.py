@@ -212,13 +212,57 @@ class ChatRenderer:
         """Render with the generation prompt and find where each message starts.
 
         Message k starts where the render of messages[:k] (no generation prompt) ends, when that
-        render is a prefix of the whole text; otherwise the boundary is taken as unknown.
+        render is a prefix of the whole text; otherwise the boundary is taken as unknown. Rendering
+        every prefix costs O(n^2) messages (1.6 s for 1,000 messages, minutes for 10,000): the
+        boundaries come from renders of two messages each when those tile the whole render
+        (`_paired_starts`), from every prefix only for templates where they do not.
         """
         text = self.render(messages, tools, add_generation_prompt=True)
+        starts = self._paired_starts(messages, tools, text)
+        if starts is None:
+            starts = self._prefix_starts(messages, tools, text)
+        return RenderedChat(text=text, message_starts=tuple(starts[:-1]), messages_end=starts[-1])
+
+    def _prefix_starts(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, text: str
+    ) -> list[int]:
+        """Each message's start (and the messages' end) from the render of every prefix: O(n^2)."""
         starts = [0]
         for k in range(1, len(messages) + 1):
             starts.append(self._prefix_end(messages[:k], tools, text, floor=starts[-1]))
-        return RenderedChat(text=text, message_starts=tuple(starts[:-1]), messages_end=starts[-1])
+        return starts
+
+    def _paired_starts(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, text: str
+    ) -> list[int] | None:
+        """The starts `_prefix_starts` finds, from O(n) renders of at most two messages: message k >= 1
+        renders as what render([m0, mk]) adds to render([m0]). Kept only when those pieces, in order, are
+        exactly the whole render without the generation prompt, `text` starts with it, and the prefix
+        renders before the last and the middle message end where the pieces say (a template that renders
+        a message by its neighbours or place fails one of these); None otherwise."""
+        try:
+            head = self.render(messages[:1], tools, add_generation_prompt=False)
+            whole = self.render(messages, tools, add_generation_prompt=False)
+        except RenderError:
+            return None
+        if not text.startswith(whole) or not whole.startswith(head):
+            return None
+        starts = [0, len(head)]
+        for message in messages[1:]:
+            try:
+                pair = self.render([messages[0], message], tools, add_generation_prompt=False)
+            except RenderError:
+                return None
+            piece = pair[len(head) :]
+            if not pair.startswith(head) or not whole.startswith(piece, starts[-1]):
+                return None
+            starts.append(starts[-1] + len(piece))
+        if starts[-1] != len(whole):
+            return None
+        for k in {len(messages) - 1, len(messages) // 2} - {0}:
+            if self._prefix_end(messages[:k], tools, text, floor=-1) != starts[k]:
+                return None
+        return starts
 
     def _prefix_end(
         self,

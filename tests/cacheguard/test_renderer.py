@@ -108,6 +108,59 @@ def test_message_boundaries_unknown_when_prefixes_render_differently() -> None:
     assert rendered.messages_end == len(rendered.text)
 
 
+# Templates whose rendering of a message depends on its place or neighbours: the paired renders must not be
+# trusted there, and the boundaries must equal those of every prefix.
+PLACED_TEMPLATES = {
+    "last message marked": "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if loop.last %} (last){% endif %}\n"
+    "{% endfor %}",
+    "turn numbers": "{% for m in messages %}{{ loop.index }}. {{ m.role }}: {{ m.content }}\n{% endfor %}",
+    "alternation enforced": "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate') }}{% endif %}[{{ m.role }}] {{ m.content }}\n{% endfor %}",
+    "previous role": "{% set ns = namespace(prev='') %}{% for m in messages %}{% if m.role == ns.prev %}+{% endif %}"
+    "{{ m.role }}: {{ m.content }}\n{% set ns.prev = m.role %}{% endfor %}",
+    "message count": "{{ messages | length }}\n{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+}
+
+
+def _long_chat(n: int) -> list[dict[str, Any]]:
+    roles = ["user", "assistant", "user", "user", "assistant", "tool"]
+    return [chat_message(roles[i % len(roles)], f"message {i}\n" + "x" * (i % 7)) for i in range(n)]
+
+
+@pytest.mark.parametrize("name", list(PLACED_TEMPLATES))
+def test_boundaries_equal_every_prefix_render_whatever_the_template(name: str) -> None:
+    renderer = ChatRenderer(info_with(PLACED_TEMPLATES[name]))
+    pair = [chat_message("user", "a"), chat_message("assistant", "b")]
+    for messages in [*CONVERSATIONS.values(), _long_chat(40), pair]:
+        try:
+            rendered = renderer.render_with_boundaries(messages)
+        except RenderError:
+            continue  # the alternation template refuses some conversations outright
+        exact = renderer._prefix_starts(messages, None, rendered.text)
+        assert [*rendered.message_starts, rendered.messages_end] == exact, name
+
+
+def test_boundaries_of_a_long_chat_take_linear_rendering(smol_info: TokenizerInfo) -> None:
+    """SmolLM2's template renders each message by itself: 600 messages' boundaries (the same as from every
+    prefix) render O(n) messages in all, not the O(n^2) of every prefix (180,000 here)."""
+    renderer = ChatRenderer(smol_info)
+    messages = _long_chat(600)
+    rendered_messages = 0
+    real = renderer.render
+
+    def counted(msgs, tools=None, add_generation_prompt=True):  # type: ignore[no-untyped-def]
+        nonlocal rendered_messages
+        rendered_messages += len(msgs)
+        return real(msgs, tools, add_generation_prompt)
+
+    renderer.render = counted  # type: ignore[method-assign]
+    rendered = renderer.render_with_boundaries(messages)
+    assert rendered_messages <= 6 * len(messages), rendered_messages
+    renderer.render = real  # type: ignore[method-assign]
+    assert [*rendered.message_starts, rendered.messages_end] == renderer._prefix_starts(messages, None, rendered.text)
+    assert rendered.message_starts[-1] > rendered.message_starts[-2] > 0
+
+
 TOOLS_TEMPLATE = (
     "{% if tools %}{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
     "{% for m in messages %}{{ m.role }}: {{ m.content }}"
