@@ -44,15 +44,18 @@ class GuardClient:
         """Stream the guard's events for one request. Closing or cancelling the iterator cancels
         the gRPC call, so the engine stops generating for a client that went away."""
         call = self._stub.Generate(req, timeout=self._request_timeout_s)
+        ended = False  # a done or error event came: what is left of the call is its closing status
         try:
             async for event in call:
+                ended = event.WhichOneof("event") != "chunk"
                 yield event
         except grpc.aio.AioRpcError as exc:
             raise map_grpc_error(exc.code(), exc.details()) from None
         finally:
             if not call.done():
                 call.cancel()
-                logger.info("request %s: guard call cancelled", req.request_id)
+                if not ended:
+                    logger.info("request %s: guard call cancelled", req.request_id)
 
     async def count_tokens(self, req: cacheguard_pb2.CountTokensRequest) -> int:
         """Number of tokens the guard would send to the engine for this input."""
