@@ -21,6 +21,7 @@ from tests.conftest import StartStore
 from tests.engine.helpers import (
     DECODE_MODELS,
     decode_model,
+    device_or_skip,
     drain,
     events_of,
     greedy,
@@ -184,13 +185,10 @@ def test_captured_decode_through_the_ring_gives_the_uncaptured_tokens(
     after another graph wrote over it would show here: run 13's kept queries did so at 8K, bench/RESULTS.md)."""
     import copy
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    on_gpu = copy.deepcopy(model).to(device_or_skip("cuda"))
     address = start_store(host_kv_mib=32).address
     ring = ring_limits(8, rescore_interval=4, prefetch_steps=2)
-    on_gpu = copy.deepcopy(model).to("cuda")
-    kw = dict(num_slots=26, ring=ring, ring_chunk=8, store_address=address, lengths=(61, 30, 45, 9))
-    kw["device"] = "cuda"
+    kw = dict(num_slots=26, ring=ring, ring_chunk=8, store_address=address, lengths=(61, 30, 45, 9), device="cuda")
     params = [greedy(40), greedy(33), SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True),
               greedy(44)]  # fmt: skip
     runs = {}
