@@ -35,6 +35,11 @@ Both run as CUDA-graph replays on CUDA (as decode steps do), so launch overhead 
 The third table (CUDA only) is Gemma 3 270M's four projections of a decode step over all 18 layers:
 cuBLAS (F.linear) vs kernels/linear_triton.py, with the weight bandwidth the kernel reaches; its gated row
 is the gate/up projection with GELU(gate) * up as its epilogue against the two launches it replaces.
+
+The fourth (`--tables block`) is Gemma 3 270M's 18 layers from the attention output to the next layer's
+qkv: the six launches a decode step ran (o, post-norm + add + next norm, gated gate/up, down, post-norm +
+add + next norm, qkv) against kernels/block_triton.py's one persistent launch per layer, over grid sizes,
+warps, and with the weights loaded before each barrier or after it; both replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -344,6 +349,71 @@ def _gated_row(
           f"{ref / t:.2f} | {err:.1e} | {gbs:.0f} |", flush=True)  # fmt: skip
 
 
+def _block_table(device: torch.device, reps: int) -> None:
+    """The persistent layer-half kernel (kernels/block_triton.py) against the six launches it replaces (o,
+    post-norm + add + pre-norm, gated gate/up, down, post-norm + add + next norm, next qkv), Gemma 3 270M's
+    18 layers chained through the residual stream, both replayed from a CUDA graph."""
+    from services.engine.kernels import block_triton, linear_triton, norm_triton
+
+    layers, hidden, q_dim, inter, n_qkv = SHAPES[0].num_layers, 640, 1024, 2048, 1536
+    g = torch.Generator(device=device).manual_seed(5)
+
+    def mat(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, generator=g, device=device, dtype=torch.bfloat16) / k**0.5
+
+    def norm() -> torch.Tensor:
+        return 0.1 * torch.randn(hidden, generator=g, device=device, dtype=torch.bfloat16)
+
+    weights = [
+        block_triton.BlockWeights(mat(hidden, q_dim), norm(), norm(), mat(2 * inter, hidden), mat(hidden, inter),
+                                  norm(), norm(), mat(n_qkv, hidden) if i < layers - 1 else None, 1e-6)
+        for i in range(layers)
+    ]  # fmt: skip
+    attn = torch.randn(1, q_dim, generator=g, device=device, dtype=torch.bfloat16)
+    x0 = torch.randn(1, hidden, generator=g, device=device, dtype=torch.bfloat16)
+
+    def launches() -> torch.Tensor:
+        x = x0
+        for w in weights:
+            o = linear_triton.linear(attn, w.o)
+            s, h = norm_triton.add_rms_norm(o, w.post_attn, x, w.pre_ffn, w.eps, gemma=True)
+            d = linear_triton.linear(linear_triton.linear_gated(h, w.gate_up, "gelu_tanh"), w.down)
+            x, h = norm_triton.add_rms_norm(d, w.post_ffn, s, w.next_norm, w.eps, gemma=True)
+            if w.qkv is not None:
+                linear_triton.linear(h, w.qkv)
+        return x
+
+    def persistent(programs: int | None = None, warps: int = 8, preload: bool = True) -> torch.Tensor:
+        x = x0
+        for w in weights:
+            x, _, _ = block_triton.block(attn, x, w, programs, warps, preload)
+        return x
+
+    def want() -> torch.Tensor:
+        x = x0
+        for w in weights:
+            x, _, _ = block_triton.block_reference(attn, x, w)
+        return x
+
+    ref_x = want().float()
+    print("| path | programs | us (18 layers) | x vs launches | err vs torch |")
+    print("|---|---|---|---|---|")
+    base = _timer(device, _graphed(device, launches), reps)
+    err = float((launches().float() - ref_x).abs().max() / ref_x.abs().max())
+    print(f"| six launches (linear, add_rms_norm, gated, linear, add_rms_norm, linear) | - | {base:.1f} | 1.00 | "
+          f"{err:.1e} |")  # fmt: skip
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    variants = [(p, 8, True) for p in sorted({sms, 128, 96})] + [(sms, 4, True), (sms, 8, False)]
+    for programs, warps, preload in variants:
+        if programs > sms:
+            continue
+        run = functools.partial(persistent, programs, warps, preload)
+        t = _timer(device, _graphed(device, run), reps)
+        err = float((run().float() - ref_x).abs().max() / ref_x.abs().max())
+        label = f"persistent block ({warps} warps{', weights loaded before the barriers' if preload else ''})"
+        print(f"| {label} | {programs} | {t:.1f} | {base / t:.2f} | {err:.1e} |", flush=True)
+
+
 def _backends(device: torch.device, wanted: list[str]) -> dict[str, object]:
     """Kernel modules that can run here (triton, cupy), by name."""
     found: dict[str, object] = {}
@@ -389,7 +459,7 @@ def main() -> int:
     p.add_argument("--contexts", default="2048,8192,32768", help="context lengths in tokens")
     p.add_argument("--backends", default="triton,cupy")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--tables", default="summary,decode,linear", help="which tables: summary, decode, linear")
+    p.add_argument("--tables", default="summary,decode,linear", help="which tables: summary, decode, linear, block")
     p.add_argument("--decode-widths", default="2048,4096,8192", help="decode attention: rows read per sequence")
     p.add_argument("--decode-batches", default="1,8", help="decode attention: sequences per step")
     a = p.parse_args()
@@ -402,6 +472,9 @@ def main() -> int:
     if "decode" in tables:
         print()
         _decode_table(device, backends, _ints(a.decode_widths), _ints(a.decode_batches), a.reps)
+    if "block" in tables:
+        print()
+        _block_table(device, a.reps)
     if "linear" in tables and device.type == "cuda":  # CUDA only: the interpreter is for tests
         print()
         _linear_table(device, _ints(a.decode_batches), a.reps)

@@ -13,15 +13,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import cast
+from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.engine.attention import AttentionBackend
+from services.engine.kernels import triton_module
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import MLP, Rope, RotaryEmbedding, apply_rope, fused_kernels, project
+
+if TYPE_CHECKING:
+    from services.engine.kernels.block_triton import BlockWeights
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +95,14 @@ class Gemma3Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(self, x: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
-        n = x.shape[0]
-        qkv = project(self.qkv_proj, x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        return project(self.o_proj, self.attend(project(self.qkv_proj, x), rope, attn))
+
+    def attend(self, qkv: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
+        """The projected qkv [N, q_size + 2 kv_size] -> the attention output before o_proj [N, q_size]."""
+        n = qkv.shape[0]
+        qkv = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # [N, H*, D]
-        kernels = fused_kernels(x)
+        kernels = fused_kernels(qkv)
         sink = attn.kv_sink(self.layer_idx) if kernels is not None else None
         if kernels is not None:  # norms and RoPE in one launch (and the K/V rows written, with a sink)
             qk = kernels.qk_norm_rope(
@@ -104,7 +113,7 @@ class Gemma3Attention(nn.Module):
             qk = apply_rope(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), *rope.rows)  # [N, Hq + Hkv, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
         out = attn.attend(self.layer_idx, q, k, v, self.scale, window=self.window, stored=sink is not None)
-        return project(self.o_proj, out.reshape(n, -1))
+        return out.reshape(n, -1)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -166,9 +175,41 @@ class Gemma3ForCausalLM(nn.Module):
             h = first(x)
         rope = self._rope_tables(positions, x.dtype)
         nxt = [*(layer.input_layernorm for layer in layers[1:]), self.norm]
+        blocks = self._blocks(x, nxt)
+        if blocks is not None:  # one row on the Triton tier: each layer's second half in one launch
+            kernel, weights = blocks
+            qkv = project(layers[0].self_attn.qkv_proj, h)
+            for layer, is_sliding, w in zip(layers, self.layer_is_sliding, weights, strict=True):
+                out = layer.self_attn.attend(qkv, rope[is_sliding], attn)
+                x, h, qkv = kernel.block(out.contiguous(), x, w)
+            return h
         for layer, is_sliding, norm in zip(layers, self.layer_is_sliding, nxt, strict=True):
             x, h = layer(x, h, rope[is_sliding], attn, norm)
         return h
+
+    def _blocks(self, x: Tensor, nxt: list[GemmaRMSNorm]) -> tuple[ModuleType, list[BlockWeights]] | None:
+        """(kernels/block_triton.py, each layer's BlockWeights) when the persistent layer-half kernel takes
+        this forward: one row, the Triton tier, the kernel on, no projection biases, its arrival counters
+        made (not first made inside a graph capture); else None (the launches)."""
+        kernel = triton_module("block_triton", x.device) if x.shape[0] == 1 else None
+        if kernel is None or not kernel.enabled() or kernel.barriers(x.device) is None:
+            return None
+        layers = cast(list[Gemma3DecoderLayer], list(self.layers))
+        if any(m.bias is not None for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)):
+            return None
+        weights = []
+        for i, (layer, norm) in enumerate(zip(layers, nxt, strict=True)):
+            nxt_qkv = layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(layers) else None
+            w = kernel.BlockWeights(
+                o=layer.self_attn.o_proj.weight, post_attn=layer.post_attention_layernorm.weight,
+                pre_ffn=layer.pre_feedforward_layernorm.weight, gate_up=layer.mlp.gate_up_proj.weight,
+                down=layer.mlp.down_proj.weight, post_ffn=layer.post_feedforward_layernorm.weight,
+                next_norm=norm.weight, qkv=nxt_qkv, eps=layer.post_attention_layernorm.eps,
+            )  # fmt: skip
+            if not kernel.supported(x, w):
+                return None
+            weights.append(w)
+        return kernel, weights
 
     def _rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict[bool, Rope]:
         """is_sliding -> the tokens' Rope, only for the layer kinds the model has."""

@@ -1,0 +1,310 @@
+"""A Gemma 3 layer's second half in one persistent launch (Triton): o projection to the next layer's qkv.
+
+A batch-1 decode step of Gemma 3 270M is ~170 kernels of 2-5 us, each mostly start-up and first-load
+latency (bench/RESULTS.md, runs 7-14); the weights of a layer (11 MB) stream in under 3 us. This kernel
+runs the six launches between one layer's attention and the next layer's q/k norm as four phases of one
+launch, separated by grid-wide barriers instead of kernel boundaries:
+
+    1. o = attn @ W_o^T                                    (column tiles of the hidden size)
+    2. s = x + post_attn_norm(o); h = pre_ffn_norm(s)      (every program, from the whole o)
+       g = gelu_tanh(h @ W_gate^T) * (h @ W_up^T)          (column tiles of the intermediate size)
+    3. d = g @ W_down^T                                    (column tiles of the hidden size)
+    4. x' = s + post_ffn_norm(d); h' = next_norm(x')       (every program, from the whole d)
+       qkv' = h' @ W_qkv'^T                                (column tiles; the last layer has none)
+
+The norms are not phases of their own: every program recomputes the 640-value row it needs. The launch has
+one program per SM at most (all resident at once, which the barriers need: a barrier is an arrival counter
+each program increments, then polls until every program has arrived); the last program to leave sets the
+counters back to zero, so a CUDA graph replays the launch as is. Each intermediate is rounded to the model
+dtype where the launches it replaces round it (`block_reference`, their torch references composed).
+
+Batch 1 only (`supported`): a decode batch of more rows keeps the launches, as does KVMEM_BLOCK_KERNEL=0.
+Interpreted (CPU tests) the kernel runs as one program that takes every tile, its barriers trivially passed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from services.engine.kernels import arrivals, pdl
+from services.engine.kernels.norm_triton import gelu_tanh
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = 4  # three barriers and the exit count, at the end of the shared arrival counters
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """One layer's second half and the next layer's qkv projection (None after the last layer).
+    Norm weights are stored as transformers stores Gemma's (the scale is 1 + weight)."""
+
+    o: torch.Tensor  # [H, Q]
+    post_attn: torch.Tensor  # [H]
+    pre_ffn: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2I, H] = [gate | up]
+    down: torch.Tensor  # [H, I]
+    post_ffn: torch.Tensor  # [H]
+    next_norm: torch.Tensor  # [H]: the next layer's input norm, or the final norm
+    qkv: torch.Tensor | None  # [N, H]: the next layer's projection
+    eps: float
+
+
+def _gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
+def block_reference(
+    attn: torch.Tensor, x: torch.Tensor, w: BlockWeights
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """attn [M, Q], x [M, H] (the residual stream) -> (x', h', qkv' or None) as the six launches compute
+    them: each projection rounded to the model dtype, each norm in fp32 and rounded, the residual adds in
+    the model dtype (models/gemma3.py's layer with its torch code)."""
+    o = F.linear(attn, w.o)
+    s = x + _gemma_norm(o, w.post_attn, w.eps)
+    h = _gemma_norm(s, w.pre_ffn, w.eps)
+    gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+    d = F.linear(F.gelu(gate, approximate="tanh") * up, w.down)
+    x2 = s + _gemma_norm(d, w.post_ffn, w.eps)
+    h2 = _gemma_norm(x2, w.next_norm, w.eps)
+    return x2, h2, F.linear(h2, w.qkv) if w.qkv is not None else None
+
+
+def supported(x: torch.Tensor, w: BlockWeights) -> bool:
+    """One row x [1, H] of the weights' float dtype, contiguous weights, a hidden size of at most 1,024 and
+    an intermediate size of at most 4,096 (a program holds a whole row of each)."""
+    mats = [w.o, w.gate_up, w.down] + ([w.qkv] if w.qkv is not None else [])
+    hidden, inter = w.o.shape[0], w.down.shape[1]
+    return (
+        x.shape == (1, hidden)
+        and x.is_contiguous()
+        and hidden <= 1024
+        and inter <= 4096
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and all(m.dtype == x.dtype and m.is_contiguous() for m in mats)
+        and w.gate_up.shape == (2 * inter, hidden)
+        and w.down.shape[0] == hidden
+        and (w.qkv is None or w.qkv.shape[1] == hidden)
+    )
+
+
+@functools.cache
+def enabled() -> bool:
+    """Whether the forward takes this kernel where it can (KVMEM_BLOCK_KERNEL=0 keeps the launches: A/B runs)."""
+    on = os.environ.get("KVMEM_BLOCK_KERNEL", "1") != "0"
+    logger.info("persistent layer-half kernel: %s", "on" if on else "off (KVMEM_BLOCK_KERNEL=0)")
+    return on
+
+
+@triton.jit
+def _sync(bar_ptr, nprog):
+    """Grid-wide barrier: every program's stores before it are visible to every program after it. Arrival
+    is an atomic increment (release), the wait polls with atomic reads (acquire). Polling with
+    `ld.acquire.gpu` loads instead was slower on the H200 (bench/RESULTS.md)."""
+    tl.debug_barrier()
+    tl.atomic_add(bar_ptr, 1, sem="release")
+    arrived = tl.atomic_add(bar_ptr, 0, sem="acquire")
+    while arrived < nprog:
+        arrived = tl.atomic_add(bar_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _row(ptr, offs, mask):
+    """A row this launch wrote (another program's stores: read from L2, not a stale L1 line) in fp32."""
+    return tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+
+
+@triton.jit
+def _norm(x, w_ptr, offs, mask, dim, eps):
+    """Gemma's RMSNorm of one fp32 row: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32."""
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+    return x * r * (tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) + 1.0)
+
+
+@triton.jit
+def _wtile(w_ptr, row_off, n_rows, k_dim, t, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows t*BN.. of w (rows of k_dim, from row_off), zero past the ends: [BN, BK] in w's dtype."""
+    cols = t * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    mask = (cols < n_rows)[:, None] & (ks < k_dim)[None, :]
+    return tl.load(w_ptr + (row_off + cols[:, None]).to(tl.int64) * k_dim + ks[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _mv(w, x):
+    """w [BN, BK] times x [BK] (fp32) -> [BN] fp32."""
+    return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+
+
+@triton.jit
+def _store(ptr, t, y, n, BN: tl.constexpr):
+    cols = t * BN + tl.arange(0, BN)
+    tl.store(ptr + cols, y.to(ptr.dtype.element_ty), mask=cols < n)
+
+
+@triton.jit
+def _gated(gate, up, out_ty: tl.constexpr):
+    """GELU(gate) * up rounded where F.gelu then a multiply round: fp32 [BN] -> out_ty."""
+    act = gelu_tanh(gate.to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
+    return (act * up.to(out_ty).to(tl.float32)).to(out_ty)
+
+
+@triton.jit
+def _block_kernel(
+    attn_ptr, x_ptr, wo_ptr, post_attn_ptr, pre_ffn_ptr, wgu_ptr, wd_ptr, post_ffn_ptr, next_ptr, wqkv_ptr,
+    o_ptr, g_ptr, d_ptr, x_out_ptr, h_out_ptr, qkv_ptr, bar_ptr,
+    eps, hidden: tl.constexpr, q_dim: tl.constexpr, inter: tl.constexpr, n_qkv: tl.constexpr,
+    HAS_QKV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_I: tl.constexpr,
+    BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr, BN_QKV: tl.constexpr, NPROG: tl.constexpr,
+    ONE_ROUND: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One of NPROG programs (all resident): the four phases over their column tiles, a grid-wide barrier
+    between them. ONE_ROUND (compiled: at most one tile per program in every phase): each phase's weight tile
+    is loaded before the barrier that precedes it (weights are never written), so a phase after a barrier
+    waits only for the row it reads; else (interpreted, one program) each phase loops over its tiles.
+    Sizes are constexprs: a model's shapes."""
+    pid = tl.program_id(0)
+    out_ty = x_out_ptr.dtype.element_ty
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < hidden
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_i = tl.arange(0, BLOCK_I)
+    if ONE_ROUND:
+        w_o = _wtile(wo_ptr, 0, hidden, q_dim, pid, BN_O, BLOCK_Q)
+    pdl.start(PDL)
+    # 1. o = attn @ W_o^T
+    a = tl.load(attn_ptr + offs_q, mask=offs_q < q_dim, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    if ONE_ROUND:
+        _store(o_ptr, pid, _mv(w_o, a), hidden, BN_O)
+        w_g = _wtile(wgu_ptr, 0, inter, hidden, pid, BN_GU, BLOCK_H)
+        w_u = _wtile(wgu_ptr, inter, inter, hidden, pid, BN_GU, BLOCK_H)
+    else:
+        for i in range(0, (hidden + BN_O - 1) // BN_O, NPROG):  # tiles past the end are masked
+            t = i + pid
+            _store(o_ptr, t, _mv(_wtile(wo_ptr, 0, hidden, q_dim, t, BN_O, BLOCK_Q), a), hidden, BN_O)
+    _sync(bar_ptr, NPROG)
+    # 2. the attention's post-norm, residual add and the MLP's pre-norm; gate/up with GELU(gate) * up
+    s = (x + _norm(_row(o_ptr, offs_h, mask_h), post_attn_ptr, offs_h, mask_h, hidden, eps).to(out_ty)).to(out_ty)
+    h = _norm(s.to(tl.float32), pre_ffn_ptr, offs_h, mask_h, hidden, eps).to(out_ty).to(tl.float32)
+    if ONE_ROUND:
+        _store(g_ptr, pid, _gated(_mv(w_g, h), _mv(w_u, h), out_ty), inter, BN_GU)
+        w_d = _wtile(wd_ptr, 0, hidden, inter, pid, BN_D, BLOCK_I)
+    else:
+        for i in range(0, (inter + BN_GU - 1) // BN_GU, NPROG):  # tiles past the end are masked
+            t = i + pid
+            gate = _mv(_wtile(wgu_ptr, 0, inter, hidden, t, BN_GU, BLOCK_H), h)
+            up = _mv(_wtile(wgu_ptr, inter, inter, hidden, t, BN_GU, BLOCK_H), h)
+            _store(g_ptr, t, _gated(gate, up, out_ty), inter, BN_GU)
+    _sync(bar_ptr + 1, NPROG)
+    # 3. d = g @ W_down^T
+    g = _row(g_ptr, offs_i, offs_i < inter)
+    if ONE_ROUND:
+        _store(d_ptr, pid, _mv(w_d, g), hidden, BN_D)
+        if HAS_QKV:
+            w_qkv = _wtile(wqkv_ptr, 0, n_qkv, hidden, pid, BN_QKV, BLOCK_H)
+    else:
+        for i in range(0, (hidden + BN_D - 1) // BN_D, NPROG):  # tiles past the end are masked
+            t = i + pid
+            _store(d_ptr, t, _mv(_wtile(wd_ptr, 0, hidden, inter, t, BN_D, BLOCK_I), g), hidden, BN_D)
+    _sync(bar_ptr + 2, NPROG)
+    # 4. the MLP's post-norm, residual add and the next norm; the next layer's qkv
+    x2 = s.to(tl.float32) + _norm(_row(d_ptr, offs_h, mask_h), post_ffn_ptr, offs_h, mask_h, hidden, eps).to(out_ty)
+    x2 = x2.to(out_ty)
+    h2 = _norm(x2.to(tl.float32), next_ptr, offs_h, mask_h, hidden, eps).to(out_ty)
+    if pid == 0:
+        tl.store(x_out_ptr + offs_h, x2, mask=mask_h)
+        tl.store(h_out_ptr + offs_h, h2, mask=mask_h)
+    if HAS_QKV:
+        if ONE_ROUND:
+            _store(qkv_ptr, pid, _mv(w_qkv, h2.to(tl.float32)), n_qkv, BN_QKV)
+        else:
+            for i in range(0, (n_qkv + BN_QKV - 1) // BN_QKV, NPROG):  # tiles past the end are masked
+                t = i + pid
+                w_t = _wtile(wqkv_ptr, 0, n_qkv, hidden, t, BN_QKV, BLOCK_H)
+                _store(qkv_ptr, t, _mv(w_t, h2.to(tl.float32)), n_qkv, BN_QKV)
+    # the last program out sets the counters back to zero (every program has passed every barrier)
+    left = tl.atomic_add(bar_ptr + 3, 1, sem="acq_rel")
+    if left == NPROG - 1:
+        tl.atomic_xchg(bar_ptr, 0)
+        tl.atomic_xchg(bar_ptr + 1, 0)
+        tl.atomic_xchg(bar_ptr + 2, 0)
+        tl.atomic_xchg(bar_ptr + 3, 0)
+
+
+INTERPRETED = isinstance(_block_kernel, InterpretedFunction)
+
+
+def _tile(n: int, programs: int) -> int:
+    """Columns per tile: the smallest power of two that gives at most one tile per program (one round of
+    tiles per phase), at most 64 (interpreted: one program loops over tiles of 64)."""
+    bn = 1
+    while bn < 64 and triton.cdiv(n, bn) > programs:
+        bn *= 2
+    return bn
+
+
+def barriers(device: torch.device) -> torch.Tensor | None:
+    """The launch's COUNTERS int32 counters (the last of the device's shared arrival counters, zero between
+    launches), or None where there are none yet (a first use inside a graph capture: take the launches)."""
+    counts = arrivals.counters(device, arrivals.MAX_COUNTERS)
+    return counts[arrivals.MAX_COUNTERS - COUNTERS :] if counts is not None else None
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def block(
+    attn: torch.Tensor,
+    x: torch.Tensor,
+    w: BlockWeights,
+    programs: int | None = None,
+    warps: int = 8,
+    preload: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`block_reference` in one launch (`supported` inputs): -> (x', h', qkv' or None). `programs` overrides
+    the grid (benchmarks); at most the SM count, so that every program is resident."""
+    if not supported(x, w) or attn.shape != (1, w.o.shape[1]) or not attn.is_contiguous() or attn.dtype != x.dtype:
+        raise ValueError(f"block kernel: attn {tuple(attn.shape)} {attn.dtype}, x {tuple(x.shape)} {x.dtype}")
+    device = x.device
+    hidden, q_dim, inter = x.shape[1], attn.shape[1], w.down.shape[1]
+    n_qkv = w.qkv.shape[0] if w.qkv is not None else 0
+    bar = barriers(device)
+    if bar is None:
+        raise RuntimeError("block kernel: no arrival counters (a first use inside a graph capture)")
+    limit = _programs(device)
+    grid = 1 if INTERPRETED else min(programs or limit, limit)
+    # the smallest tiles that still give each program work, so every phase spreads over the grid
+    bn_o, bn_gu, bn_d = _tile(hidden, grid), _tile(inter, grid), _tile(hidden, grid)
+    bn_qkv = _tile(max(n_qkv, 1), grid)
+    tiles = [triton.cdiv(n, bn) for n, bn in ((hidden, bn_o), (inter, bn_gu), (hidden, bn_d), (n_qkv, bn_qkv))]
+    one_round = preload and not INTERPRETED and max(tiles) <= grid
+    scratch = torch.empty(2 * hidden + inter, dtype=x.dtype, device=device)
+    o, g, d = scratch.split([hidden, inter, hidden])
+    x_out, h_out = torch.empty_like(x), torch.empty_like(x)
+    qkv = torch.empty(1, n_qkv, dtype=x.dtype, device=device) if w.qkv is not None else None
+    _block_kernel[(grid,)](
+        attn, x, w.o, w.post_attn, w.pre_ffn, w.gate_up, w.down, w.post_ffn, w.next_norm,
+        w.qkv if w.qkv is not None else w.o, o, g, d, x_out, h_out, qkv if qkv is not None else x_out, bar,
+        w.eps, hidden, q_dim, inter, n_qkv,
+        HAS_QKV=w.qkv is not None, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_Q=triton.next_power_of_2(q_dim),
+        BLOCK_I=triton.next_power_of_2(inter), BN_O=bn_o, BN_GU=bn_gu, BN_D=bn_d, BN_QKV=bn_qkv, NPROG=grid,
+        ONE_ROUND=one_round, num_warps=warps, **pdl.launch_args(device),
+    )  # fmt: skip
+    return x_out, h_out, qkv

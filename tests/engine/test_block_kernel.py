@@ -1,0 +1,127 @@
+"""The persistent layer-half kernel (kernels/block_triton.py) against its torch reference, the six launches'
+torch code composed. On the CPU it runs interpreted as one program (tests/conftest.py); on CUDA (`-m gpu`)
+compiled, one program per SM, its grid-wide barriers crossed three times a launch."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.engine.helpers import device_or_skip
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def _weights(  # noqa: ANN202
+    hidden: int, q_dim: int, inter: int, n_qkv: int | None, device: torch.device, seed: int,
+    dtype: torch.dtype = torch.bfloat16,
+):  # fmt: skip
+    from services.engine.kernels.block_triton import BlockWeights
+
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, generator=g) / k**0.5).to(device=device, dtype=dtype)
+
+    def norm() -> torch.Tensor:
+        return (0.1 * torch.randn(hidden, generator=g)).to(device=device, dtype=dtype)
+
+    return BlockWeights(
+        o=mat(hidden, q_dim), post_attn=norm(), pre_ffn=norm(), gate_up=mat(2 * inter, hidden), down=mat(hidden, inter),
+        post_ffn=norm(), next_norm=norm(), qkv=mat(n_qkv, hidden) if n_qkv else None, eps=1e-6,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hidden", "q_dim", "inter", "n_qkv"), [(96, 128, 200, 160), (80, 64, 128, None)])
+def test_matches_the_six_launches_torch_code(
+    where: str, dtype: torch.dtype, hidden: int, q_dim: int, inter: int, n_qkv: int | None
+) -> None:
+    """Odd sizes (masked tails, several tiles a phase), with and without the next layer's qkv; fp32 to the
+    summation order, bf16 to its rounding."""
+    from services.engine.kernels.block_triton import block, block_reference
+
+    device = device_or_skip(where)
+    w = _weights(hidden, q_dim, inter, n_qkv, device, seed=hidden + inter, dtype=dtype)
+    g = torch.Generator().manual_seed(7)
+    attn = torch.randn(1, q_dim, generator=g).to(device=device, dtype=dtype)
+    x = (4 * torch.randn(1, hidden, generator=g)).to(device=device, dtype=dtype)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    got = block(attn, x, w)
+    want = block_reference(attn, x, w)
+    for name, a, b in zip(("x'", "h'", "qkv'"), got, want, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        assert a is not None and a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.gpu
+def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero() -> None:
+    """Gemma 3 270M's sizes, every program of the device: replayed many times in a graph (the barrier
+    counters must be zero again after each launch, or the next replay's barriers pass early), the same
+    result each replay."""
+    from services.engine.kernels import arrivals
+    from services.engine.kernels.block_triton import COUNTERS, block, block_reference
+
+    device = device_or_skip("cuda")
+    w = _weights(640, 1024, 2048, 1536, device, seed=3)
+    attn = torch.randn(1, 1024, device=device, dtype=torch.bfloat16)
+    x = torch.randn(1, 640, device=device, dtype=torch.bfloat16)
+    block(attn, x, w)  # compile off the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(attn, x, w)
+    want = block_reference(attn, x, w)
+    for _ in range(3):
+        attn.copy_(torch.randn_like(attn))
+        graph.replay()
+        want = block_reference(attn, x, w)
+        for a, b in zip(out, want, strict=True):
+            assert a is not None and b is not None
+            torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
+    for _ in range(200):
+        graph.replay()
+    torch.cuda.synchronize()
+    counts = arrivals.counters(device, arrivals.MAX_COUNTERS)
+    assert counts is not None and counts[-COUNTERS:].tolist() == [0] * COUNTERS
+
+
+def test_a_one_row_gemma_forward_takes_the_block_kernel_and_matches_torch(
+    triton_tier: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode row through tiny Gemma 3 on the (interpreted) Triton tier: every layer's second half is one
+    block launch, and the logits are the torch tier's; a prompt of several rows keeps the launches."""
+    from services.engine import kernels
+    from services.engine.attention import ContiguousKV
+    from services.engine.kernels import block_triton
+    from tests.engine.helpers import tiny_gemma
+
+    calls: list[bool] = []
+    real = block_triton.block
+
+    def counted(attn, x, w, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(w.qkv is not None)
+        return real(attn, x, w, *args, **kwargs)
+
+    monkeypatch.setattr(block_triton, "block", counted)
+    model = tiny_gemma(64)
+    ids = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(10)
+    with torch.no_grad():
+        kv = ContiguousKV(6)
+        model(ids[:9], pos[:9], kv)  # the prompt: launches
+        assert calls == []
+        fused = model.logits(model(ids[9:], pos[9:], kv))  # one decode row: six blocks, the last without a qkv
+        assert calls == [True] * 5 + [False]
+        kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
+        kv = ContiguousKV(6)
+        model(ids[:9], pos[:9], kv)
+        plain = model.logits(model(ids[9:], pos[9:], kv))
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(fused, torch.zeros_like(fused))
