@@ -125,3 +125,25 @@ def test_a_one_row_gemma_forward_takes_the_block_kernel_and_matches_torch(
         plain = model.logits(model(ids[9:], pos[9:], kv))
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
     assert not torch.equal(fused, torch.zeros_like(fused))
+
+
+@pytest.mark.parametrize(
+    ("env", "on"),
+    [({}, True), ({"KVMEM_BLOCK_KERNEL": "0"}, False), ({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}, False),
+     ({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}, True)],
+)  # fmt: skip
+def test_off_by_switch_and_under_a_share_of_the_sms(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], on: bool
+) -> None:
+    """Its barriers need every program resident at once: an MPS share of the SMs turns it off, as the switch does."""
+    from services.engine.kernels import block_triton
+
+    for name in ("KVMEM_BLOCK_KERNEL", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    block_triton.enabled.cache_clear()
+    try:
+        assert block_triton.enabled() is on
+    finally:
+        block_triton.enabled.cache_clear()

@@ -101,10 +101,18 @@ def supported(x: torch.Tensor, w: BlockWeights) -> bool:
 
 @functools.cache
 def enabled() -> bool:
-    """Whether the forward takes this kernel where it can (KVMEM_BLOCK_KERNEL=0 keeps the launches: A/B runs)."""
-    on = os.environ.get("KVMEM_BLOCK_KERNEL", "1") != "0"
-    logger.info("persistent layer-half kernel: %s", "on" if on else "off (KVMEM_BLOCK_KERNEL=0)")
-    return on
+    """Whether the forward takes this kernel where it can: not with KVMEM_BLOCK_KERNEL=0 (the launches: A/B
+    runs), nor under MPS with a share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE below 100), where fewer
+    programs than the SM count may be resident at once and a barrier would wait for ever."""
+    if os.environ.get("KVMEM_BLOCK_KERNEL", "1") == "0":
+        logger.info("persistent layer-half kernel: off (KVMEM_BLOCK_KERNEL=0)")
+        return False
+    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100").strip()
+    if share not in ("100", "100.0"):
+        logger.warning("persistent layer-half kernel: off (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%s)", share)
+        return False
+    logger.info("persistent layer-half kernel: on")
+    return True
 
 
 @triton.jit
