@@ -366,7 +366,8 @@ def _block_table(device: torch.device, reps: int) -> None:
 
     weights = [
         block_triton.BlockWeights(mat(hidden, q_dim), norm(), norm(), mat(2 * inter, hidden), mat(hidden, inter),
-                                  norm(), norm(), mat(n_qkv, hidden) if i < layers - 1 else None, 1e-6)
+                                  norm(), norm(), mat(n_qkv, hidden) if i < layers - 1 else None, None, 1e-6, True,
+                                  "gelu_tanh")
         for i in range(layers)
     ]  # fmt: skip
     attn = torch.randn(1, q_dim, generator=g, device=device, dtype=torch.bfloat16)

@@ -16,8 +16,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 def _weights(  # noqa: ANN202
     hidden: int, q_dim: int, inter: int, n_qkv: int | None, device: torch.device, seed: int,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype = torch.bfloat16, family: str = "gemma",
 ):  # fmt: skip
+    """Gemma 3's layer (post-norms, GELU, norm weights around 0) or the Llama family's (no post-norms, SiLU,
+    norm weights around 1, a qkv bias as Qwen2 has)."""
     from services.engine.kernels.block_triton import BlockWeights
 
     g = torch.Generator().manual_seed(seed)
@@ -25,27 +27,33 @@ def _weights(  # noqa: ANN202
     def mat(n: int, k: int) -> torch.Tensor:
         return (torch.randn(n, k, generator=g) / k**0.5).to(device=device, dtype=dtype)
 
-    def norm() -> torch.Tensor:
-        return (0.1 * torch.randn(hidden, generator=g)).to(device=device, dtype=dtype)
+    gemma = family == "gemma"
 
+    def norm() -> torch.Tensor:
+        return (0.1 * torch.randn(hidden, generator=g) + (0.0 if gemma else 1.0)).to(device=device, dtype=dtype)
+
+    bias = None if gemma or not n_qkv else torch.randn(n_qkv, generator=g).to(device=device, dtype=dtype)
     return BlockWeights(
-        o=mat(hidden, q_dim), post_attn=norm(), pre_ffn=norm(), gate_up=mat(2 * inter, hidden), down=mat(hidden, inter),
-        post_ffn=norm(), next_norm=norm(), qkv=mat(n_qkv, hidden) if n_qkv else None, eps=1e-6,
+        o=mat(hidden, q_dim), post_attn=norm() if gemma else None, pre_ffn=norm(), gate_up=mat(2 * inter, hidden),
+        down=mat(hidden, inter), post_ffn=norm() if gemma else None, next_norm=norm(),
+        qkv=mat(n_qkv, hidden) if n_qkv else None, qkv_bias=bias, eps=1e-6, gemma=gemma,
+        act="gelu_tanh" if gemma else "silu",
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["gemma", "llama"])
 @pytest.mark.parametrize(("hidden", "q_dim", "inter", "n_qkv"), [(96, 128, 200, 160), (80, 64, 128, None)])
-def test_matches_the_six_launches_torch_code(
-    where: str, dtype: torch.dtype, hidden: int, q_dim: int, inter: int, n_qkv: int | None
+def test_matches_the_launches_torch_code(
+    where: str, dtype: torch.dtype, family: str, hidden: int, q_dim: int, inter: int, n_qkv: int | None
 ) -> None:
-    """Odd sizes (masked tails, several tiles a phase), with and without the next layer's qkv; fp32 to the
-    summation order, bf16 to its rounding."""
+    """Odd sizes (masked tails, several tiles a phase), with and without the next layer's qkv, both families;
+    fp32 to the summation order, bf16 to its rounding."""
     from services.engine.kernels.block_triton import block, block_reference
 
     device = device_or_skip(where)
-    w = _weights(hidden, q_dim, inter, n_qkv, device, seed=hidden + inter, dtype=dtype)
+    w = _weights(hidden, q_dim, inter, n_qkv, device, seed=hidden + inter, dtype=dtype, family=family)
     g = torch.Generator().manual_seed(7)
     attn = torch.randn(1, q_dim, generator=g).to(device=device, dtype=dtype)
     x = (4 * torch.randn(1, hidden, generator=g)).to(device=device, dtype=dtype)
@@ -61,7 +69,8 @@ def test_matches_the_six_launches_torch_code(
 
 
 @pytest.mark.gpu
-def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero() -> None:
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero(family: str) -> None:
     """Gemma 3 270M's sizes, every program of the device: replayed many times in a graph (the barrier
     counters must be zero again after each launch, or the next replay's barriers pass early), the same
     result each replay."""
@@ -69,7 +78,7 @@ def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero() -> None:
     from services.engine.kernels.block_triton import COUNTERS, block, block_reference
 
     device = device_or_skip("cuda")
-    w = _weights(640, 1024, 2048, 1536, device, seed=3)
+    w = _weights(640, 1024, 2048, 1536, device, seed=3, family=family)
     attn = torch.randn(1, 1024, device=device, dtype=torch.bfloat16)
     x = torch.randn(1, 640, device=device, dtype=torch.bfloat16)
     block(attn, x, w)  # compile off the capture
@@ -121,6 +130,40 @@ def test_a_one_row_gemma_forward_takes_the_block_kernel_and_matches_torch(
         assert calls == [True] * 5 + [False]
         kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
         kv = ContiguousKV(6)
+        model(ids[:9], pos[:9], kv)
+        plain = model.logits(model(ids[9:], pos[9:], kv))
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(fused, torch.zeros_like(fused))
+
+
+def test_a_one_row_llama_forward_takes_the_block_kernel_and_matches_torch(
+    triton_tier: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same through tiny Llama (no post-norms, SiLU, plain residual adds)."""
+    from services.engine import kernels
+    from services.engine.attention import ContiguousKV
+    from services.engine.kernels import block_triton
+    from tests.engine.helpers import tiny_model
+
+    calls: list[bool] = []
+    real = block_triton.block
+
+    def counted(attn, x, w, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(w.qkv is not None)
+        return real(attn, x, w, *args, **kwargs)
+
+    monkeypatch.setattr(block_triton, "block", counted)
+    model = tiny_model(64, seed=5)
+    ids = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(10)
+    with torch.no_grad():
+        kv = ContiguousKV(2)
+        model(ids[:9], pos[:9], kv)
+        assert calls == []
+        fused = model.logits(model(ids[9:], pos[9:], kv))
+        assert calls == [True, False]
+        kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
+        kv = ContiguousKV(2)
         model(ids[:9], pos[:9], kv)
         plain = model.logits(model(ids[9:], pos[9:], kv))
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)

@@ -1,18 +1,21 @@
-"""A Gemma 3 layer's second half in one persistent launch (Triton): o projection to the next layer's qkv.
+"""A decoder layer's second half in one persistent launch (Triton): o projection to the next layer's qkv.
 
 A batch-1 decode step of Gemma 3 270M is ~170 kernels of 2-5 us, each mostly start-up and first-load
 latency (bench/RESULTS.md, runs 7-14); the weights of a layer (11 MB) stream in under 3 us. This kernel
-runs the six launches between one layer's attention and the next layer's q/k norm as four phases of one
-launch, separated by grid-wide barriers instead of kernel boundaries:
+runs the launches between one layer's attention and the next layer's attention (six for Gemma 3, eight
+for the Llama family) as four phases of one launch, separated by grid-wide barriers instead of kernel
+boundaries:
 
     1. o = attn @ W_o^T                                    (column tiles of the hidden size)
     2. s = x + post_attn_norm(o); h = pre_ffn_norm(s)      (every program, from the whole o)
-       g = gelu_tanh(h @ W_gate^T) * (h @ W_up^T)          (column tiles of the intermediate size)
+       g = act(h @ W_gate^T) * (h @ W_up^T)                (column tiles of the intermediate size)
     3. d = g @ W_down^T                                    (column tiles of the hidden size)
     4. x' = s + post_ffn_norm(d); h' = next_norm(x')       (every program, from the whole d)
-       qkv' = h' @ W_qkv'^T                                (column tiles; the last layer has none)
+       qkv' = h' @ W_qkv'^T (+ b)                          (column tiles; the last layer has none)
 
-The norms are not phases of their own: every program recomputes the 640-value row it needs. The launch has
+Gemma 3 has the post-norms (its sandwich norms: RMSNorm x * r * (1 + w) in fp32, GELU-tanh); the Llama
+family (Llama, SmolLM2, Qwen2 with its qkv bias, Qwen3) adds o and d to the residual as they are (RMSNorm
+w * cast(x * r), SiLU). The norms are not phases of their own: every program recomputes the row it needs. The launch has
 one program per SM at most (all resident at once, which the barriers need: a barrier is an arrival counter
 each program increments, then polls until every program has arrived); the last program to leave sets the
 counters back to zero, so a CUDA graph replays the launch as is. Each intermediate is rounded to the model
@@ -43,47 +46,58 @@ logger = logging.getLogger(__name__)
 COUNTERS = 4  # three barriers and the exit count, at the end of the shared arrival counters
 
 
+ACTIVATIONS = {"gelu_tanh": 1, "silu": 2}  # the gated MLP's activations (ACT constexpr)
+
+
 @dataclass(frozen=True)
 class BlockWeights:
-    """One layer's second half and the next layer's qkv projection (None after the last layer).
-    Norm weights are stored as transformers stores Gemma's (the scale is 1 + weight)."""
+    """One layer's second half and the next layer's qkv projection (None after the last layer). `gemma`:
+    Gemma's norms (scale 1 + weight, as transformers stores it) with the post-norms `post_attn` and
+    `post_ffn`; else the Llama family's (scale weight), whose post-norms are None."""
 
     o: torch.Tensor  # [H, Q]
-    post_attn: torch.Tensor  # [H]
-    pre_ffn: torch.Tensor  # [H]
+    post_attn: torch.Tensor | None  # [H]
+    pre_ffn: torch.Tensor  # [H]: the MLP's input norm
     gate_up: torch.Tensor  # [2I, H] = [gate | up]
     down: torch.Tensor  # [H, I]
-    post_ffn: torch.Tensor  # [H]
+    post_ffn: torch.Tensor | None  # [H]
     next_norm: torch.Tensor  # [H]: the next layer's input norm, or the final norm
     qkv: torch.Tensor | None  # [N, H]: the next layer's projection
+    qkv_bias: torch.Tensor | None  # [N]
     eps: float
+    gemma: bool
+    act: str  # one of ACTIVATIONS
 
 
-def _gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """models/gemma3.GemmaRMSNorm (gemma) or models/llama.RMSNorm, as their torch code rounds."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * (1.0 + weight.float())).to(x.dtype)
+    if gemma:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
+    return weight * x32.to(x.dtype)
 
 
 def block_reference(
     attn: torch.Tensor, x: torch.Tensor, w: BlockWeights
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """attn [M, Q], x [M, H] (the residual stream) -> (x', h', qkv' or None) as the six launches compute
-    them: each projection rounded to the model dtype, each norm in fp32 and rounded, the residual adds in
-    the model dtype (models/gemma3.py's layer with its torch code)."""
+    """attn [M, Q], x [M, H] (the residual stream) -> (x', h', qkv' or None) as the launches compute them:
+    each projection rounded to the model dtype, each norm as the model's torch code rounds it, the residual
+    adds in the model dtype (the layers of models/gemma3.py and models/llama.py)."""
     o = F.linear(attn, w.o)
-    s = x + _gemma_norm(o, w.post_attn, w.eps)
-    h = _gemma_norm(s, w.pre_ffn, w.eps)
+    s = x + (_norm_reference(o, w.post_attn, w.eps, w.gemma) if w.post_attn is not None else o)
+    h = _norm_reference(s, w.pre_ffn, w.eps, w.gemma)
     gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-    d = F.linear(F.gelu(gate, approximate="tanh") * up, w.down)
-    x2 = s + _gemma_norm(d, w.post_ffn, w.eps)
-    h2 = _gemma_norm(x2, w.next_norm, w.eps)
-    return x2, h2, F.linear(h2, w.qkv) if w.qkv is not None else None
+    act = F.gelu(gate, approximate="tanh") if w.act == "gelu_tanh" else F.silu(gate)
+    d = F.linear(act * up, w.down)
+    x2 = s + (_norm_reference(d, w.post_ffn, w.eps, w.gemma) if w.post_ffn is not None else d)
+    h2 = _norm_reference(x2, w.next_norm, w.eps, w.gemma)
+    return x2, h2, F.linear(h2, w.qkv, w.qkv_bias) if w.qkv is not None else None
 
 
 def supported(x: torch.Tensor, w: BlockWeights) -> bool:
     """One row x [1, H] of the weights' float dtype, contiguous weights, a hidden size of at most 1,024 and
-    an intermediate size of at most 4,096 (a program holds a whole row of each)."""
+    an intermediate size of at most 4,096 (a program holds a whole row of each), both post-norms or none."""
     mats = [w.o, w.gate_up, w.down] + ([w.qkv] if w.qkv is not None else [])
     hidden, inter = w.o.shape[0], w.down.shape[1]
     return (
@@ -96,6 +110,9 @@ def supported(x: torch.Tensor, w: BlockWeights) -> bool:
         and w.gate_up.shape == (2 * inter, hidden)
         and w.down.shape[0] == hidden
         and (w.qkv is None or w.qkv.shape[1] == hidden)
+        and (w.qkv_bias is None or (w.qkv is not None and w.qkv_bias.shape == (w.qkv.shape[0],)))
+        and (w.post_attn is None) == (w.post_ffn is None)
+        and w.act in ACTIVATIONS
     )
 
 
@@ -135,10 +152,24 @@ def _row(ptr, offs, mask):
 
 
 @triton.jit
-def _norm(x, w_ptr, offs, mask, dim, eps):
-    """Gemma's RMSNorm of one fp32 row: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32."""
+def _norm(x, w_ptr, offs, mask, dim, eps, out_ty: tl.constexpr, GEMMA: tl.constexpr):
+    """RMSNorm of one fp32 row -> out_ty, rounded as the torch code rounds: GEMMA x * r * (1 + w) in fp32,
+    else (Llama) w * cast(x * r)."""
     r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-    return x * r * (tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) + 1.0)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        return (x * r * (w + 1.0)).to(out_ty)
+    return ((x * r).to(out_ty).to(tl.float32) * w).to(out_ty)
+
+
+@triton.jit
+def _residual(x, y_ptr, norm_ptr, offs, mask, dim, eps, out_ty: tl.constexpr, GEMMA: tl.constexpr,
+              POST_NORMS: tl.constexpr):  # fmt: skip
+    """x (fp32) + the row at y_ptr (this launch's: from L2), post-normed with POST_NORMS, -> out_ty."""
+    y = _row(y_ptr, offs, mask)
+    if POST_NORMS:
+        y = _norm(y, norm_ptr, offs, mask, dim, eps, out_ty, GEMMA).to(tl.float32)
+    return (x + y).to(out_ty)
 
 
 @triton.jit
@@ -163,18 +194,32 @@ def _store(ptr, t, y, n, BN: tl.constexpr):
 
 
 @triton.jit
-def _gated(gate, up, out_ty: tl.constexpr):
-    """GELU(gate) * up rounded where F.gelu then a multiply round: fp32 [BN] -> out_ty."""
-    act = gelu_tanh(gate.to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
-    return (act * up.to(out_ty).to(tl.float32)).to(out_ty)
+def _gated(gate, up, out_ty: tl.constexpr, ACT: tl.constexpr):
+    """act(gate) * up rounded where the activation then a multiply round: fp32 [BN] -> out_ty."""
+    g = gate.to(out_ty).to(tl.float32)
+    if ACT == 1:
+        a = gelu_tanh(g)
+    else:
+        a = g * tl.sigmoid(g)
+    return (a.to(out_ty).to(tl.float32) * up.to(out_ty).to(tl.float32)).to(out_ty)
+
+
+@triton.jit
+def _biased(y, b_ptr, t, n, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y [BN] (fp32, columns t*BN..) plus their bias (HAS_BIAS), before the one rounding."""
+    if HAS_BIAS:
+        cols = t * BN + tl.arange(0, BN)
+        y += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+    return y
 
 
 @triton.jit
 def _block_kernel(
     attn_ptr, x_ptr, wo_ptr, post_attn_ptr, pre_ffn_ptr, wgu_ptr, wd_ptr, post_ffn_ptr, next_ptr, wqkv_ptr,
-    o_ptr, g_ptr, d_ptr, x_out_ptr, h_out_ptr, qkv_ptr, bar_ptr,
+    bqkv_ptr, o_ptr, g_ptr, d_ptr, x_out_ptr, h_out_ptr, qkv_ptr, bar_ptr,
     eps, hidden: tl.constexpr, q_dim: tl.constexpr, inter: tl.constexpr, n_qkv: tl.constexpr,
-    HAS_QKV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_I: tl.constexpr,
+    GEMMA: tl.constexpr, POST_NORMS: tl.constexpr, ACT: tl.constexpr, HAS_QKV: tl.constexpr,
+    HAS_QKV_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_I: tl.constexpr,
     BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr, BN_QKV: tl.constexpr, NPROG: tl.constexpr,
     ONE_ROUND: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -204,18 +249,18 @@ def _block_kernel(
             t = i + pid
             _store(o_ptr, t, _mv(_wtile(wo_ptr, 0, hidden, q_dim, t, BN_O, BLOCK_Q), a), hidden, BN_O)
     _sync(bar_ptr, NPROG)
-    # 2. the attention's post-norm, residual add and the MLP's pre-norm; gate/up with GELU(gate) * up
-    s = (x + _norm(_row(o_ptr, offs_h, mask_h), post_attn_ptr, offs_h, mask_h, hidden, eps).to(out_ty)).to(out_ty)
-    h = _norm(s.to(tl.float32), pre_ffn_ptr, offs_h, mask_h, hidden, eps).to(out_ty).to(tl.float32)
+    # 2. the attention's (post-normed) residual add and the MLP's input norm; gate/up with act(gate) * up
+    s = _residual(x, o_ptr, post_attn_ptr, offs_h, mask_h, hidden, eps, out_ty, GEMMA, POST_NORMS)
+    h = _norm(s.to(tl.float32), pre_ffn_ptr, offs_h, mask_h, hidden, eps, out_ty, GEMMA).to(tl.float32)
     if ONE_ROUND:
-        _store(g_ptr, pid, _gated(_mv(w_g, h), _mv(w_u, h), out_ty), inter, BN_GU)
+        _store(g_ptr, pid, _gated(_mv(w_g, h), _mv(w_u, h), out_ty, ACT), inter, BN_GU)
         w_d = _wtile(wd_ptr, 0, hidden, inter, pid, BN_D, BLOCK_I)
     else:
         for i in range(0, (inter + BN_GU - 1) // BN_GU, NPROG):  # tiles past the end are masked
             t = i + pid
             gate = _mv(_wtile(wgu_ptr, 0, inter, hidden, t, BN_GU, BLOCK_H), h)
             up = _mv(_wtile(wgu_ptr, inter, inter, hidden, t, BN_GU, BLOCK_H), h)
-            _store(g_ptr, t, _gated(gate, up, out_ty), inter, BN_GU)
+            _store(g_ptr, t, _gated(gate, up, out_ty, ACT), inter, BN_GU)
     _sync(bar_ptr + 1, NPROG)
     # 3. d = g @ W_down^T
     g = _row(g_ptr, offs_i, offs_i < inter)
@@ -228,21 +273,22 @@ def _block_kernel(
             t = i + pid
             _store(d_ptr, t, _mv(_wtile(wd_ptr, 0, hidden, inter, t, BN_D, BLOCK_I), g), hidden, BN_D)
     _sync(bar_ptr + 2, NPROG)
-    # 4. the MLP's post-norm, residual add and the next norm; the next layer's qkv
-    x2 = s.to(tl.float32) + _norm(_row(d_ptr, offs_h, mask_h), post_ffn_ptr, offs_h, mask_h, hidden, eps).to(out_ty)
-    x2 = x2.to(out_ty)
-    h2 = _norm(x2.to(tl.float32), next_ptr, offs_h, mask_h, hidden, eps).to(out_ty)
+    # 4. the MLP's (post-normed) residual add and the next norm; the next layer's qkv (+ bias)
+    x2 = _residual(s.to(tl.float32), d_ptr, post_ffn_ptr, offs_h, mask_h, hidden, eps, out_ty, GEMMA, POST_NORMS)
+    h2 = _norm(x2.to(tl.float32), next_ptr, offs_h, mask_h, hidden, eps, out_ty, GEMMA)
     if pid == 0:
         tl.store(x_out_ptr + offs_h, x2, mask=mask_h)
         tl.store(h_out_ptr + offs_h, h2, mask=mask_h)
     if HAS_QKV:
         if ONE_ROUND:
-            _store(qkv_ptr, pid, _mv(w_qkv, h2.to(tl.float32)), n_qkv, BN_QKV)
+            _store(qkv_ptr, pid, _biased(_mv(w_qkv, h2.to(tl.float32)), bqkv_ptr, pid, n_qkv, BN_QKV, HAS_QKV_BIAS),
+                   n_qkv, BN_QKV)  # fmt: skip
         else:
             for i in range(0, (n_qkv + BN_QKV - 1) // BN_QKV, NPROG):  # tiles past the end are masked
                 t = i + pid
                 w_t = _wtile(wqkv_ptr, 0, n_qkv, hidden, t, BN_QKV, BLOCK_H)
-                _store(qkv_ptr, t, _mv(w_t, h2.to(tl.float32)), n_qkv, BN_QKV)
+                y = _biased(_mv(w_t, h2.to(tl.float32)), bqkv_ptr, t, n_qkv, BN_QKV, HAS_QKV_BIAS)
+                _store(qkv_ptr, t, y, n_qkv, BN_QKV)
     # the last program out sets the counters back to zero (every program has passed every barrier)
     left = tl.atomic_add(bar_ptr + 3, 1, sem="acq_rel")
     if left == NPROG - 1:
@@ -307,12 +353,15 @@ def block(
     o, g, d = scratch.split([hidden, inter, hidden])
     x_out, h_out = torch.empty_like(x), torch.empty_like(x)
     qkv = torch.empty(1, n_qkv, dtype=x.dtype, device=device) if w.qkv is not None else None
+    post = w.post_attn is not None
     _block_kernel[(grid,)](
-        attn, x, w.o, w.post_attn, w.pre_ffn, w.gate_up, w.down, w.post_ffn, w.next_norm,
-        w.qkv if w.qkv is not None else w.o, o, g, d, x_out, h_out, qkv if qkv is not None else x_out, bar,
+        attn, x, w.o, w.post_attn if post else w.pre_ffn, w.pre_ffn, w.gate_up, w.down,
+        w.post_ffn if post else w.pre_ffn, w.next_norm, w.qkv if w.qkv is not None else w.o,
+        w.qkv_bias if w.qkv_bias is not None else x, o, g, d, x_out, h_out, qkv if qkv is not None else x_out, bar,
         w.eps, hidden, q_dim, inter, n_qkv,
-        HAS_QKV=w.qkv is not None, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_Q=triton.next_power_of_2(q_dim),
-        BLOCK_I=triton.next_power_of_2(inter), BN_O=bn_o, BN_GU=bn_gu, BN_D=bn_d, BN_QKV=bn_qkv, NPROG=grid,
-        ONE_ROUND=one_round, num_warps=warps, **pdl.launch_args(device),
+        GEMMA=w.gemma, POST_NORMS=post, ACT=ACTIVATIONS[w.act], HAS_QKV=w.qkv is not None,
+        HAS_QKV_BIAS=w.qkv_bias is not None, BLOCK_H=triton.next_power_of_2(hidden),
+        BLOCK_Q=triton.next_power_of_2(q_dim), BLOCK_I=triton.next_power_of_2(inter), BN_O=bn_o, BN_GU=bn_gu,
+        BN_D=bn_d, BN_QKV=bn_qkv, NPROG=grid, ONE_ROUND=one_round, num_warps=warps, **pdl.launch_args(device),
     )  # fmt: skip
     return x_out, h_out, qkv

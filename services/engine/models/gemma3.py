@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.engine.attention import AttentionBackend
-from services.engine.kernels import triton_module
 from services.engine.models.config import ModelConfig
-from services.engine.models.llama import MLP, Rope, RotaryEmbedding, apply_rope, fused_kernels, project
+from services.engine.models.llama import MLP, Rope, RotaryEmbedding, apply_rope, block_kernel, fused_kernels, project
 
 if TYPE_CHECKING:
     from services.engine.kernels.block_triton import BlockWeights
@@ -188,11 +187,10 @@ class Gemma3ForCausalLM(nn.Module):
         return h
 
     def _blocks(self, x: Tensor, nxt: list[GemmaRMSNorm]) -> tuple[ModuleType, list[BlockWeights]] | None:
-        """(kernels/block_triton.py, each layer's BlockWeights) when the persistent layer-half kernel takes
-        this forward: one row, the Triton tier, the kernel on, no projection biases, its arrival counters
-        made (not first made inside a graph capture); else None (the launches)."""
-        kernel = triton_module("block_triton", x.device) if x.shape[0] == 1 else None
-        if kernel is None or not kernel.enabled() or kernel.barriers(x.device) is None:
+        """(kernels/block_triton.py, each layer's BlockWeights) when the block kernel takes this forward
+        (`block_kernel`, no projection biases, every layer `supported`); else None (the launches)."""
+        kernel = block_kernel(x)
+        if kernel is None:
             return None
         layers = cast(list[Gemma3DecoderLayer], list(self.layers))
         if any(m.bias is not None for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)):
@@ -204,7 +202,8 @@ class Gemma3ForCausalLM(nn.Module):
                 o=layer.self_attn.o_proj.weight, post_attn=layer.post_attention_layernorm.weight,
                 pre_ffn=layer.pre_feedforward_layernorm.weight, gate_up=layer.mlp.gate_up_proj.weight,
                 down=layer.mlp.down_proj.weight, post_ffn=layer.post_feedforward_layernorm.weight,
-                next_norm=norm.weight, qkv=nxt_qkv, eps=layer.post_attention_layernorm.eps,
+                next_norm=norm.weight, qkv=nxt_qkv, qkv_bias=None, eps=layer.post_attention_layernorm.eps, gemma=True,
+                act=layer.mlp.act,
             )  # fmt: skip
             if not kernel.supported(x, w):
                 return None

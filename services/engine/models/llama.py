@@ -12,6 +12,7 @@ import logging
 import math
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from torch import Tensor, nn
 from services.engine.attention import AttentionBackend
 from services.engine.kernels import triton_module
 from services.engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from services.engine.kernels.block_triton import BlockWeights
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,16 @@ def project(layer: nn.Linear, x: Tensor) -> Tensor:
     if kernels is not None and kernels.supported(x, layer.weight):
         return kernels.linear(x, layer.weight, layer.bias)  # type: ignore[no-any-return]
     return layer(x)  # type: ignore[no-any-return]
+
+
+def block_kernel(x: Tensor) -> ModuleType | None:
+    """kernels/block_triton.py when a forward of x may run each layer's second half in one launch: one row
+    (a decode step of one sequence) on the Triton tier, the kernel on, and its arrival counters made (not
+    first made inside a graph capture); None: the launches."""
+    kernel = triton_module("block_triton", x.device) if x.shape[0] == 1 else None
+    if kernel is None or not kernel.enabled() or kernel.barriers(x.device) is None:
+        return None
+    return kernel
 
 
 class RMSNorm(nn.Module):
@@ -149,10 +163,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
-        n, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
-        qkv = project(self.qkv_proj, x).view(n, num_qk_heads + self.num_kv_heads, self.head_dim)
+        return project(self.o_proj, self.attend(project(self.qkv_proj, x), rope, attn))
+
+    def attend(self, qkv: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
+        """The projected qkv [N, q_size + 2 kv_size] -> the attention output before o_proj [N, q_size]."""
+        n, num_qk_heads = qkv.shape[0], self.num_heads + self.num_kv_heads
+        qkv = qkv.view(n, num_qk_heads + self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([num_qk_heads, self.num_kv_heads], dim=1)  # qk: [N, Hq + Hkv, D]; v: [N, Hkv, D]
-        kernels = fused_kernels(x) if self.q_norm is not None and self.k_norm is not None else None
+        kernels = fused_kernels(qkv) if self.q_norm is not None and self.k_norm is not None else None
         if kernels is not None and self.q_norm is not None and self.k_norm is not None:  # one launch
             sink = attn.kv_sink(self.layer_idx)  # the K/V rows written in that launch too
             qk = kernels.qk_norm_rope(
@@ -161,14 +179,14 @@ class Attention(nn.Module):
             )  # fmt: skip
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             out = attn.attend(self.layer_idx, q, k, v, self.scale, stored=sink is not None)
-            return project(self.o_proj, out.reshape(n, -1))
+            return out.reshape(n, -1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = apply_rope(qk, *rope.rows)  # q and k rotated together
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
         out = attn.attend(self.layer_idx, q, k, v, self.scale)  # out: [N, Hq, D]
-        return project(self.o_proj, out.reshape(n, -1))
+        return out.reshape(n, -1)
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -239,9 +257,39 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [N] -> final-normed hidden states [N, hidden]."""
         x = self.embed_tokens(input_ids)  # x: [N, hidden]
         rope = self.rotary(positions, x.dtype)
-        for layer in self.layers:
+        layers = cast(list[DecoderLayer], list(self.layers))
+        blocks = self._blocks(x, layers)
+        if blocks is not None:  # one row on the Triton tier: each layer's second half in one launch
+            kernel, weights = blocks
+            h = layers[0].input_layernorm(x)
+            qkv = project(layers[0].self_attn.qkv_proj, h)
+            for layer, w in zip(layers, weights, strict=True):
+                x, h, qkv = kernel.block(layer.self_attn.attend(qkv, rope, attn).contiguous(), x, w)
+            return h
+        for layer in layers:
             x = layer(x, rope, attn)
         return self.norm(x)
+
+    def _blocks(self, x: Tensor, layers: list[DecoderLayer]) -> tuple[ModuleType, list[BlockWeights]] | None:
+        """(kernels/block_triton.py, each layer's BlockWeights) when the block kernel takes this forward
+        (`block_kernel`, no o_proj bias, every layer `supported`); else None."""
+        kernel = block_kernel(x)
+        if kernel is None or any(layer.self_attn.o_proj.bias is not None for layer in layers):
+            return None
+        weights = []
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].self_attn.qkv_proj if i + 1 < len(layers) else None
+            w = kernel.BlockWeights(
+                o=layer.self_attn.o_proj.weight, post_attn=None, pre_ffn=layer.post_attention_layernorm.weight,
+                gate_up=layer.mlp.gate_up_proj.weight, down=layer.mlp.down_proj.weight, post_ffn=None,
+                next_norm=(layers[i + 1].input_layernorm if nxt is not None else self.norm).weight,
+                qkv=nxt.weight if nxt is not None else None, qkv_bias=nxt.bias if nxt is not None else None,
+                eps=layer.post_attention_layernorm.eps, gemma=False, act=layer.mlp.act,
+            )  # fmt: skip
+            if not kernel.supported(x, w):
+                return None
+            weights.append(w)
+        return kernel, weights
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [M, hidden] -> float32 logits [M, vocab]."""
