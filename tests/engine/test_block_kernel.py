@@ -73,20 +73,23 @@ def test_matches_the_launches_torch_code(
 def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero(family: str) -> None:
     """Gemma 3 270M's sizes, every program of the device: replayed many times in a graph (the barrier
     counters must be zero again after each launch, or the next replay's barriers pass early), the same
-    result each replay."""
-    from services.engine.kernels import arrivals
-    from services.engine.kernels.block_triton import COUNTERS, block, block_reference
+    result each replay; each captured launch has counters of its own."""
+    from services.engine.kernels import block_triton
+    from services.engine.kernels.block_triton import block, block_reference
 
     device = device_or_skip("cuda")
     w = _weights(640, 1024, 2048, 1536, device, seed=3, family=family)
     attn = torch.randn(1, 1024, device=device, dtype=torch.bfloat16)
     x = torch.randn(1, 640, device=device, dtype=torch.bfloat16)
-    block(attn, x, w)  # compile off the capture
+    block(attn, x, w)  # compile (and make the counters) off the capture
     torch.cuda.synchronize()
+    slots = block_triton._slots[torch.device("cuda", torch.cuda.current_device())]
+    used = slots.used
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = block(attn, x, w)
-    want = block_reference(attn, x, w)
+        block(attn, x, w)
+    assert slots.used == used + 2
     for _ in range(3):
         attn.copy_(torch.randn_like(attn))
         graph.replay()
@@ -97,8 +100,47 @@ def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero(family: str) ->
     for _ in range(200):
         graph.replay()
     torch.cuda.synchronize()
-    counts = arrivals.counters(device, arrivals.MAX_COUNTERS)
-    assert counts is not None and counts[-COUNTERS:].tolist() == [0] * COUNTERS
+    assert not slots.buf.any()
+
+
+@pytest.mark.gpu
+def test_launches_on_two_streams_at_once_do_not_share_barriers() -> None:
+    """Two streams each launching the kernel many times, at once (two engines in one process): each stream
+    has its own counters, so neither waits for the other's programs; every result is the reference's."""
+    from services.engine.kernels.block_triton import block, block_reference
+
+    device = device_or_skip("cuda")
+    w = _weights(640, 1024, 2048, 1536, device, seed=4)
+    inputs = [(torch.randn(1, 1024, device=device, dtype=torch.bfloat16),
+               torch.randn(1, 640, device=device, dtype=torch.bfloat16)) for _ in range(2)]  # fmt: skip
+    block(*inputs[0], w)
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(device) for _ in range(2)]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for _ in range(50):
+        for i, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                outs[i].append(block(*inputs[i], w)[0])
+    torch.cuda.synchronize()
+    for i in range(2):
+        want = block_reference(*inputs[i], w)[0].float()
+        for got in outs[i]:
+            torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_counter_sets_belong_to_a_stream_or_to_one_captured_launch() -> None:
+    from services.engine.kernels.block_triton import COUNTERS, SLOTS, _Slots
+
+    slots = _Slots(torch.device("cpu"))
+    a, b = slots.take(1), slots.take(2)
+    assert a is not None and b is not None and a.shape == (COUNTERS,)
+    again = slots.take(1)
+    assert again is not None and again.data_ptr() == a.data_ptr() and b.data_ptr() != a.data_ptr()
+    captured = [slots.take(None) for _ in range(3)]  # a new set for each captured launch
+    assert len({t.data_ptr() for t in captured if t is not None} | {a.data_ptr(), b.data_ptr()}) == 5
+    slots.used = SLOTS
+    assert slots.take(None) is None and slots.take(3) is None  # all taken: the caller keeps the launches
+    assert slots.take(1) is not None  # a stream's own set stays
 
 
 def test_a_one_row_gemma_forward_takes_the_block_kernel_and_matches_torch(

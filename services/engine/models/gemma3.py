@@ -189,10 +189,10 @@ class Gemma3ForCausalLM(nn.Module):
     def _blocks(self, x: Tensor, nxt: list[GemmaRMSNorm]) -> tuple[ModuleType, list[BlockWeights]] | None:
         """(kernels/block_triton.py, each layer's BlockWeights) when the block kernel takes this forward
         (`block_kernel`, no projection biases, every layer `supported`); else None (the launches)."""
-        kernel = block_kernel(x)
+        layers = cast(list[Gemma3DecoderLayer], list(self.layers))
+        kernel = block_kernel(x, len(layers))
         if kernel is None:
             return None
-        layers = cast(list[Gemma3DecoderLayer], list(self.layers))
         if any(m.bias is not None for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)):
             return None
         weights = []

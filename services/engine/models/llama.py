@@ -43,12 +43,12 @@ def project(layer: nn.Linear, x: Tensor) -> Tensor:
     return layer(x)  # type: ignore[no-any-return]
 
 
-def block_kernel(x: Tensor) -> ModuleType | None:
-    """kernels/block_triton.py when a forward of x may run each layer's second half in one launch: one row
-    (a decode step of one sequence) on the Triton tier, the kernel on, and its arrival counters made (not
-    first made inside a graph capture); None: the launches."""
+def block_kernel(x: Tensor, layers: int) -> ModuleType | None:
+    """kernels/block_triton.py when a forward of x may run each of its `layers` layers' second half in one
+    launch: one row (a decode step of one sequence) on the Triton tier, the kernel on, and barrier counters
+    for every launch (`ready`); None: the launches."""
     kernel = triton_module("block_triton", x.device) if x.shape[0] == 1 else None
-    if kernel is None or not kernel.enabled() or kernel.barriers(x.device) is None:
+    if kernel is None or not kernel.enabled() or not kernel.ready(x.device, layers):
         return None
     return kernel
 
@@ -273,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
     def _blocks(self, x: Tensor, layers: list[DecoderLayer]) -> tuple[ModuleType, list[BlockWeights]] | None:
         """(kernels/block_triton.py, each layer's BlockWeights) when the block kernel takes this forward
         (`block_kernel`, no o_proj bias, every layer `supported`); else None."""
-        kernel = block_kernel(x)
+        kernel = block_kernel(x, len(layers))
         if kernel is None or any(layer.self_attn.o_proj.bias is not None for layer in layers):
             return None
         weights = []
