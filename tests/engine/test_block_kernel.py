@@ -74,8 +74,8 @@ def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero(family: str) ->
     """Gemma 3 270M's sizes, every program of the device: replayed many times in a graph (the barrier
     counters must be zero again after each launch, or the next replay's barriers pass early), the same
     result each replay; each captured launch has counters of its own."""
-    from services.engine.kernels import block_triton
-    from services.engine.kernels.block_triton import block, block_reference
+    from services.engine.kernels import arrivals
+    from services.engine.kernels.block_triton import COUNTERS, block, block_reference
 
     device = device_or_skip("cuda")
     w = _weights(640, 1024, 2048, 1536, device, seed=3, family=family)
@@ -83,13 +83,13 @@ def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero(family: str) ->
     x = torch.randn(1, 640, device=device, dtype=torch.bfloat16)
     block(attn, x, w)  # compile (and make the counters) off the capture
     torch.cuda.synchronize()
-    slots = block_triton._slots[torch.device("cuda", torch.cuda.current_device())]
-    used = slots.used
+    state = arrivals._devices[torch.device("cuda", torch.cuda.current_device())]
+    used = state.used
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = block(attn, x, w)
         block(attn, x, w)
-    assert slots.used == used + 2
+    assert state.used == used + 2 * COUNTERS
     for _ in range(3):
         attn.copy_(torch.randn_like(attn))
         graph.replay()
@@ -100,7 +100,7 @@ def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero(family: str) ->
     for _ in range(200):
         graph.replay()
     torch.cuda.synchronize()
-    assert not slots.buf.any()
+    assert not state.buf.any()
 
 
 @pytest.mark.gpu
@@ -129,18 +129,23 @@ def test_launches_on_two_streams_at_once_do_not_share_barriers() -> None:
 
 
 def test_counter_sets_belong_to_a_stream_or_to_one_captured_launch() -> None:
-    from services.engine.kernels.block_triton import COUNTERS, SLOTS, _Slots
+    """kernels/arrivals.py's sets: a stream's is reused (grown when a launch needs more), a captured launch
+    gets one of its own, and a spent buffer gives none (the caller keeps its path without counters)."""
+    from services.engine.kernels.arrivals import CAPACITY, _Counters
 
-    slots = _Slots(torch.device("cpu"))
-    a, b = slots.take(1), slots.take(2)
-    assert a is not None and b is not None and a.shape == (COUNTERS,)
-    again = slots.take(1)
+    state = _Counters(torch.device("cpu"))
+    a, b = state.take(1, 4), state.take(2, 4)
+    assert a is not None and b is not None and a.shape == (4,)
+    again = state.take(1, 3)
     assert again is not None and again.data_ptr() == a.data_ptr() and b.data_ptr() != a.data_ptr()
-    captured = [slots.take(None) for _ in range(3)]  # a new set for each captured launch
-    assert len({t.data_ptr() for t in captured if t is not None} | {a.data_ptr(), b.data_ptr()}) == 5
-    slots.used = SLOTS
-    assert slots.take(None) is None and slots.take(3) is None  # all taken: the caller keeps the launches
-    assert slots.take(1) is not None  # a stream's own set stays
+    grown = state.take(1, 8)
+    assert grown is not None and grown.shape == (8,) and grown.data_ptr() != a.data_ptr()
+    captured = [state.take(None, 4) for _ in range(3)]  # a new set for each captured launch
+    ptrs = {t.data_ptr() for t in captured if t is not None}
+    assert len(ptrs) == 3 and not ptrs & {grown.data_ptr(), b.data_ptr()}
+    state.used = CAPACITY
+    assert state.take(None, 4) is None and state.take(3, 4) is None  # spent
+    assert state.take(1, 8) is not None  # a stream's own set stays
 
 
 def test_a_one_row_gemma_forward_takes_the_block_kernel_and_matches_torch(

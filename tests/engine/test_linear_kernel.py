@@ -101,6 +101,31 @@ def test_split_k_sums_its_partials(where: str, dtype: torch.dtype, split_k: int,
     assert counts is not None and not counts.any()
 
 
+@pytest.mark.gpu
+def test_split_k_on_two_streams_at_once_counts_its_own_arrivals() -> None:
+    """Split-K launches on two streams at once (two engines in one process) each count their own partials:
+    every result is the reference's (shared counters would let one launch's last arrival sum too early)."""
+    from services.engine.kernels.linear_triton import linear, linear_reference
+
+    device = device_or_skip("cuda")
+    g = torch.Generator(device=device).manual_seed(1)
+    weight = torch.randn(640, 2048, generator=g, device=device, dtype=torch.bfloat16) / 2048**0.5
+    xs = [torch.randn(1, 2048, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    linear(xs[0], weight)
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(device) for _ in range(2)]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for _ in range(100):
+        for i, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                outs[i].append(linear(xs[i], weight))
+    torch.cuda.synchronize()
+    for i in range(2):
+        want = linear_reference(xs[i].float(), weight.float())
+        for got in outs[i]:
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_programmatic_dependent_launch_follows_the_device(where: str) -> None:
     """PDL (kernels/pdl.py) only compiled on sm_90 and newer, and the kernel tier says so at start-up."""

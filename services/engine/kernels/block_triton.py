@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +38,12 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from services.engine.kernels import pdl
+from services.engine.kernels import arrivals, pdl
 from services.engine.kernels.norm_triton import gelu_tanh
 
 logger = logging.getLogger(__name__)
 
 COUNTERS = 4  # three barriers and the exit count
-SLOTS = 4096  # sets of counters a device has (a stream's, or one captured launch's each): 64 KiB
 
 
 ACTIVATIONS = {"gelu_tanh": 1, "silu": 2}  # the gated MLP's activations (ACT constexpr)
@@ -312,71 +310,10 @@ def _tile(n: int, programs: int) -> int:
     return bn
 
 
-class _Slots:
-    """A device's barrier counters: SLOTS sets of COUNTERS int32, zero between launches. Two launches that
-    may run at once must not share a set (each would count the other's programs, and a barrier could wait for
-    ever), so a set belongs to a stream (its launches run one after another) or, for a launch captured in a
-    CUDA graph, to that launch alone (the graph may replay on any stream, beside other work)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.buf = torch.zeros(SLOTS * COUNTERS, dtype=torch.int32, device=device)
-        self.by_stream: dict[int, int] = {}
-        self.used = 0
-
-    def take(self, stream: int | None) -> torch.Tensor | None:
-        """The set of `stream` (None: a new set for one captured launch), or None when all are taken."""
-        slot = self.by_stream.get(stream) if stream is not None else None
-        if slot is None:
-            if self.used == SLOTS:
-                return None
-            slot, self.used = self.used, self.used + 1
-            if stream is not None:
-                self.by_stream[stream] = slot
-        return self.buf[slot * COUNTERS : (slot + 1) * COUNTERS]
-
-
-_slots: dict[torch.device, _Slots] = {}
-_slots_lock = threading.Lock()
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _key(device: torch.device) -> torch.device:
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def ready(device: torch.device, launches: int) -> bool:
-    """Whether `launches` launches on `device` now get their counters (`barriers`): a forward checks this
-    before it takes the kernel for every layer."""
-    device = _key(device)
-    capturing = _capturing(device)
-    with _slots_lock:
-        slots = _slots.get(device)
-        if slots is None:
-            return not capturing
-        return SLOTS - slots.used >= (launches if capturing else 1)
-
-
-def barriers(device: torch.device) -> torch.Tensor | None:
-    """Counters for a launch on `device` now (`_Slots`): the current stream's set, or while a CUDA graph is
-    being captured a set of the launch's own; None where there are none (made at a first use that is not
-    inside a capture, where the allocation would belong to the graph's pool; all taken): the launches."""
-    device = _key(device)
-    capturing = _capturing(device)
-    with _slots_lock:
-        slots = _slots.get(device)
-        if slots is None:
-            if capturing:
-                return None
-            slots = _slots[device] = _Slots(device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # zeroed before any stream uses it
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        return slots.take(None if capturing else stream)
+    """Whether `launches` launches on `device` now get their barrier counters (kernels/arrivals.py): a
+    forward checks this before it takes the kernel for every layer."""
+    return arrivals.available(device, launches, COUNTERS)
 
 
 @functools.cache
@@ -401,7 +338,7 @@ def block(
     device = x.device
     hidden, q_dim, inter = x.shape[1], attn.shape[1], w.down.shape[1]
     n_qkv = w.qkv.shape[0] if w.qkv is not None else 0
-    bar = barriers(device)
+    bar = arrivals.counters(device, COUNTERS)  # the stream's, or this captured launch's own
     if bar is None:
         raise RuntimeError("block kernel: no barrier counters (first made inside a graph capture, or all taken)")
     limit = _programs(device)

@@ -215,7 +215,7 @@ def _launch(
     block_n, block_k, warps, stages, split_k = cfg
     blocks = triton.cdiv(n_cols, block_n)
     counts = arrivals.counters(x.device, blocks) if split_k > 1 else None
-    if counts is None:  # no counters (a first use inside a graph capture): one program per column block
+    if counts is None:  # no counters (kernels/arrivals.py: none now): one program per column block
         split_k = 1
     k_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k
     split_k = triton.cdiv(k_dim, k_split)
