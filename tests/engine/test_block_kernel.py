@@ -237,3 +237,24 @@ def test_off_by_switch_and_under_a_share_of_the_sms(
         assert block_triton.enabled() is on
     finally:
         block_triton.enabled.cache_clear()
+
+
+def test_supported_takes_one_row_and_whole_layers_only() -> None:
+    """What the kernel cannot read keeps the launches: two rows, a norm of another length, one post-norm
+    without the other, an unknown activation, a hidden size past 1,024; `block` refuses what it does not take."""
+    import dataclasses
+
+    from services.engine.kernels.block_triton import block, supported
+
+    w = _weights(96, 128, 200, 160, torch.device("cpu"), seed=1, dtype=torch.float32)
+    x = torch.zeros(1, 96)
+    assert supported(x, w)
+    assert not supported(torch.zeros(2, 96), w)
+    assert not supported(x.to(torch.bfloat16), w)  # x's dtype is the weights'
+    assert not supported(x, dataclasses.replace(w, next_norm=torch.zeros(95)))
+    assert not supported(x, dataclasses.replace(w, post_ffn=None))
+    assert not supported(x, dataclasses.replace(w, act="relu"))
+    big = _weights(1040, 64, 64, None, torch.device("cpu"), seed=1, dtype=torch.float32)
+    assert not supported(torch.zeros(1, 1040), big)
+    with pytest.raises(ValueError, match="block kernel"):
+        block(torch.zeros(1, 127), x, w)  # attn of the wrong width

@@ -15,10 +15,12 @@ boundaries:
 
 Gemma 3 has the post-norms (its sandwich norms: RMSNorm x * r * (1 + w) in fp32, GELU-tanh); the Llama
 family (Llama, SmolLM2, Qwen2 with its qkv bias, Qwen3) adds o and d to the residual as they are (RMSNorm
-w * cast(x * r), SiLU). The norms are not phases of their own: every program recomputes the row it needs. The launch has
-one program per SM at most (all resident at once, which the barriers need: a barrier is an arrival counter
-each program increments, then polls until every program has arrived); the last program to leave sets the
-counters back to zero, so a CUDA graph replays the launch as is. Each intermediate is rounded to the model
+w * cast(x * r), SiLU). The norms are not phases of their own: every program recomputes the row it needs.
+
+The launch has one program per SM at most, all resident at once, which the barriers need (a barrier is an
+arrival counter of kernels/arrivals.py each program increments, then polls until every program has
+arrived; the last program to leave sets the counters back to zero, so a CUDA graph replays the launch as
+is). Under MPS with a share of the SMs it is off (`enabled`). Each intermediate is rounded to the model
 dtype where the launches it replaces round it (`block_reference`, their torch references composed).
 
 Batch 1 only (`supported`): a decode batch of more rows keeps the launches, as does KVMEM_BLOCK_KERNEL=0.
@@ -39,14 +41,12 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from services.engine.kernels import arrivals, pdl
+from services.engine.kernels.linear_triton import ACTIVATIONS  # the gated MLP's activations (ACT constexpr)
 from services.engine.kernels.norm_triton import gelu_tanh
 
 logger = logging.getLogger(__name__)
 
 COUNTERS = 4  # three barriers and the exit count
-
-
-ACTIVATIONS = {"gelu_tanh": 1, "silu": 2}  # the gated MLP's activations (ACT constexpr)
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,7 @@ def supported(x: torch.Tensor, w: BlockWeights) -> bool:
     an intermediate size of at most 4,096 (a program holds a whole row of each), both post-norms or none."""
     mats = [w.o, w.gate_up, w.down] + ([w.qkv] if w.qkv is not None else [])
     hidden, inter = w.o.shape[0], w.down.shape[1]
+    norms = [n for n in (w.post_attn, w.pre_ffn, w.post_ffn, w.next_norm) if n is not None]
     return (
         x.shape == (1, hidden)
         and x.is_contiguous()
@@ -110,8 +111,12 @@ def supported(x: torch.Tensor, w: BlockWeights) -> bool:
         and w.gate_up.shape == (2 * inter, hidden)
         and w.down.shape[0] == hidden
         and (w.qkv is None or w.qkv.shape[1] == hidden)
-        and (w.qkv_bias is None or (w.qkv is not None and w.qkv_bias.shape == (w.qkv.shape[0],)))
+        and (
+            w.qkv_bias is None
+            or (w.qkv is not None and w.qkv_bias.shape == (w.qkv.shape[0],) and w.qkv_bias.is_contiguous())
+        )
         and (w.post_attn is None) == (w.post_ffn is None)
+        and all(n.shape == (hidden,) and n.is_contiguous() and n.is_floating_point() for n in norms)
         and w.act in ACTIVATIONS
     )
 
