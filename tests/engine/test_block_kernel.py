@@ -148,15 +148,17 @@ def test_counter_sets_belong_to_a_stream_or_to_one_captured_launch() -> None:
     assert state.take(1, 8) is not None  # a stream's own set stays
 
 
-def test_a_one_row_gemma_forward_takes_the_block_kernel_and_matches_torch(
-    triton_tier: None, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+def test_a_one_row_forward_takes_the_block_kernel_and_matches_torch(
+    triton_tier: None, monkeypatch: pytest.MonkeyPatch, family: str
 ) -> None:
-    """A decode row through tiny Gemma 3 on the (interpreted) Triton tier: every layer's second half is one
-    block launch, and the logits are the torch tier's; a prompt of several rows keeps the launches."""
+    """A decode row through tiny Gemma 3 (six layers) or tiny Llama (two: no post-norms, SiLU, plain residual
+    adds) on the (interpreted) Triton tier: every layer's second half is one block launch, the last without a
+    qkv, and the logits are the torch tier's; a prompt of several rows keeps the launches."""
     from services.engine import kernels
     from services.engine.attention import ContiguousKV
     from services.engine.kernels import block_triton
-    from tests.engine.helpers import tiny_gemma
+    from tests.engine.helpers import tiny_gemma, tiny_model
 
     calls: list[bool] = []
     real = block_triton.block
@@ -166,51 +168,18 @@ def test_a_one_row_gemma_forward_takes_the_block_kernel_and_matches_torch(
         return real(attn, x, w, *args, **kwargs)
 
     monkeypatch.setattr(block_triton, "block", counted)
-    model = tiny_gemma(64)
+    model = tiny_gemma(64) if family == "gemma" else tiny_model(64, seed=5)
+    layers = len(model.layers)
     ids = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(10)
     with torch.no_grad():
-        kv = ContiguousKV(6)
+        kv = ContiguousKV(layers)
         model(ids[:9], pos[:9], kv)  # the prompt: launches
         assert calls == []
-        fused = model.logits(model(ids[9:], pos[9:], kv))  # one decode row: six blocks, the last without a qkv
-        assert calls == [True] * 5 + [False]
+        fused = model.logits(model(ids[9:], pos[9:], kv))  # one decode row: a block a layer
+        assert calls == [True] * (layers - 1) + [False]
         kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
-        kv = ContiguousKV(6)
-        model(ids[:9], pos[:9], kv)
-        plain = model.logits(model(ids[9:], pos[9:], kv))
-    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
-    assert not torch.equal(fused, torch.zeros_like(fused))
-
-
-def test_a_one_row_llama_forward_takes_the_block_kernel_and_matches_torch(
-    triton_tier: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same through tiny Llama (no post-norms, SiLU, plain residual adds)."""
-    from services.engine import kernels
-    from services.engine.attention import ContiguousKV
-    from services.engine.kernels import block_triton
-    from tests.engine.helpers import tiny_model
-
-    calls: list[bool] = []
-    real = block_triton.block
-
-    def counted(attn, x, w, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(w.qkv is not None)
-        return real(attn, x, w, *args, **kwargs)
-
-    monkeypatch.setattr(block_triton, "block", counted)
-    model = tiny_model(64, seed=5)
-    ids = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(2))
-    pos = torch.arange(10)
-    with torch.no_grad():
-        kv = ContiguousKV(2)
-        model(ids[:9], pos[:9], kv)
-        assert calls == []
-        fused = model.logits(model(ids[9:], pos[9:], kv))
-        assert calls == [True, False]
-        kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
-        kv = ContiguousKV(2)
+        kv = ContiguousKV(layers)
         model(ids[:9], pos[:9], kv)
         plain = model.logits(model(ids[9:], pos[9:], kv))
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
