@@ -403,7 +403,7 @@ def _block_table(device: torch.device, reps: int) -> None:
     err = float((launches().float() - ref_x).abs().max() / ref_x.abs().max())
     print(f"| six launches (linear, add_rms_norm, gated, linear, add_rms_norm, linear) | - | {base:.1f} | 1.00 | "
           f"{err:.1e} |")  # fmt: skip
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     variants = [(p, 8, True) for p in sorted({sms, 128, 96})] + [(sms, 4, True), (sms, 8, False)]
     for programs, warps, preload in variants:
         if programs > sms:
@@ -473,7 +473,7 @@ def main() -> int:
     if "decode" in tables:
         print()
         _decode_table(device, backends, _ints(a.decode_widths), _ints(a.decode_batches), a.reps)
-    if "block" in tables:
+    if "block" in tables and device.type == "cuda":  # CUDA only: interpreted, 18 layers take minutes
         print()
         _block_table(device, a.reps)
     if "linear" in tables and device.type == "cuda":  # CUDA only: the interpreter is for tests
