@@ -376,6 +376,7 @@ def _block_table(device: torch.device, reps: int) -> None:
     def launches() -> torch.Tensor:
         x = x0
         for w in weights:
+            assert w.post_attn is not None and w.post_ffn is not None  # Gemma 3's sandwich norms
             o = linear_triton.linear(attn, w.o)
             s, h = norm_triton.add_rms_norm(o, w.post_attn, x, w.pre_ffn, w.eps, gemma=True)
             d = linear_triton.linear(linear_triton.linear_gated(h, w.gate_up, "gelu_tanh"), w.down)
