@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -25,6 +26,18 @@ from typing import NamedTuple
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# What must stop before a test's kvstores do (`before_stores_stop`): an engine that renews its pins with a
+# store logs a failed renewal every 2 s once the store is gone. Autouse fixtures are torn down last, after
+# start_store's, so they cannot do this themselves.
+_before_stores_stop: list[weakref.WeakMethod[Callable[[], None]]] = []
+
+
+def before_stores_stop(stop: Callable[[], None]) -> None:
+    """Run the bound method `stop` at the end of the current test, before the stores of its start_store
+    stop, when it was registered during the test (after start_store was set up: not for a module fixture's
+    engine, which outlives the test). Held weakly: the registry keeps no engine alive."""
+    _before_stores_stop.append(weakref.WeakMethod(stop))
 
 
 def free_port() -> int:
@@ -101,6 +114,7 @@ def stop_store(store: Store) -> int:
 def start_store(redis_url: str, tmp_path: Path) -> Iterator[StartStore]:
     """Start kvstore processes (stopped with SIGTERM at the end); each gets its own catalog prefix."""
     started: list[Store] = []
+    mark = len(_before_stores_stop)
 
     def start(
         host_kv_mib: int = 64, port: int | None = None, replica_id: str = "", prefix: str = "", args: Sequence[str] = ()
@@ -120,5 +134,9 @@ def start_store(redis_url: str, tmp_path: Path) -> Iterator[StartStore]:
         return store
 
     yield start
+    while len(_before_stores_stop) > mark:
+        stop = _before_stores_stop.pop()()
+        if stop is not None:
+            stop()
     for store in started:
         stop_store(store)

@@ -23,6 +23,7 @@ from services.engine.sampling import SamplingParams
 from services.engine.sequence import Chunk, Done, Event, Failed
 from services.engine.write_through import WriteThrough
 from services.kvstore.client import KVStoreClient
+from tests.conftest import before_stores_stop
 
 
 def device_or_skip(where: str) -> torch.device:
@@ -119,6 +120,8 @@ def make_engine(
     runner = ModelRunner(model, pool, torch.device(device), host, cuda_graphs=cuda_graphs)
     engine = Engine(limits, runner, tokenizer, write_through)
     made_engines.append(engine)
+    if host is not None:  # stopped before the test's kvstore, whose pins it renews
+        before_stores_stop(engine.stop)
     return engine
 
 

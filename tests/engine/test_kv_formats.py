@@ -13,8 +13,7 @@ import torch  # noqa: E402
 from services.common.pagehash import chain_hashes  # noqa: E402
 from services.common.tokenizer import Tokenizer  # noqa: E402
 from services.engine.config import ConfigError, EngineConfig  # noqa: E402
-from services.engine.engine import Engine, EngineLimits  # noqa: E402
-from services.engine.host_pages import KVStoreHostPages  # noqa: E402
+from services.engine.engine import Engine  # noqa: E402
 from services.engine.kernels import KernelTier, active_tier, use_tier  # noqa: E402
 from services.engine.kv_formats import (  # noqa: E402
     KVFormat,
@@ -26,13 +25,20 @@ from services.engine.kv_formats import (  # noqa: E402
     resolve_formats,
 )
 from services.engine.kv_pool import KVPool  # noqa: E402
-from services.engine.model_runner import ModelRunner  # noqa: E402
 from services.engine.paged_attention import SeqSpan, StepAttention  # noqa: E402
 from services.engine.ring import RingLimits  # noqa: E402
-from services.engine.write_through import WriteThrough  # noqa: E402
 from services.kvstore.client import KVStoreClient  # noqa: E402
 from tests.conftest import StartStore  # noqa: E402
-from tests.engine.helpers import drain, events_of, greedy, ring_limits, run_until_done, tiny_gemma, tiny_model  # noqa: E402
+from tests.engine.helpers import (  # noqa: E402
+    drain,
+    events_of,
+    greedy,
+    make_engine,
+    ring_limits,
+    run_until_done,
+    tiny_gemma,
+    tiny_model,
+)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 QUANTISED = ["fp8", "int8", "nvfp4"]
@@ -332,21 +338,12 @@ def _engine(
     model: torch.nn.Module, tokenizer: Tokenizer, kv_format: str, num_slots: int, page_size: int = 4,
     ring: RingLimits | None = None, store_address: str = "", policy: str = "exact",
 ) -> Engine:  # fmt: skip
-    """helpers.make_engine with a pool in `kv_format` (one format for every layer)."""
-    cfg = model.config
-    fmt = parse_format(kv_format)
-    pool = KVPool(cfg.num_layers, num_slots, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU,
-                  [fmt] * cfg.num_layers)  # fmt: skip
-    write_through = host = None
-    if store_address:
-        write_through = WriteThrough(KVStoreClient(store_address), fmt.name, 256)
-        host = KVStoreHostPages(KVStoreClient(store_address), write_through, pool.page_nbytes, "engine-test")
-    limits = EngineLimits(
-        max_context=256, page_size=page_size, prefill_chunk=16, max_running=8, max_waiting=64,
-        vocab_size=cfg.vocab_size, model_id="tiny", kv_format=fmt.name, default_policy=policy, ring=ring,
-        ring_chunk=8 if ring else 0,
+    """helpers.make_engine with a pool in `kv_format` (one format for every layer), exact prefill by default
+    and ring chunks of 8 tokens with a ring (stopped after the test, as make_engine's engines are)."""
+    return make_engine(
+        model, tokenizer, num_slots, page_size=page_size, ring=ring, ring_chunk=8 if ring else 0,
+        store_address=store_address, default_policy=policy, kv_format=parse_format(kv_format).name,
     )  # fmt: skip
-    return Engine(limits, ModelRunner(model, pool, CPU, host), tokenizer, write_through)
 
 
 @pytest.mark.parametrize("kv_format", ["fp8", "int8", "nvfp4+h"])
