@@ -41,8 +41,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from services.engine.kernels import arrivals, pdl
-from services.engine.kernels.linear_triton import ACTIVATIONS  # the gated MLP's activations (ACT constexpr)
-from services.engine.kernels.norm_triton import gelu_tanh
+from services.engine.kernels.linear_triton import ACTIVATIONS, act_mul, linear_gated_reference
+from services.engine.kernels.norm_triton import normed
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,7 @@ def block_reference(
     o = F.linear(attn, w.o)
     s = x + (_norm_reference(o, w.post_attn, w.eps, w.gemma) if w.post_attn is not None else o)
     h = _norm_reference(s, w.pre_ffn, w.eps, w.gemma)
-    gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-    act = F.gelu(gate, approximate="tanh") if w.act == "gelu_tanh" else F.silu(gate)
-    d = F.linear(act * up, w.down)
+    d = F.linear(linear_gated_reference(h, w.gate_up, w.act), w.down)
     x2 = s + (_norm_reference(d, w.post_ffn, w.eps, w.gemma) if w.post_ffn is not None else d)
     h2 = _norm_reference(x2, w.next_norm, w.eps, w.gemma)
     return x2, h2, F.linear(h2, w.qkv, w.qkv_bias) if w.qkv is not None else None
@@ -157,23 +155,13 @@ def _row(ptr, offs, mask):
 
 
 @triton.jit
-def _norm(x, w_ptr, offs, mask, dim, eps, out_ty: tl.constexpr, GEMMA: tl.constexpr):
-    """RMSNorm of one fp32 row -> out_ty, rounded as the torch code rounds: GEMMA x * r * (1 + w) in fp32,
-    else (Llama) w * cast(x * r)."""
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if GEMMA:
-        return (x * r * (w + 1.0)).to(out_ty)
-    return ((x * r).to(out_ty).to(tl.float32) * w).to(out_ty)
-
-
-@triton.jit
-def _residual(x, y_ptr, norm_ptr, offs, mask, dim, eps, out_ty: tl.constexpr, GEMMA: tl.constexpr,
-              POST_NORMS: tl.constexpr):  # fmt: skip
-    """x (fp32) + the row at y_ptr (this launch's: from L2), post-normed with POST_NORMS, -> out_ty."""
+def _residual(x, y_ptr, norm_ptr, out_ptr, offs, mask, dim, eps, GEMMA: tl.constexpr, POST_NORMS: tl.constexpr):
+    """x (fp32) + the row at y_ptr (this launch's: from L2), post-normed with POST_NORMS (norm_triton's
+    `normed`, rounded as the model's norm rounds), -> out_ptr's dtype."""
+    out_ty = out_ptr.dtype.element_ty
     y = _row(y_ptr, offs, mask)
     if POST_NORMS:
-        y = _norm(y, norm_ptr, offs, mask, dim, eps, out_ty, GEMMA).to(tl.float32)
+        y = normed(y, norm_ptr, out_ptr, offs, mask, dim, eps, 1.0, GEMMA).to(out_ty).to(tl.float32)
     return (x + y).to(out_ty)
 
 
@@ -196,17 +184,6 @@ def _mv(w, x):
 def _store(ptr, t, y, n, BN: tl.constexpr):
     cols = t * BN + tl.arange(0, BN)
     tl.store(ptr + cols, y.to(ptr.dtype.element_ty), mask=cols < n)
-
-
-@triton.jit
-def _gated(gate, up, out_ty: tl.constexpr, ACT: tl.constexpr):
-    """act(gate) * up rounded where the activation then a multiply round: fp32 [BN] -> out_ty."""
-    g = gate.to(out_ty).to(tl.float32)
-    if ACT == 1:
-        a = gelu_tanh(g)
-    else:
-        a = g * tl.sigmoid(g)
-    return (a.to(out_ty).to(tl.float32) * up.to(out_ty).to(tl.float32)).to(out_ty)
 
 
 @triton.jit
@@ -255,17 +232,18 @@ def _block_kernel(
             _store(o_ptr, t, _mv(_wtile(wo_ptr, 0, hidden, q_dim, t, BN_O, BLOCK_Q), a), hidden, BN_O)
     _sync(bar_ptr, NPROG)
     # 2. the attention's (post-normed) residual add and the MLP's input norm; gate/up with act(gate) * up
-    s = _residual(x, o_ptr, post_attn_ptr, offs_h, mask_h, hidden, eps, out_ty, GEMMA, POST_NORMS)
-    h = _norm(s.to(tl.float32), pre_ffn_ptr, offs_h, mask_h, hidden, eps, out_ty, GEMMA).to(tl.float32)
+    s = _residual(x, o_ptr, post_attn_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, GEMMA, POST_NORMS)
+    h = normed(s.to(tl.float32), pre_ffn_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, 1.0, GEMMA)
+    h = h.to(out_ty).to(tl.float32)
     if ONE_ROUND:
-        _store(g_ptr, pid, _gated(_mv(w_g, h), _mv(w_u, h), out_ty, ACT), inter, BN_GU)
+        _store(g_ptr, pid, act_mul(_mv(w_g, h), _mv(w_u, h), out_ty, ACT), inter, BN_GU)
         w_d = _wtile(wd_ptr, 0, hidden, inter, pid, BN_D, BLOCK_I)
     else:
         for i in range(0, (inter + BN_GU - 1) // BN_GU, NPROG):  # tiles past the end are masked
             t = i + pid
             gate = _mv(_wtile(wgu_ptr, 0, inter, hidden, t, BN_GU, BLOCK_H), h)
             up = _mv(_wtile(wgu_ptr, inter, inter, hidden, t, BN_GU, BLOCK_H), h)
-            _store(g_ptr, t, _gated(gate, up, out_ty, ACT), inter, BN_GU)
+            _store(g_ptr, t, act_mul(gate, up, out_ty, ACT), inter, BN_GU)
     _sync(bar_ptr + 1, NPROG)
     # 3. d = g @ W_down^T
     g = _row(g_ptr, offs_i, offs_i < inter)
@@ -279,8 +257,8 @@ def _block_kernel(
             _store(d_ptr, t, _mv(_wtile(wd_ptr, 0, hidden, inter, t, BN_D, BLOCK_I), g), hidden, BN_D)
     _sync(bar_ptr + 2, NPROG)
     # 4. the MLP's (post-normed) residual add and the next norm; the next layer's qkv (+ bias)
-    x2 = _residual(s.to(tl.float32), d_ptr, post_ffn_ptr, offs_h, mask_h, hidden, eps, out_ty, GEMMA, POST_NORMS)
-    h2 = _norm(x2.to(tl.float32), next_ptr, offs_h, mask_h, hidden, eps, out_ty, GEMMA)
+    x2 = _residual(s.to(tl.float32), d_ptr, post_ffn_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, GEMMA, POST_NORMS)
+    h2 = normed(x2.to(tl.float32), next_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, 1.0, GEMMA).to(out_ty)
     if pid == 0:
         tl.store(x_out_ptr + offs_h, x2, mask=mask_h)
         tl.store(h_out_ptr + offs_h, h2, mask=mask_h)

@@ -165,13 +165,20 @@ def _epilogue(acc, acc_up, b_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if ACT != 0:
-        g = acc.to(out_ty).to(tl.float32)
-        if ACT == 1:
-            a = gelu_tanh(g)
-        else:
-            a = g * tl.sigmoid(g)
-        acc = a.to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
+        acc = act_mul(acc, acc_up, out_ty, ACT)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ty), mask=out_mask)
+
+
+@triton.jit
+def act_mul(gate, up, out_ty: tl.constexpr, ACT: tl.constexpr):
+    """act(gate) * up (fp32 in and out) rounded to out_ty where the unfused torch code rounds: the
+    projections, the activation (ACTIVATIONS) and, by the caller, the product."""
+    g = gate.to(out_ty).to(tl.float32)
+    if ACT == 1:
+        a = gelu_tanh(g)
+    else:
+        a = g * tl.sigmoid(g)
+    return a.to(out_ty).to(tl.float32) * up.to(out_ty).to(tl.float32)
 
 
 # as in decode_attention_triton.py: interpreted, the loop bound is a constexpr (triton-lang/triton#9171)

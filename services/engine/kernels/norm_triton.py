@@ -18,7 +18,7 @@ from services.engine.kernels import pdl
 
 
 @triton.jit
-def _normed(x, w_ptr, out_ptr, offs, mask, dim, eps, w_offset, GEMMA: tl.constexpr):
+def normed(x, w_ptr, out_ptr, offs, mask, dim, eps, w_offset, GEMMA: tl.constexpr):
     """One row x (fp32 [BLOCK_D]) RMS-normed with the weight at w_ptr, in fp32: GEMMA x * r * (w + w_offset),
     else (Llama) cast(x * r) * w, cast to out_ptr's dtype as the torch reference rounds."""
     r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
@@ -52,14 +52,14 @@ def _rms_norm_kernel(
         y = tl.load(x_ptr + row * stride_n + offs, mask=mask, other=0.0).to(tl.float32) * scale
     else:
         x = tl.load(x_ptr + n * stride_n + h * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-        y = _normed(x, w_ptr, out_ptr, offs, mask, dim, eps, w_offset, GEMMA)
+        y = normed(x, w_ptr, out_ptr, offs, mask, dim, eps, w_offset, GEMMA)
     if RESIDUAL:  # residual rows are contiguous [N * H, D], like the output
         res = tl.load(res_ptr + (n * num_heads + h) * dim + offs, mask=mask, other=0.0).to(tl.float32)
         y = res + y.to(out_ty).to(tl.float32)
     y = y.to(out_ty)
     tl.store(out_ptr + (n * num_heads + h) * dim + offs, y, mask=mask)
     if NEXT:
-        z = _normed(y.to(tl.float32), w2_ptr, out_ptr, offs, mask, dim, eps, w_offset, GEMMA)
+        z = normed(y.to(tl.float32), w2_ptr, out_ptr, offs, mask, dim, eps, w_offset, GEMMA)
         tl.store(out2_ptr + (n * num_heads + h) * dim + offs, z.to(out_ty), mask=mask)
 
 
