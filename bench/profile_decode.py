@@ -7,6 +7,9 @@
     PYTHONPATH=. python3 bench/profile_decode.py --mode ring      # 30K through the ring (4K pool, a kvstore on this
                                                                 # host): decode-step phases (which calls make the slow
                                                                 # steps slow), step time percentiles, cProfile
+    PYTHONPATH=. python3 bench/profile_decode.py --mode gaps      # a 30K request's overlapped decode (--context: other
+                                                                # lengths) under torch.profiler: device busy vs span,
+                                                                # its idle gaps, the engine phases the host was in
     PYTHONPATH=. python3 bench/profile_decode.py --mode prefill   # an 8K prompt through the ring: each prefill step's
                                                                 # phases, then its kernels under torch.profiler
     PYTHONPATH=. python3 bench/profile_decode.py --mode logits    # the engine's logits after a prefill vs
@@ -109,8 +112,9 @@ def host(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
 class _Phases:
     """Wall time of named methods during decode steps: totals, and per step (the slow steps' causes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, labels: bool = False) -> None:
         self.on = False
+        self.labels = labels  # also mark each call as a torch.profiler range named "phase:<name>"
         self.total: dict[str, list[float]] = {}
         self.step: dict[str, float] = {}
 
@@ -122,6 +126,9 @@ class _Phases:
                 return real(*args, **kwargs)
             t = time.perf_counter()
             try:
+                if self.labels:
+                    with torch.profiler.record_function(f"phase:{name}"):
+                        return real(*args, **kwargs)
                 return real(*args, **kwargs)
             finally:
                 dt = time.perf_counter() - t
@@ -131,8 +138,8 @@ class _Phases:
         setattr(obj, attr, timed)
 
 
-def _ring_phases(engine) -> _Phases:  # type: ignore[no-untyped-def]
-    phases = _Phases()
+def _ring_phases(engine, labels: bool = False) -> _Phases:  # type: ignore[no-untyped-def]
+    phases = _Phases(labels)
     ring, host, sched = engine.ring, engine.ring.host, engine.scheduler
     for attr in ("demote", "materialize", "_restore", "select_deferred", "apply_pending", "select"):
         phases.wrap(ring, attr, f"ring.{attr}")
@@ -143,6 +150,22 @@ def _ring_phases(engine) -> _Phases:  # type: ignore[no-untyped-def]
     phases.wrap(engine.runner, "run", "runner.run")
     phases.wrap(engine.runner.decode, "page_scores", "decode.page_scores")
     phases.wrap(engine, "_postprocess", "engine._postprocess")
+    phases.wrap(engine, "_launch", "engine._launch")
+    phases.wrap(engine, "_publish_pages", "engine._publish_pages")
+    phases.wrap(engine, "_ring_after_step", "engine._ring_after_step")
+    phases.wrap(engine.runner, "tokens", "runner.tokens")
+    phases.wrap(sched, "continue_decode", "scheduler.continue_decode")
+    if labels:  # finer ranges for the gap attribution
+        import services.engine.engine as engine_module
+
+        for attr in ("read_pages", "write_pages"):
+            phases.wrap(engine.pool, attr, f"pool.{attr}")
+        for attr in ("_fill", "_rows_of", "_summarize_filled_pages", "tokens_to_host"):
+            phases.wrap(engine.runner.decode, attr, f"decode.{attr}")
+        phases.wrap(engine_module, "to_host", "to_host")
+        phases.wrap(engine.slots, "register", "slots.register")
+        phases.wrap(sched, "_burst", "scheduler._burst")
+        phases.wrap(sched, "_make_room_or_raise", "scheduler._make_room_or_raise")
     if engine.write_through is not None:
         phases.wrap(engine.write_through, "submit", "write_through.submit")
     return phases
@@ -208,6 +231,89 @@ def ring(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def gaps(engine, vocab: int, context: int = 30000) -> None:  # type: ignore[no-untyped-def]
+    """One request's overlapped decode (30K: through the ring) under torch.profiler: how much of its span the
+    device is busy, the idle gaps between its kernels and copies (what ran before and after each), and the
+    engine phases (record_function ranges) the host was in during them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _run(engine, _prompt(context, vocab, 4), 24, "warm")
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    seq = engine.submit("gaps", _prompt(context, vocab, 7), params, namespace="gaps")
+    engine.poll()
+    prof, tokens0 = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), -1
+    phases = _ring_phases(engine, labels=True)
+    while engine.scheduler.has_work():
+        if tokens0 < 0 and seq.known_outputs >= 1:  # the decode (one step() runs overlapped bursts till the end)
+            tokens0 = seq.known_outputs
+            phases.on = True
+            prof.start()
+        engine.step()
+    torch.cuda.synchronize()
+    if tokens0 < 0:
+        print(f"the request ended before its first token: {seq.status}")
+        return
+    prof.stop()
+    tokens = len(seq.output_ids) - tokens0
+    phases.on = False
+    raw = list(prof.profiler.kineto_results.events())  # type: ignore[union-attr]
+    events = sorted(
+        (
+            (e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.name())
+            for e in raw
+            if e.device_type() == torch.autograd.DeviceType.CUDA and not e.name().startswith("phase:")
+        ),
+        key=lambda e: e[0],
+    )
+    marks = [
+        (e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.name()[6:])
+        for e in raw
+        if e.name().startswith("phase:") and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    if not events:
+        print("the profiler recorded no device events")
+        return
+    start, end = events[0][0], max(e[1] for e in events)
+    busy, gap_by = 0.0, dict[str, list[float]]()
+    cur_s, cur_e, last = events[0]
+    idle: list[tuple[float, float, str, str]] = []
+    for s, t, name in events[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gap_by.setdefault(f"{last[:50]} -> {name[:50]}", []).append(s - cur_e)
+            idle.append((cur_e, s, last, name))
+            cur_s = s
+        if t >= cur_e:
+            cur_e, last = t, name
+    busy += cur_e - cur_s
+    wall = end - start
+    print(f"{tokens} tokens at {context}, overlapped bursts: GPU span {wall / 1e3:.2f} ms ({wall / tokens:.1f} us a "
+          f"token), busy {busy / 1e3:.2f} ms ({busy / tokens:.1f} us a token, {100 * busy / wall:.1f}%)")  # fmt: skip
+    print("idle gaps by (before -> after): count, total us, max us")
+    for key, g in sorted(gap_by.items(), key=lambda kv: -sum(kv[1]))[:20]:
+        print(f"  {len(g):5d} {sum(g):9.1f} {max(g):8.1f}  {key}")
+    print("what the host was in while the GPU idled (phase ranges overlapping idle time; nested ones overlap):")
+    within: dict[str, float] = {}
+    for a, b, name in marks:
+        within[name] = within.get(name, 0.0) + sum(max(0.0, min(b, g1) - max(a, g0)) for g0, g1, _, _ in idle)
+    total_idle = sum(g1 - g0 for g0, g1, _, _ in idle)
+    for name, us in sorted(within.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:28s} {us / 1e3:8.2f} ms of {total_idle / 1e3:.2f} ms idle")
+
+    def stack(at: float) -> str:  # the phases the host was in at `at`, outermost first
+        return " > ".join(n for a, b, n in sorted(marks) if a <= at <= b) or "-"
+
+    print("the 12 longest idle gaps: us, GPU before -> after; host phases at 0, 1/3, 2/3 and the end of the gap")
+    for g0, g1, before, after in sorted(idle, key=lambda g: g[0] - g[1])[:12]:
+        at = [stack(g0 + f * (g1 - g0)) for f in (0.0, 1 / 3, 2 / 3, 1.0)]
+        print(f"  {g1 - g0:7.1f}  {before[:32]} -> {after[:32]}\n      " + "\n      ".join(at))
+    print("phase wall times over the profiled decode: name, calls, total ms, ms per call")
+    for name, ts in sorted(phases.total.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {name:28s} {len(ts):5d} {1e3 * sum(ts):8.1f} {1e3 * sum(ts) / len(ts):7.3f}")
+    print("GPU time by kernel (all):")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+
+
 def prefill(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
     """An 8K prompt through the ring (4K pool): each prefill step's time and phases, then the kernels of a
     second such prefill under torch.profiler."""
@@ -268,8 +374,13 @@ def logits(engine, vocab: int, hf) -> None:  # type: ignore[no-untyped-def]
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("kernels", "host", "ring", "prefill", "logits"), default="kernels")
-    p.add_argument("--context", type=int, default=2000, help="--mode kernels: the prompt length (past 4,000: the ring)")
+    p.add_argument("--mode", choices=("kernels", "host", "ring", "gaps", "prefill", "logits"), default="kernels")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="--mode kernels (2,000) and gaps (30,000): the prompt length (past 4,000: the ring)",
+    )
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
@@ -281,7 +392,7 @@ def main() -> int:
         os.environ["KVMEM_CACHE_DIR"] = str(tmp / "cache")
         hf = write_random_gemma(tmp / "gemma", 0, device)
         kw: dict[str, object] = dict(max_context=4096, kv_capacity=4096, max_running=4)
-        if a.mode in ("ring", "prefill") or a.context > 4000:
+        if a.mode in ("ring", "gaps", "prefill") or (a.context or 0) > 4000:
             from bench.store import kvstore, redis_server
 
             url = stack.enter_context(redis_server())
@@ -295,7 +406,9 @@ def main() -> int:
         else:
             del hf
             if a.mode == "kernels":
-                kernels(engine, info.vocab_size, a.context)
+                kernels(engine, info.vocab_size, a.context or 2000)
+            elif a.mode == "gaps":
+                gaps(engine, info.vocab_size, a.context or 30000)
             else:
                 {"host": host, "ring": ring, "prefill": prefill}[a.mode](engine, info.vocab_size)
     return 0
