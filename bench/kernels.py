@@ -136,7 +136,8 @@ class Case:
         ids, valid = self.page_ids[:pages], self.valid[:pages]
         for layer in range(self.shape.num_layers):
             if kernels is None:
-                summary_update_reference(*self.layer_tables(layer), ids, self.gather(layer, pages), valid)
+                kmin, kmax, kmean = self.layer_tables(layer)
+                summary_update_reference(kmin, kmax, kmean, ids, self.gather(layer, pages), valid)
             elif from_rows:
                 kernels.summary_update(  # type: ignore[attr-defined]
                     *self.layer_tables(layer), ids, self.pool[layer], valid, rows=self.rows[: pages * PAGE]
@@ -442,10 +443,10 @@ def _summary_table(device: torch.device, backends: dict[str, object], contexts: 
         for ctx in contexts:
             case = Case(shape, ctx // PAGE, device)
             for op, (run, err) in _ops(case).items():
-                ref = _timer(device, lambda run=run: run(None), reps)
+                ref = _timer(device, functools.partial(run, None), reps)
                 cells = [f"{ref:.0f}"]
                 for name in names:
-                    t = _timer(device, lambda run=run, name=name: run(backends[name]), reps)
+                    t = _timer(device, functools.partial(run, backends[name]), reps)
                     cells += [f"{t:.0f}", f"{ref / t:.1f}", f"{err(backends[name]):.1e}"]
                 print(f"| {shape.name} | {ctx // 1024}K | {op} | " + " | ".join(cells) + " |", flush=True)
             del case
