@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.common.model_files import resolve_model_path  # noqa: E402
 from services.engine.builder import build_engine  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.host_pages import KVStoreHostPages  # noqa: E402
 from services.engine.sampling import SamplingParams  # noqa: E402
 from services.engine.sequence import Chunk, Done, Failed  # noqa: E402
 
@@ -125,9 +126,8 @@ def drain(engine) -> None:  # type: ignore[no-untyped-def]
     with the last prompt's pages would slow the baseline down."""
     if engine.write_through is not None:
         engine.write_through.flush()
-    host = engine.ring.host if engine.ring is not None else None
-    if host is not None and hasattr(host, "settle"):
-        host.settle()
+    if engine.ring is not None and isinstance(engine.ring.host, KVStoreHostPages):
+        engine.ring.host.settle()
 
 
 def hf_load(path: Path, device: torch.device, dtype: torch.dtype):  # type: ignore[no-untyped-def]

@@ -265,11 +265,11 @@ def gaps(engine, vocab: int, context: int = 30000) -> None:  # type: ignore[no-u
         ),
         key=lambda e: e[0],
     )
-    marks = [
+    marks = sorted(  # by start: a stack at any time lists its phases outermost first
         (e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.name()[6:])
         for e in raw
         if e.name().startswith("phase:") and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
+    )
     if not events:
         print("the profiler recorded no device events")
         return
@@ -301,7 +301,7 @@ def gaps(engine, vocab: int, context: int = 30000) -> None:  # type: ignore[no-u
         print(f"  {name:28s} {us / 1e3:8.2f} ms of {total_idle / 1e3:.2f} ms idle")
 
     def stack(at: float) -> str:  # the phases the host was in at `at`, outermost first
-        return " > ".join(n for a, b, n in sorted(marks) if a <= at <= b) or "-"
+        return " > ".join(n for a, b, n in marks if a <= at <= b) or "-"
 
     print("the 12 longest idle gaps: us, GPU before -> after; host phases at 0, 1/3, 2/3 and the end of the gap")
     for g0, g1, before, after in sorted(idle, key=lambda g: g[0] - g[1])[:12]:
