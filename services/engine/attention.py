@@ -175,5 +175,21 @@ def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, row_mask: Tensor | None, scale
     # q_rows: [Hkv, G * N, D], row g * N + i is token i of query head kv * G + g
     q_rows = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
     # 4-D inputs: the fused (flash / memory-efficient) kernels take only those; 3-D falls back to math
-    out = F.scaled_dot_product_attention(q_rows[None], k[None], v[None], attn_mask=row_mask, scale=scale)[0]
+    out = sdpa(q_rows[None], k[None], v[None], row_mask, scale)[0]
     return out.view(num_kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3).reshape(num_new, num_heads, head_dim)
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """F.scaled_dot_product_attention (4-D inputs) without the cuDNN backend on CUDA. cuDNN builds an
+    execution plan for every new shape (~70 ms each on the H200, the first ~1.8 s; bench/RESULTS.md), and a
+    step's key count changes with every chunk, prompt and selection, so its first use of a shape cost more
+    than the attention: a first 8K prompt through the ring took 12 s. The memory-efficient kernel takes the
+    same additive masks with no per-shape build, as fast or faster at these shapes (same table). The switch is
+    process-wide while the call runs (torch keeps it global): the engine attends from one thread."""
+    if not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)

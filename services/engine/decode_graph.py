@@ -55,9 +55,8 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from services.engine.attention import PAD_POS, KVSink
+from services.engine.attention import PAD_POS, KVSink, sdpa
 from services.engine.kernels import triton_module
 from services.engine.kv_pool import KVPool
 from services.engine.local_ring import ring_read_set
@@ -219,7 +218,7 @@ class _GraphAttention:
         v_w = v_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
         q_g = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
         mask = self._mask(read_set, key_pos, window)
-        out = F.scaled_dot_product_attention(q_g, k_w, v_w, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
+        out = sdpa(q_g, k_w, v_w, mask, scale)  # [B, Hkv, G, D]
         return out.reshape(batch, num_heads, head_dim)
 
     def _fused_stores(self, layer_idx: int, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
