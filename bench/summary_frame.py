@@ -60,7 +60,7 @@ class RecordingKV(ContiguousKV):
         self.query_start = query_start
         self.queries: list[torch.Tensor | None] = [None] * num_layers  # [Tq, Hq, D] each
 
-    def attend(self, layer_idx, q, k, v, scale, window=None, stored=False):  # type: ignore[no-untyped-def]
+    def attend(self, layer_idx, q, k, v, scale, window=None, stored=False, partial=False):  # type: ignore[no-untyped-def]
         first = self._lengths[layer_idx]  # position of q[0]
         lo = max(0, self.query_start - first)
         if lo < q.shape[0]:

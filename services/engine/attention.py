@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from services.engine.kernels.decode_attention_triton import Partials
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +30,15 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int | None = None,
         stored: bool = False,
-    ) -> Tensor:
+        partial: bool = False,
+    ) -> Tensor | Partials:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] for the N new tokens of this step (after RoPE and q/k norm).
         Stores k, v in the cache (unless `stored`: the model wrote them into this layer's kv_sink) and
         returns the attention output [N, Hq, D] over the cached tokens plus the new ones, causal. With a
         `window` (a sliding-window layer), the query at position p sees only keys at positions > p - window:
-        itself and the window - 1 before it (transformers' sliding_window_overlay); see causal_mask."""
+        itself and the window - 1 before it (transformers' sliding_window_overlay); see causal_mask.
+        `partial`: the caller (the block kernel's forward, which merges them itself) takes the split
+        kernel's unmerged Partials where a backend's kernel leaves several; every other case is the output."""
         ...
 
     def kv_sink(self, layer_idx: int) -> KVSink | None:
@@ -84,8 +90,10 @@ class ContiguousKV:
         scale: float,
         window: int | None = None,
         stored: bool = False,
+        partial: bool = False,
     ) -> Tensor:
-        """Append k, v to layer `layer_idx`, then causal (optionally sliding-window) SDPA of q over the cache."""
+        """Append k, v to layer `layer_idx`, then causal (optionally sliding-window) SDPA of q over the cache
+        (the output, `partial` or not)."""
         assert not stored, "ContiguousKV has no sink"
         num_past, num_new = self._lengths[layer_idx], q.shape[0]
         k_all, v_all = self._append(layer_idx, k, v)  # [Hkv, T, D]

@@ -53,6 +53,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -65,6 +66,9 @@ from services.engine.scheduler import Work
 from services.engine.sequence import NOT_RESIDENT, Sequence
 from services.engine.summaries import page_scores
 from services.engine.transfers import to_host
+
+if TYPE_CHECKING:
+    from services.engine.kernels.decode_attention_triton import Partials
 
 logger = logging.getLogger(__name__)
 
@@ -169,9 +173,10 @@ class _GraphAttention:
         scale: float,
         window: int | None = None,
         stored: bool = False,
-    ) -> torch.Tensor:
+        partial: bool = False,
+    ) -> torch.Tensor | Partials:
         """q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D] (one token per sequence); `stored`: the model
-        wrote k, v into kv_sink's rows."""
+        wrote k, v into kv_sink's rows; `partial`: the fused kernel's unmerged Partials where it splits."""
         bufs = self.bufs
         if self.pool.is_local(layer_idx):
             assert window is not None and self.pool.local is not None
@@ -180,9 +185,10 @@ class _GraphAttention:
                 self.pool.write(layer_idx, self.ring_write, k, v)
             stores = self._fused_stores(layer_idx, local.window)
             if stores is not None:  # the window before each token, rows by arithmetic
-                return self.kernels.decode_attention_ring(  # type: ignore[union-attr]
-                    q, *stores, bufs.ring_base, local.span, bufs.positions, scale, local.window, window
-                )
+                return self.kernels.decode_attention_ring(  # type: ignore[union-attr,no-any-return]
+                    q, *stores, bufs.ring_base, local.span, bufs.positions, scale, local.window, window,
+                    partial=partial,
+                )  # fmt: skip
             if self._ring_read is None:  # the same window for every sliding layer of the step
                 self._ring_read = ring_read_set(bufs.ring_base, local.span, bufs.positions, local.window)
             rows, key_pos = self._ring_read
@@ -192,8 +198,8 @@ class _GraphAttention:
             self.pool.write(layer_idx, bufs.write_rows, k, v)
         if window is not None and window in bufs.local_rows:  # a sliding layer's last pages only
             return self._sdpa(layer_idx, q, k.shape[1], "local", bufs.local_rows[window], bufs.local_pos[window],
-                              window, scale)  # fmt: skip
-        return self._sdpa(layer_idx, q, k.shape[1], "rows", bufs.rows, bufs.key_pos, window, scale)
+                              window, scale, partial)  # fmt: skip
+        return self._sdpa(layer_idx, q, k.shape[1], "rows", bufs.rows, bufs.key_pos, window, scale, partial)
 
     def _sdpa(
         self,
@@ -205,13 +211,17 @@ class _GraphAttention:
         key_pos: torch.Tensor,
         window: int | None,
         scale: float,
-    ) -> torch.Tensor:
+        partial: bool = False,
+    ) -> torch.Tensor | Partials:
         """q [B, Hq, D] over the pool rows [B, W] of the layer at positions key_pos [B, W]: the fused kernel
-        where it applies, else gathered rows and SDPA with the additive mask of (read_set, window)."""
+        where it applies (`partial`: its Partials where it splits), else gathered rows and SDPA with the
+        additive mask of (read_set, window)."""
         batch, width = rows.shape
         stores = self._fused_stores(layer_idx, width)
         if stores is not None:
-            return self.kernels.decode_attention(q, *stores, rows, key_pos, self.bufs.positions, scale, window)  # type: ignore[union-attr]
+            return self.kernels.decode_attention(  # type: ignore[union-attr,no-any-return]
+                q, *stores, rows, key_pos, self.bufs.positions, scale, window, partial=partial
+            )
         num_heads, head_dim = q.shape[1], q.shape[2]
         k_w, v_w = self.pool.gather(layer_idx, rows.reshape(-1), q.dtype)  # [B * W, Hkv, D]
         k_w = k_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, W, D]

@@ -76,8 +76,10 @@ class StepAttention:
         scale: float,
         window: int | None = None,
         stored: bool = False,
+        partial: bool = False,
     ) -> torch.Tensor:
-        """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]; `window`: sliding-window layer (keys > pos - window)."""
+        """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]; `window`: sliding-window layer (keys > pos - window);
+        the output, `partial` or not."""
         assert not stored, "StepAttention has no sink"
         if self.pool.is_local(layer_idx):
             return self._attend_local(layer_idx, q, k, v, scale, window)

@@ -68,6 +68,77 @@ def test_matches_the_launches_torch_code(
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=name)
 
 
+def _partials(heads: int, head_dim: int, splits: int, device: torch.device, dtype: torch.dtype, seed: int):  # noqa: ANN202
+    """Split-kernel partials as the kernel leaves them: per split a running max m (base 2), l >= 1 (the max's
+    own term) and acc of l's scale; split 1 of head 0 saw no key (m = -inf, l = acc = 0)."""
+    from services.engine.kernels.decode_attention_triton import Partials
+
+    g = torch.Generator().manual_seed(seed)
+    m = 4 * torch.randn(1, heads, splits, generator=g)
+    lsum = 1 + 5 * torch.rand(1, heads, splits, generator=g)
+    acc = torch.randn(1, heads, splits, head_dim, generator=g) * lsum[..., None]
+    m[0, 0, 1], lsum[0, 0, 1], acc[0, 0, 1] = float("-inf"), 0.0, 0.0
+    return Partials(m.to(device), lsum.to(device), acc.to(device), dtype)
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+@pytest.mark.parametrize(
+    ("hidden", "heads", "head_dim", "inter", "n_qkv", "splits"), [(96, 2, 64, 200, 160, 5), (80, 4, 16, 128, None, 16)]
+)
+def test_merges_the_attention_partials_in_its_first_phase(
+    where: str, dtype: torch.dtype, family: str, hidden: int, heads: int, head_dim: int, inter: int,
+    n_qkv: int | None, splits: int,
+) -> None:  # fmt: skip
+    """The attention's unmerged partials (decode_attention's `partial=True`) instead of its output: the block
+    merges each head itself (one launch fewer a layer), as the merge kernel and then the o projection would."""
+    from services.engine.kernels.block_triton import block, block_reference, takes
+    from services.engine.kernels.decode_attention_triton import merge_reference
+
+    device = device_or_skip(where)
+    w = _weights(hidden, heads * head_dim, inter, n_qkv, device, seed=hidden + splits, dtype=dtype, family=family)
+    p = _partials(heads, head_dim, splits, device, dtype, seed=splits)
+    x = (4 * torch.randn(1, hidden, generator=torch.Generator().manual_seed(3))).to(device=device, dtype=dtype)
+    assert takes(p, x, w)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    got = block(p, x, w)
+    for want in (block_reference(p, x, w), block(merge_reference(p).reshape(1, -1), x, w)):
+        for name, a, b in zip(("x'", "h'", "qkv'"), got, want, strict=True):
+            if b is None:
+                assert a is None
+                continue
+            assert a is not None and a.shape == b.shape and a.dtype == b.dtype, name
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [16, 64])
+def test_merges_gemma_sized_partials_compiled(splits: int) -> None:
+    """Gemma 3 270M's sizes (4 heads of 256 into 640; the splits of a sliding and of a global layer), one
+    program per SM, the weight tiles loaded before the barriers; a CUDA graph replays it."""
+    from services.engine.kernels.block_triton import block, block_reference
+
+    device = device_or_skip("cuda")
+    w = _weights(640, 1024, 2048, 1536, device, seed=splits)
+    p = _partials(4, 256, splits, device, torch.bfloat16, seed=splits)
+    x = (4 * torch.randn(1, 640, generator=torch.Generator().manual_seed(5))).to(device=device, dtype=torch.bfloat16)
+    want = block_reference(p, x, w)
+    got = block(p, x, w)
+    for a, b in zip(got, want, strict=True):
+        assert a is not None and b is not None
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # compiled above, off the capture
+        out = block(p, x, w)
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(out, got, strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["gemma", "llama"])
 def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero(family: str) -> None:

@@ -373,3 +373,28 @@ def test_ring_window_matches_its_reference(
     plain = _loop_attention(Inputs(q.cpu(), k_store.cpu(), v_store.cpu(), rows.cpu(), key_pos.cpu(), q_pos.cpu(),
                                    scale), window)  # fmt: skip
     torch.testing.assert_close(want.double().cpu(), plain, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(("heads", "width", "window"), [((4, 1), 256, None), ((8, 2), 512, 96)])
+def test_partials_merge_to_the_output(where: str, heads: tuple[int, int], width: int, window: int | None) -> None:
+    """`partial=True`: the split kernel's unmerged partials (no merge launch), which `merge_reference` (the
+    block kernel's first phase merges them the same way) turns into the output; one split: the output."""
+    from services.engine.kernels import decode_attention_triton as dat
+
+    dtype = torch.float32 if where == "cpu" else torch.bfloat16
+    x = _inputs(1, heads, 64, width, dtype, device_or_skip(where), seed=width)
+    got = dat.decode_attention(*x, window=window, partial=True)
+    assert isinstance(got, dat.Partials) and got.num_splits == width // dat.split_rows(1, heads[1], width) > 1
+    assert got.m.shape == got.l.shape == (1, heads[0], got.num_splits) and got.dtype == dtype
+    tol = _tolerance(dtype)
+    want = dat.decode_attention_reference(*x, window=window)
+    torch.testing.assert_close(dat.merge_reference(got).float(), want.float(), rtol=tol, atol=tol)
+    assert not isinstance(dat.decode_attention(*x, window=window), dat.Partials)  # merged unless asked
+    if heads[1] == 2:  # a batch that fills the grid in one split a row range: the output as always
+        one = _inputs(128, heads, 64, 64, dtype, x.q.device, seed=1)
+        assert dat.split_rows(128, heads[1], 64) == 64
+        direct = dat.decode_attention(*one, window=window, partial=True)
+        assert isinstance(direct, torch.Tensor)
+        want = dat.decode_attention_reference(*one, window=window)
+        torch.testing.assert_close(direct.float(), want.float(), rtol=tol, atol=tol)

@@ -216,7 +216,7 @@ def test_greedy_generation_matches_transformers(pair: tuple) -> None:
 class WindowlessKV(ContiguousKV):
     """A backend that ignores the window: every layer attends the whole causal prefix."""
 
-    def attend(self, layer_idx, q, k, v, scale, window=None, stored=False):  # type: ignore[no-untyped-def]
+    def attend(self, layer_idx, q, k, v, scale, window=None, stored=False, partial=False):  # type: ignore[no-untyped-def]
         return super().attend(layer_idx, q, k, v, scale, stored=stored)
 
 

@@ -13,6 +13,11 @@ boundaries:
     4. x' = s + post_ffn_norm(d); h' = next_norm(x')       (every program, from the whole d)
        qkv' = h' @ W_qkv'^T (+ b)                          (column tiles; the last layer has none)
 
+Phase 1 may take the attention as the split kernel's unmerged partials instead of its output
+(decode_attention_triton.Partials, `takes`): its tiles are then (query head, rows of W_o), each program
+merges its head's partials itself and stores that head's share of o in fp32, and phase 2 sums the shares:
+the merge launch of every layer is gone (KVMEM_BLOCK_MERGE=0 keeps it: `merges`).
+
 Gemma 3 has the post-norms (its sandwich norms: RMSNorm x * r * (1 + w) in fp32, GELU-tanh); the Llama
 family (Llama, SmolLM2, Qwen2 with its qkv bias, Qwen3) adds o and d to the residual as they are (RMSNorm
 w * cast(x * r), SiLU). The norms are not phases of their own: every program recomputes the row it needs.
@@ -41,12 +46,14 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from services.engine.kernels import arrivals, pdl
+from services.engine.kernels.decode_attention_triton import Partials, merge, merge_reference
 from services.engine.kernels.linear_triton import ACTIVATIONS, act_mul, linear_gated_reference
 from services.engine.kernels.norm_triton import normed
 
 logger = logging.getLogger(__name__)
 
 COUNTERS = 4  # three barriers and the exit count
+MAX_SPLITS = 64  # partials merged in the first phase: a program holds one head's [splits, head_dim] in fp32
 
 
 @dataclass(frozen=True)
@@ -79,11 +86,14 @@ def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bo
 
 
 def block_reference(
-    attn: torch.Tensor, x: torch.Tensor, w: BlockWeights
+    attn: torch.Tensor | Partials, x: torch.Tensor, w: BlockWeights
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """attn [M, Q], x [M, H] (the residual stream) -> (x', h', qkv' or None) as the launches compute them:
-    each projection rounded to the model dtype, each norm as the model's torch code rounds it, the residual
-    adds in the model dtype (the layers of models/gemma3.py and models/llama.py)."""
+    """attn [M, Q] (or the attention's unmerged Partials, merged as the merge kernel does), x [M, H] (the
+    residual stream) -> (x', h', qkv' or None) as the launches compute them: each projection rounded to the
+    model dtype, each norm as the model's torch code rounds it, the residual adds in the model dtype (the
+    layers of models/gemma3.py and models/llama.py)."""
+    if isinstance(attn, Partials):
+        attn = merge_reference(attn).reshape(attn.m.shape[0], -1)
     o = F.linear(attn, w.o)
     s = x + (_norm_reference(o, w.post_attn, w.eps, w.gemma) if w.post_attn is not None else o)
     h = _norm_reference(s, w.pre_ffn, w.eps, w.gemma)
@@ -135,6 +145,15 @@ def enabled() -> bool:
     return True
 
 
+@functools.cache
+def merges() -> bool:
+    """Whether a forward that takes this kernel hands it the attention's unmerged partials (its first phase
+    merges them: one launch fewer a layer); KVMEM_BLOCK_MERGE=0 keeps the merge launch (A/B runs)."""
+    on = os.environ.get("KVMEM_BLOCK_MERGE", "1") != "0"
+    logger.info("attention merge in the layer-half kernel: %s", "on" if on else "off (KVMEM_BLOCK_MERGE=0)")
+    return on
+
+
 @triton.jit
 def _sync(bar_ptr, nprog):
     """Grid-wide barrier: every program's stores before it are visible to every program after it. Arrival
@@ -158,8 +177,13 @@ def _row(ptr, offs, mask):
 def _residual(x, y_ptr, norm_ptr, out_ptr, offs, mask, dim, eps, GEMMA: tl.constexpr, POST_NORMS: tl.constexpr):
     """x (fp32) + the row at y_ptr (this launch's: from L2), post-normed with POST_NORMS (norm_triton's
     `normed`, rounded as the model's norm rounds), -> out_ptr's dtype."""
+    return _residual_of(x, _row(y_ptr, offs, mask), norm_ptr, out_ptr, offs, mask, dim, eps, GEMMA, POST_NORMS)
+
+
+@triton.jit
+def _residual_of(x, y, norm_ptr, out_ptr, offs, mask, dim, eps, GEMMA: tl.constexpr, POST_NORMS: tl.constexpr):
+    """`_residual` of the row y (fp32, already loaded)."""
     out_ty = out_ptr.dtype.element_ty
-    y = _row(y_ptr, offs, mask)
     if POST_NORMS:
         y = normed(y, norm_ptr, out_ptr, offs, mask, dim, eps, 1.0, GEMMA).to(out_ty).to(tl.float32)
     return (x + y).to(out_ty)
@@ -175,15 +199,43 @@ def _wtile(w_ptr, row_off, n_rows, k_dim, t, BN: tl.constexpr, BK: tl.constexpr)
 
 
 @triton.jit
+def _wtile_head(w_ptr, n_rows, stride, t, col0, ok, BN: tl.constexpr, D: tl.constexpr):
+    """Rows t*BN.. of w (rows of `stride` elements), its D columns from col0: [BN, D], zero past the last
+    row and where not `ok` (a program with no tile)."""
+    cols = t * BN + tl.arange(0, BN)
+    ks = tl.arange(0, D)
+    mask = ((cols < n_rows) & ok)[:, None] & (ks < D)[None, :]
+    return tl.load(w_ptr + cols[:, None].to(tl.int64) * stride + col0 + ks[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _merged(m_ptr, l_ptr, acc_ptr, head, splits, ok, out_ty, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    """Query head `head`'s attention output from the split kernel's partials (decode_attention_triton's
+    merge kernel for one head, Partials): [D] fp32, rounded to out_ty as the merge kernel stores it. Zeros
+    where not `ok`."""
+    s = tl.arange(0, BLOCK_S)
+    s_ok = (s < splits) & ok
+    at = head * splits + s
+    m = tl.load(m_ptr + at, mask=s_ok, other=float("-inf"))
+    lsum = tl.load(l_ptr + at, mask=s_ok, other=0.0)
+    d = tl.arange(0, D)
+    acc = tl.load(acc_ptr + at[:, None].to(tl.int64) * D + d[None, :], mask=s_ok[:, None], other=0.0)
+    top = tl.where(ok, tl.max(m, axis=0), 0.0)  # a split that saw no key has m = -inf: weight 0
+    w = tl.exp2(m - top)
+    den = tl.where(ok, tl.sum(w * lsum, axis=0), 1.0)
+    return (tl.sum(w[:, None] * acc, axis=0) / den).to(out_ty).to(tl.float32)
+
+
+@triton.jit
 def _mv(w, x):
     """w [BN, BK] times x [BK] (fp32) -> [BN] fp32."""
     return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
 
 
 @triton.jit
-def _store(ptr, t, y, n, BN: tl.constexpr):
+def _store(ptr, t, y, n, BN: tl.constexpr, ok=True):
     cols = t * BN + tl.arange(0, BN)
-    tl.store(ptr + cols, y.to(ptr.dtype.element_ty), mask=cols < n)
+    tl.store(ptr + cols, y.to(ptr.dtype.element_ty), mask=(cols < n) & ok)
 
 
 @triton.jit
@@ -198,41 +250,68 @@ def _biased(y, b_ptr, t, n, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
 @triton.jit
 def _block_kernel(
     attn_ptr, x_ptr, wo_ptr, post_attn_ptr, pre_ffn_ptr, wgu_ptr, wd_ptr, post_ffn_ptr, next_ptr, wqkv_ptr,
-    bqkv_ptr, o_ptr, g_ptr, d_ptr, x_out_ptr, h_out_ptr, qkv_ptr, bar_ptr,
-    eps, hidden: tl.constexpr, q_dim: tl.constexpr, inter: tl.constexpr, n_qkv: tl.constexpr,
+    bqkv_ptr, o_ptr, g_ptr, d_ptr, x_out_ptr, h_out_ptr, qkv_ptr, bar_ptr, pm_ptr, pl_ptr, pacc_ptr, o32_ptr,
+    eps, splits, hidden: tl.constexpr, q_dim: tl.constexpr, inter: tl.constexpr, n_qkv: tl.constexpr,
     GEMMA: tl.constexpr, POST_NORMS: tl.constexpr, ACT: tl.constexpr, HAS_QKV: tl.constexpr,
     HAS_QKV_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_I: tl.constexpr,
     BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr, BN_QKV: tl.constexpr, NPROG: tl.constexpr,
-    ONE_ROUND: tl.constexpr, PDL: tl.constexpr,
+    ONE_ROUND: tl.constexpr, PARTIALS: tl.constexpr, HEADS: tl.constexpr, HEAD_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One of NPROG programs (all resident): the four phases over their column tiles, a grid-wide barrier
     between them. ONE_ROUND (compiled: at most one tile per program in every phase): each phase's weight tile
     is loaded before the barrier that precedes it (weights are never written), so a phase after a barrier
     waits only for the row it reads; else (interpreted, one program) each phase loops over its tiles.
-    Sizes are constexprs: a model's shapes."""
+    PARTIALS: the attention comes as the split kernel's partials (`splits` per query head, Partials) and
+    phase 1's tiles are (query head, BN_O rows): each program merges its head and writes that head's share
+    of o in fp32 (o32 [HEADS, hidden]), which phase 2 sums. Sizes are constexprs: a model's shapes."""
     pid = tl.program_id(0)
     out_ty = x_out_ptr.dtype.element_ty
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < hidden
     offs_q = tl.arange(0, BLOCK_Q)
     offs_i = tl.arange(0, BLOCK_I)
+    tiles_h = (hidden + BN_O - 1) // BN_O  # PARTIALS: row tiles of one head's columns
     if ONE_ROUND:
-        w_o = _wtile(wo_ptr, 0, hidden, q_dim, pid, BN_O, BLOCK_Q)
+        if PARTIALS:
+            head, rt = pid // tiles_h, pid % tiles_h
+            w_o = _wtile_head(wo_ptr, hidden, q_dim, rt, head * HEAD_D, head < HEADS, BN_O, HEAD_D)
+        else:
+            w_o = _wtile(wo_ptr, 0, hidden, q_dim, pid, BN_O, BLOCK_Q)
     pdl.start(PDL)
     # 1. o = attn @ W_o^T
-    a = tl.load(attn_ptr + offs_q, mask=offs_q < q_dim, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    if PARTIALS:
+        if ONE_ROUND:
+            a_h = _merged(pm_ptr, pl_ptr, pacc_ptr, head, splits, head < HEADS, out_ty, BLOCK_S, HEAD_D)
+            _store(o32_ptr + head * hidden, rt, _mv(w_o, a_h), hidden, BN_O, head < HEADS)
+        else:
+            for t in range(0, HEADS * tiles_h):
+                head, rt = t // tiles_h, t % tiles_h
+                a_h = _merged(pm_ptr, pl_ptr, pacc_ptr, head, splits, True, out_ty, BLOCK_S, HEAD_D)
+                w_t = _wtile_head(wo_ptr, hidden, q_dim, rt, head * HEAD_D, True, BN_O, HEAD_D)
+                _store(o32_ptr + head * hidden, rt, _mv(w_t, a_h), hidden, BN_O)
+    else:
+        a = tl.load(attn_ptr + offs_q, mask=offs_q < q_dim, other=0.0).to(tl.float32)
+        if ONE_ROUND:
+            _store(o_ptr, pid, _mv(w_o, a), hidden, BN_O)
+        else:
+            for i in range(0, (hidden + BN_O - 1) // BN_O, NPROG):  # tiles past the end are masked
+                t = i + pid
+                _store(o_ptr, t, _mv(_wtile(wo_ptr, 0, hidden, q_dim, t, BN_O, BLOCK_Q), a), hidden, BN_O)
     if ONE_ROUND:
-        _store(o_ptr, pid, _mv(w_o, a), hidden, BN_O)
         w_g = _wtile(wgu_ptr, 0, inter, hidden, pid, BN_GU, BLOCK_H)
         w_u = _wtile(wgu_ptr, inter, inter, hidden, pid, BN_GU, BLOCK_H)
-    else:
-        for i in range(0, (hidden + BN_O - 1) // BN_O, NPROG):  # tiles past the end are masked
-            t = i + pid
-            _store(o_ptr, t, _mv(_wtile(wo_ptr, 0, hidden, q_dim, t, BN_O, BLOCK_Q), a), hidden, BN_O)
     _sync(bar_ptr, NPROG)
     # 2. the attention's (post-normed) residual add and the MLP's input norm; gate/up with act(gate) * up
-    s = _residual(x, o_ptr, post_attn_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, GEMMA, POST_NORMS)
+    if PARTIALS:  # o: the heads' shares summed in fp32, rounded once as the o projection rounds
+        o_row = tl.zeros([BLOCK_H], tl.float32)
+        for hh in tl.static_range(HEADS):
+            o_row += _row(o32_ptr + hh * hidden, offs_h, mask_h)
+        o_row = o_row.to(out_ty).to(tl.float32)
+        s = _residual_of(x, o_row, post_attn_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, GEMMA, POST_NORMS)
+    else:
+        s = _residual(x, o_ptr, post_attn_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, GEMMA, POST_NORMS)
     h = normed(s.to(tl.float32), pre_ffn_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, 1.0, GEMMA)
     h = h.to(out_ty).to(tl.float32)
     if ONE_ROUND:
@@ -306,20 +385,51 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def takes(p: Partials, x: torch.Tensor, w: BlockWeights) -> bool:
+    """Whether `block` merges these partials itself: one row, fp32 partials of the model dtype's output, the
+    query heads' width the o projection's, at most MAX_SPLITS splits (a program holds a head's partials)."""
+    batch, heads, splits = p.m.shape
+    head_dim = p.acc.shape[3]
+    return (
+        batch == 1
+        and p.l.shape == p.m.shape
+        and p.acc.shape == (1, heads, splits, head_dim)
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (p.m, p.l, p.acc))
+        and p.dtype == x.dtype
+        and heads * head_dim == w.o.shape[1]
+        and head_dim & (head_dim - 1) == 0
+        and splits <= MAX_SPLITS
+    )
+
+
 def block(
-    attn: torch.Tensor,
+    attn: torch.Tensor | Partials,
     x: torch.Tensor,
     w: BlockWeights,
     programs: int | None = None,
     warps: int = 8,
     preload: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`block_reference` in one launch (`supported` inputs): -> (x', h', qkv' or None). `programs` overrides
-    the grid (benchmarks); at most the SM count, so that every program is resident."""
-    if not supported(x, w) or attn.shape != (1, w.o.shape[1]) or not attn.is_contiguous() or attn.dtype != x.dtype:
-        raise ValueError(f"block kernel: attn {tuple(attn.shape)} {attn.dtype}, x {tuple(x.shape)} {x.dtype}")
+    """`block_reference` in one launch (`supported` inputs; Partials that `takes`): -> (x', h', qkv' or
+    None). `programs` overrides the grid (benchmarks); at most the SM count, so that every program is
+    resident."""
+    if isinstance(attn, Partials) and not takes(attn, x, w):  # merged by its own launch first
+        attn = merge(attn).reshape(attn.m.shape[0], -1)
+    partials = attn if isinstance(attn, Partials) else None
+    if partials is not None:
+        if not supported(x, w) or not takes(partials, x, w):
+            raise ValueError(f"block kernel: partials m {tuple(partials.m.shape)}, acc {tuple(partials.acc.shape)}")
+        heads, splits, head_dim = partials.m.shape[1], partials.num_splits, partials.acc.shape[3]
+        attn_t = x  # not read
+    else:
+        assert isinstance(attn, torch.Tensor)
+        attn = attn.reshape(1, -1).contiguous() if attn.dim() == 3 else attn.contiguous()
+        if not supported(x, w) or attn.shape != (1, w.o.shape[1]) or not attn.is_contiguous() or attn.dtype != x.dtype:
+            raise ValueError(f"block kernel: attn {tuple(attn.shape)} {attn.dtype}, x {tuple(x.shape)} {x.dtype}")
+        heads, splits, head_dim = 1, 1, 1
+        attn_t = attn
     device = x.device
-    hidden, q_dim, inter = x.shape[1], attn.shape[1], w.down.shape[1]
+    hidden, q_dim, inter = x.shape[1], w.o.shape[1], w.down.shape[1]
     n_qkv = w.qkv.shape[0] if w.qkv is not None else 0
     bar = arrivals.counters(device, COUNTERS)  # the stream's, or this captured launch's own
     if bar is None:
@@ -327,23 +437,27 @@ def block(
     limit = _programs(device)
     grid = 1 if INTERPRETED else min(programs or limit, limit)
     # the smallest tiles that still give each program work, so every phase spreads over the grid
-    bn_o, bn_gu, bn_d = _tile(hidden, grid), _tile(inter, grid), _tile(hidden, grid)
-    bn_qkv = _tile(max(n_qkv, 1), grid)
-    tiles = [triton.cdiv(n, bn) for n, bn in ((hidden, bn_o), (inter, bn_gu), (hidden, bn_d), (n_qkv, bn_qkv))]
+    bn_o = _tile(hidden, max(grid // heads, 1))  # PARTIALS: `heads` tiles of rows per row range
+    bn_gu, bn_d, bn_qkv = _tile(inter, grid), _tile(hidden, grid), _tile(max(n_qkv, 1), grid)
+    tiles = [heads * triton.cdiv(hidden, bn_o)]
+    tiles += [triton.cdiv(n, bn) for n, bn in ((inter, bn_gu), (hidden, bn_d), (n_qkv, bn_qkv))]
     one_round = preload and not INTERPRETED and max(tiles) <= grid
     scratch = torch.empty(2 * hidden + inter, dtype=x.dtype, device=device)
     o, g, d = scratch.split([hidden, inter, hidden])
+    o32 = torch.empty(heads, hidden, dtype=torch.float32, device=device) if partials is not None else o
     x_out, h_out = torch.empty_like(x), torch.empty_like(x)
     qkv = torch.empty(1, n_qkv, dtype=x.dtype, device=device) if w.qkv is not None else None
     post = w.post_attn is not None
+    pm, pl, pacc = (partials.m, partials.l, partials.acc) if partials is not None else (o32, o32, o32)
     _block_kernel[(grid,)](
-        attn, x, w.o, w.post_attn if post else w.pre_ffn, w.pre_ffn, w.gate_up, w.down,
+        attn_t, x, w.o, w.post_attn if post else w.pre_ffn, w.pre_ffn, w.gate_up, w.down,
         w.post_ffn if post else w.pre_ffn, w.next_norm, w.qkv if w.qkv is not None else w.o,
         w.qkv_bias if w.qkv_bias is not None else x, o, g, d, x_out, h_out, qkv if qkv is not None else x_out, bar,
-        w.eps, hidden, q_dim, inter, n_qkv,
+        pm, pl, pacc, o32, w.eps, splits, hidden, q_dim, inter, n_qkv,
         GEMMA=w.gemma, POST_NORMS=post, ACT=ACTIVATIONS[w.act], HAS_QKV=w.qkv is not None,
         HAS_QKV_BIAS=w.qkv_bias is not None, BLOCK_H=triton.next_power_of_2(hidden),
         BLOCK_Q=triton.next_power_of_2(q_dim), BLOCK_I=triton.next_power_of_2(inter), BN_O=bn_o, BN_GU=bn_gu,
-        BN_D=bn_d, BN_QKV=bn_qkv, NPROG=grid, ONE_ROUND=one_round, num_warps=warps, **pdl.launch_args(device),
+        BN_D=bn_d, BN_QKV=bn_qkv, NPROG=grid, ONE_ROUND=one_round, PARTIALS=partials is not None, HEADS=heads,
+        HEAD_D=head_dim, BLOCK_S=triton.next_power_of_2(splits), num_warps=warps, **pdl.launch_args(device),
     )  # fmt: skip
     return x_out, h_out, qkv

@@ -12,7 +12,9 @@ here two launches read K/V straight from the pool tensors:
                    its partial (max, sum, acc) to scratch. Rows that are not visible are not loaded.
     merge kernel   grid (B, Hq): the S partials of one query head -> the normalised output.
 
-With one split (S == 1) the split kernel normalises and writes the output itself: one launch.
+With one split (S == 1) the split kernel normalises and writes the output itself: one launch. With
+`partial=True` and several splits the merge is left to the caller: the partials come back as `Partials`
+(the block kernel's first phase merges them, kernels/block_triton.py).
 S and R depend on the shapes only (`split_rows`), so the launch has no host sync and no data-dependent
 branch and a CUDA graph captures it; W, R, S and the window are runtime ints (`do_not_specialize`),
 so a new window bucket compiles nothing. `write_kv` stores a step's new K and V rows in one launch.
@@ -29,6 +31,7 @@ rounded to the V dtype for the second dot, as flash attention does); fp32 dots r
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -137,6 +140,31 @@ def write_kv_reference(
     """k_store[rows] = k and v_store[rows] = v (cast to the store dtype): rows [N]; k, v [N, Hkv, D]."""
     k_store.index_copy_(0, rows, k.to(k_store.dtype))
     v_store.index_copy_(0, rows, v.to(v_store.dtype))
+
+
+@dataclass(frozen=True)
+class Partials:
+    """The split kernel's unmerged output (`partial=True`): for each query head, S partial softmaxes over
+    consecutive rows, base 2. m, l [B, Hq, S] fp32 (running max of the scaled scores, sum of exp2(score - m));
+    acc [B, Hq, S, D] fp32 (sum of exp2(score - m) * v). `merge_reference` (or the merge kernel, or the block
+    kernel's first phase, kernels/block_triton.py) turns them into the attention output."""
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741 (the flash-attention name)
+    acc: torch.Tensor
+    dtype: torch.dtype  # the output's: the merge rounds to it
+
+    @property
+    def num_splits(self) -> int:
+        return int(self.m.shape[2])
+
+
+def merge_reference(p: Partials) -> torch.Tensor:
+    """The merge kernel in torch: out [B, Hq, D] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M the
+    largest m_s; a split that saw no key has m = -inf and adds nothing), rounded to p.dtype."""
+    top = p.m.amax(dim=2, keepdim=True)
+    w = torch.exp2(p.m - top)  # [B, Hq, S]
+    return ((w[..., None] * p.acc).sum(dim=2) / (w * p.l).sum(dim=2)[..., None]).to(p.dtype)
 
 
 # -- kernels -------------------------------------------------------------------------------------------
@@ -323,8 +351,10 @@ def decode_attention(
     scale: float,
     window: int | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`decode_attention_reference` in one or two launches -> out [B, Hq, D] (q's dtype unless `out`).
+    partial: bool = False,
+) -> torch.Tensor | Partials:
+    """`decode_attention_reference` in one or two launches -> out [B, Hq, D] (q's dtype unless `out`); with
+    `partial`, the split kernel's Partials when there are several splits (no merge launch: the caller merges).
 
     q: [B, Hq, D] (last dim contiguous); k_store, v_store: [R, Hkv, D] one pool layer (plain float
     dtype, last dim contiguous); rows, key_pos: [B, W] int64 with W a multiple of 64; q_pos: [B] int64.
@@ -333,7 +363,9 @@ def decode_attention(
     batch, width = rows.shape
     assert rows.shape == key_pos.shape == (batch, width) and q_pos.shape == (batch,), (rows.shape, key_pos.shape)
     assert rows.dtype == key_pos.dtype == q_pos.dtype == torch.int64
-    return _attend(q, k_store, v_store, rows.contiguous(), key_pos.contiguous(), q_pos, scale, window, out, width, 0)
+    return _attend(
+        q, k_store, v_store, rows.contiguous(), key_pos.contiguous(), q_pos, scale, window, out, width, 0, partial
+    )
 
 
 def decode_attention_ring(
@@ -347,14 +379,18 @@ def decode_attention_ring(
     width: int,
     window: int | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`decode_attention_ring_reference` in one or two launches: the keys are the `width` positions ending at
-    each token in its local ring (row ring_base [B] + p % span), addressed by arithmetic instead of index
-    tensors (no rows to build per step, no index load before the K/V loads). width: a multiple of 64."""
+    partial: bool = False,
+) -> torch.Tensor | Partials:
+    """`decode_attention_ring_reference` in one or two launches (`partial`: as decode_attention): the keys are
+    the `width` positions ending at each token in its local ring (row ring_base [B] + p % span), addressed by
+    arithmetic instead of index tensors (no rows to build per step, no index load before the K/V loads).
+    width: a multiple of 64."""
     batch = q.shape[0]
     assert ring_base.shape == q_pos.shape == (batch,) and ring_base.dtype == q_pos.dtype == torch.int64
     assert span >= width, (span, width)
-    return _attend(q, k_store, v_store, ring_base.contiguous(), ring_base, q_pos, scale, window, out, width, span)
+    return _attend(
+        q, k_store, v_store, ring_base.contiguous(), ring_base, q_pos, scale, window, out, width, span, partial
+    )
 
 
 def _attend(
@@ -369,8 +405,10 @@ def _attend(
     out: torch.Tensor | None,
     width: int,
     span: int,
-) -> torch.Tensor:
-    """The launches of both read sets: rows/key_pos [B, W] (span 0), or a ring (rows = ring bases, span > 0)."""
+    partial: bool = False,
+) -> torch.Tensor | Partials:
+    """The launches of both read sets: rows/key_pos [B, W] (span 0), or a ring (rows = ring bases, span > 0);
+    `partial`: the partials instead of the merge launch (one split: the output, as always)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_store.shape[1]
     assert supported(k_store), f"k_store {k_store.dtype} {tuple(k_store.shape)}: plain float, D a power of 2 <= 256"
@@ -408,12 +446,24 @@ def _attend(
         SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, num_warps=8 if dot_fp32 else 4, num_stages=2,
         **pdl.launch_args(q.device),
     )  # fmt: skip
+    if not direct and partial:
+        return Partials(m, l_sum, acc, out.dtype)
     if not direct:
-        _merge_kernel[(batch, num_heads)](
-            m, l_sum, acc, out, num_splits, out.stride(0), out.stride(1), D=head_dim, BLOCK_S=MERGE_BLOCK_S,
-            INTERPRETED=INTERPRETED, SPLITS=num_splits if INTERPRETED else 0, num_warps=4,
-            **pdl.launch_args(q.device),
-        )  # fmt: skip
+        merge(Partials(m, l_sum, acc, out.dtype), out)
+    return out
+
+
+def merge(p: Partials, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`merge_reference` in one launch -> out [B, Hq, D] (p.dtype unless `out`)."""
+    batch, num_heads, num_splits = p.m.shape
+    head_dim = p.acc.shape[3]
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=p.dtype, device=p.m.device)
+    assert out.shape == (batch, num_heads, head_dim) and out.stride(2) == 1, (out.shape, p.acc.shape)
+    _merge_kernel[(batch, num_heads)](
+        p.m, p.l, p.acc, out, num_splits, out.stride(0), out.stride(1), D=head_dim, BLOCK_S=MERGE_BLOCK_S,
+        INTERPRETED=INTERPRETED, SPLITS=num_splits if INTERPRETED else 0, num_warps=4, **pdl.launch_args(out.device),
+    )  # fmt: skip
     return out
 
 

@@ -26,6 +26,7 @@ from services.engine.models.llama import MLP, Rope, RotaryEmbedding, apply_rope,
 
 if TYPE_CHECKING:
     from services.engine.kernels.block_triton import BlockWeights
+    from services.engine.kernels.decode_attention_triton import Partials
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +95,13 @@ class Gemma3Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(self, x: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
-        return project(self.o_proj, self.attend(project(self.qkv_proj, x), rope, attn))
+        out = self.attend(project(self.qkv_proj, x), rope, attn)
+        assert isinstance(out, Tensor)
+        return project(self.o_proj, out)
 
-    def attend(self, qkv: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
-        """The projected qkv [N, q_size + 2 kv_size] -> the attention output before o_proj [N, q_size]."""
+    def attend(self, qkv: Tensor, rope: Rope, attn: AttentionBackend, partial: bool = False) -> Tensor | Partials:
+        """The projected qkv [N, q_size + 2 kv_size] -> the attention output before o_proj [N, q_size]
+        (`partial`: the backend's unmerged Partials where it has them, for the block kernel)."""
         n = qkv.shape[0]
         qkv = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # [N, H*, D]
@@ -111,8 +115,10 @@ class Gemma3Attention(nn.Module):
         else:
             qk = apply_rope(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), *rope.rows)  # [N, Hq + Hkv, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
-        out = attn.attend(self.layer_idx, q, k, v, self.scale, window=self.window, stored=sink is not None)
-        return out.reshape(n, -1)
+        out = attn.attend(
+            self.layer_idx, q, k, v, self.scale, window=self.window, stored=sink is not None, partial=partial
+        )
+        return out.reshape(n, -1) if isinstance(out, Tensor) else out
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -178,9 +184,9 @@ class Gemma3ForCausalLM(nn.Module):
         if blocks is not None:  # one row on the Triton tier: each layer's second half in one launch
             kernel, weights = blocks
             qkv = project(layers[0].self_attn.qkv_proj, h)
+            partial = kernel.merges()  # the block merges the attention's partials itself
             for layer, is_sliding, w in zip(layers, self.layer_is_sliding, weights, strict=True):
-                out = layer.self_attn.attend(qkv, rope[is_sliding], attn)
-                x, h, qkv = kernel.block(out.contiguous(), x, w)
+                x, h, qkv = kernel.block(layer.self_attn.attend(qkv, rope[is_sliding], attn, partial), x, w)
             return h
         for layer, is_sliding, norm in zip(layers, self.layer_is_sliding, nxt, strict=True):
             x, h = layer(x, h, rope[is_sliding], attn, norm)

@@ -24,6 +24,7 @@ from services.engine.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from services.engine.kernels.block_triton import BlockWeights
+    from services.engine.kernels.decode_attention_triton import Partials
 
 logger = logging.getLogger(__name__)
 
@@ -163,10 +164,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
-        return project(self.o_proj, self.attend(project(self.qkv_proj, x), rope, attn))
+        out = self.attend(project(self.qkv_proj, x), rope, attn)
+        assert isinstance(out, Tensor)
+        return project(self.o_proj, out)
 
-    def attend(self, qkv: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
-        """The projected qkv [N, q_size + 2 kv_size] -> the attention output before o_proj [N, q_size]."""
+    def attend(self, qkv: Tensor, rope: Rope, attn: AttentionBackend, partial: bool = False) -> Tensor | Partials:
+        """The projected qkv [N, q_size + 2 kv_size] -> the attention output before o_proj [N, q_size]
+        (`partial`: the backend's unmerged Partials where it has them, for the block kernel)."""
         n, num_qk_heads = qkv.shape[0], self.num_heads + self.num_kv_heads
         qkv = qkv.view(n, num_qk_heads + self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([num_qk_heads, self.num_kv_heads], dim=1)  # qk: [N, Hq + Hkv, D]; v: [N, Hkv, D]
@@ -178,15 +182,15 @@ class Attention(nn.Module):
                 self.num_heads, self.num_kv_heads, gemma=False, kv_sink=sink, positions=rope.positions,
             )  # fmt: skip
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            out = attn.attend(self.layer_idx, q, k, v, self.scale, stored=sink is not None)
-            return out.reshape(n, -1)
+            out = attn.attend(self.layer_idx, q, k, v, self.scale, stored=sink is not None, partial=partial)
+            return out.reshape(n, -1) if isinstance(out, Tensor) else out
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = apply_rope(qk, *rope.rows)  # q and k rotated together
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # q: [N, Hq, D]; k: [N, Hkv, D]
-        out = attn.attend(self.layer_idx, q, k, v, self.scale)  # out: [N, Hq, D]
-        return out.reshape(n, -1)
+        out = attn.attend(self.layer_idx, q, k, v, self.scale, partial=partial)  # out: [N, Hq, D]
+        return out.reshape(n, -1) if isinstance(out, Tensor) else out
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -263,8 +267,9 @@ class LlamaForCausalLM(nn.Module):
             kernel, weights = blocks
             h = layers[0].input_layernorm(x)
             qkv = project(layers[0].self_attn.qkv_proj, h)
+            partial = kernel.merges()  # the block merges the attention's partials itself
             for layer, w in zip(layers, weights, strict=True):
-                x, h, qkv = kernel.block(layer.self_attn.attend(qkv, rope, attn).contiguous(), x, w)
+                x, h, qkv = kernel.block(layer.self_attn.attend(qkv, rope, attn, partial), x, w)
             return h
         for layer in layers:
             x = layer(x, rope, attn)
