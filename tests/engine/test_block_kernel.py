@@ -125,9 +125,11 @@ def test_merges_gemma_sized_partials_compiled(splits: int) -> None:
     x = (4 * torch.randn(1, 640, generator=torch.Generator().manual_seed(5))).to(device=device, dtype=torch.bfloat16)
     want = block_reference(p, x, w)
     got = block(p, x, w)
-    for a, b in zip(got, want, strict=True):
-        assert a is not None and b is not None
-        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
+    # fewer programs than tiles (a smaller GPU) and no preloads: each program loops over its share of tiles
+    for out in (got, block(p, x, w, programs=16), block(p, x, w, preload=False)):
+        for a, b in zip(out, want, strict=True):
+            assert a is not None and b is not None
+            torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # compiled above, off the capture

@@ -286,7 +286,8 @@ def _block_kernel(
             a_h = _merged(pm_ptr, pl_ptr, pacc_ptr, head, splits, head < HEADS, out_ty, BLOCK_S, HEAD_D)
             _store(o32_ptr + head * hidden, rt, _mv(w_o, a_h), hidden, BN_O, head < HEADS)
         else:
-            for t in range(0, HEADS * tiles_h):
+            for i in range(0, HEADS * tiles_h, NPROG):  # past the end: the last tile again (the same values)
+                t = tl.minimum(i + pid, HEADS * tiles_h - 1)
                 head, rt = t // tiles_h, t % tiles_h
                 a_h = _merged(pm_ptr, pl_ptr, pacc_ptr, head, splits, True, out_ty, BLOCK_S, HEAD_D)
                 w_t = _wtile_head(wo_ptr, hidden, q_dim, rt, head * HEAD_D, True, BN_O, HEAD_D)
