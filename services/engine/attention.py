@@ -189,7 +189,7 @@ def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, row_mask: Tensor | None, scale
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """F.scaled_dot_product_attention (4-D inputs) without the cuDNN backend on CUDA. cuDNN builds an
-    execution plan for every new shape (~70 ms each on the H200, the first ~1.8 s; bench/RESULTS.md), and a
+    execution plan for every new shape (40-70 ms each on the H200, the first ~1.8 s; bench/RESULTS.md), and a
     step's key count changes with every chunk, prompt and selection, so its first use of a shape cost more
     than the attention: a first 8K prompt through the ring took 12 s. The memory-efficient kernel takes the
     same additive masks with no per-shape build, as fast or faster at these shapes (same table). The switch is

@@ -418,14 +418,14 @@ def block(
         attn = merge(attn).reshape(attn.m.shape[0], -1)
     partials = attn if isinstance(attn, Partials) else None
     if partials is not None:
-        if not supported(x, w) or not takes(partials, x, w):
+        if not supported(x, w):  # partials that `takes` refuses were merged above
             raise ValueError(f"block kernel: partials m {tuple(partials.m.shape)}, acc {tuple(partials.acc.shape)}")
         heads, splits, head_dim = partials.m.shape[1], partials.num_splits, partials.acc.shape[3]
         attn_t = x  # not read
     else:
         assert isinstance(attn, torch.Tensor)
         attn = attn.reshape(1, -1).contiguous() if attn.dim() == 3 else attn.contiguous()
-        if not supported(x, w) or attn.shape != (1, w.o.shape[1]) or not attn.is_contiguous() or attn.dtype != x.dtype:
+        if not supported(x, w) or attn.shape != (1, w.o.shape[1]) or attn.dtype != x.dtype:
             raise ValueError(f"block kernel: attn {tuple(attn.shape)} {attn.dtype}, x {tuple(x.shape)} {x.dtype}")
         heads, splits, head_dim = 1, 1, 1
         attn_t = attn

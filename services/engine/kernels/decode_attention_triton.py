@@ -446,11 +446,10 @@ def _attend(
         SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, num_warps=8 if dot_fp32 else 4, num_stages=2,
         **pdl.launch_args(q.device),
     )  # fmt: skip
-    if not direct and partial:
-        return Partials(m, l_sum, acc, out.dtype)
-    if not direct:
-        merge(Partials(m, l_sum, acc, out.dtype), out)
-    return out
+    if direct:
+        return out
+    partials = Partials(m, l_sum, acc, out.dtype)
+    return partials if partial else merge(partials, out)
 
 
 def merge(p: Partials, out: torch.Tensor | None = None) -> torch.Tensor:
