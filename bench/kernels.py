@@ -413,7 +413,7 @@ def _block_table(device: torch.device, reps: int) -> None:
         run = functools.partial(persistent, programs, warps, preload)
         t = _timer(device, _graphed(device, run), reps)
         err = float((run().float() - ref_x).abs().max() / ref_x.abs().max())
-        label = f"persistent block ({warps} warps{', weights loaded before the barriers' if preload else ''})"
+        label = f"persistent block ({warps} warps{', weights loaded while waiting at the barriers' if preload else ''})"
         print(f"| {label} | {programs} | {t:.1f} | {base / t:.2f} | {err:.1e} |", flush=True)
 
 

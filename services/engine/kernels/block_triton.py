@@ -48,7 +48,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from services.engine.kernels import arrivals, pdl
 from services.engine.kernels.decode_attention_triton import Partials, merge, merge_reference
 from services.engine.kernels.linear_triton import ACTIVATIONS, act_mul, linear_gated_reference
-from services.engine.kernels.norm_triton import normed
+from services.engine.kernels.norm_triton import normed_by
 
 logger = logging.getLogger(__name__)
 
@@ -155,16 +155,31 @@ def merges() -> bool:
 
 
 @triton.jit
-def _sync(bar_ptr, nprog):
-    """Grid-wide barrier: every program's stores before it are visible to every program after it. Arrival
-    is an atomic increment (release), the wait polls with atomic reads (acquire). Polling with
-    `ld.acquire.gpu` loads instead was slower on the H200 (bench/RESULTS.md)."""
+def _arrive(bar_ptr):
+    """A grid-wide barrier's first half: this program's stores so far are released to every program that
+    passes `_await` on the same counter (an atomic increment, release). Between the two halves a program
+    loads only what no program writes (the next phase's weight tile): the release waits for the loads
+    issued before it, so a tile loaded before `_arrive` delays the arrival, one loaded after it arrives
+    while the program waits (bench/RESULTS.md, run 18)."""
     tl.debug_barrier()
     tl.atomic_add(bar_ptr, 1, sem="release")
+
+
+@triton.jit
+def _await(bar_ptr, nprog):
+    """A grid-wide barrier's second half: polls the counter with atomic reads (acquire) until every program
+    has arrived. Polling with `ld.acquire.gpu` loads instead was slower on the H200 (bench/RESULTS.md)."""
     arrived = tl.atomic_add(bar_ptr, 0, sem="acquire")
     while arrived < nprog:
         arrived = tl.atomic_add(bar_ptr, 0, sem="acquire")
     tl.debug_barrier()
+
+
+@triton.jit
+def _norm_weight(ptr, offs, mask):
+    """A norm's weight in fp32 (zero past the row), loaded at the launch's start: weights are never written,
+    so the loads need not wait for the previous kernel or a barrier."""
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -174,18 +189,11 @@ def _row(ptr, offs, mask):
 
 
 @triton.jit
-def _residual(x, y_ptr, norm_ptr, out_ptr, offs, mask, dim, eps, GEMMA: tl.constexpr, POST_NORMS: tl.constexpr):
-    """x (fp32) + the row at y_ptr (this launch's: from L2), post-normed with POST_NORMS (norm_triton's
-    `normed`, rounded as the model's norm rounds), -> out_ptr's dtype."""
-    return _residual_of(x, _row(y_ptr, offs, mask), norm_ptr, out_ptr, offs, mask, dim, eps, GEMMA, POST_NORMS)
-
-
-@triton.jit
-def _residual_of(x, y, norm_ptr, out_ptr, offs, mask, dim, eps, GEMMA: tl.constexpr, POST_NORMS: tl.constexpr):
-    """`_residual` of the row y (fp32, already loaded)."""
-    out_ty = out_ptr.dtype.element_ty
+def _residual(x, y, w_norm, out_ty: tl.constexpr, dim, eps, GEMMA: tl.constexpr, POST_NORMS: tl.constexpr):
+    """x (fp32) + the row y (fp32), post-normed with the weight w_norm when POST_NORMS (norm_triton's
+    `normed_by`, rounded as the model's norm rounds), -> out_ty."""
     if POST_NORMS:
-        y = normed(y, norm_ptr, out_ptr, offs, mask, dim, eps, 1.0, GEMMA).to(out_ty).to(tl.float32)
+        y = normed_by(y, w_norm, out_ty, dim, eps, 1.0, GEMMA).to(out_ty).to(tl.float32)
     return (x + y).to(out_ty)
 
 
@@ -260,8 +268,9 @@ def _block_kernel(
 ):  # fmt: skip
     """One of NPROG programs (all resident): the four phases over their column tiles, a grid-wide barrier
     between them. ONE_ROUND (compiled: at most one tile per program in every phase): each phase's weight tile
-    is loaded before the barrier that precedes it (weights are never written), so a phase after a barrier
-    waits only for the row it reads; else (interpreted, one program) each phase loops over its tiles.
+    is loaded while the program waits at the barrier that precedes it (between `_arrive` and `_await`;
+    weights are never written), and the norms' weights at the start, so a phase after a barrier waits only
+    for the row it reads; else (interpreted, one program) each phase loops over its tiles.
     PARTIALS: the attention comes as the split kernel's partials (`splits` per query head, Partials) and
     phase 1's tiles are (query head, BN_O rows): each program merges its head and writes that head's share
     of o in fp32 (o32 [HEADS, hidden]), which phase 2 sums. Sizes are constexprs: a model's shapes."""
@@ -278,6 +287,10 @@ def _block_kernel(
             w_o = _wtile_head(wo_ptr, hidden, q_dim, rt, head * HEAD_D, head < HEADS, BN_O, HEAD_D)
         else:
             w_o = _wtile(wo_ptr, 0, hidden, q_dim, pid, BN_O, BLOCK_Q)
+    w_post_attn = _norm_weight(post_attn_ptr, offs_h, mask_h)  # POST_NORMS: else not read
+    w_pre_ffn = _norm_weight(pre_ffn_ptr, offs_h, mask_h)
+    w_post_ffn = _norm_weight(post_ffn_ptr, offs_h, mask_h)  # POST_NORMS: else not read
+    w_next = _norm_weight(next_ptr, offs_h, mask_h)
     pdl.start(PDL)
     # 1. o = attn @ W_o^T
     x = tl.load(x_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
@@ -300,45 +313,48 @@ def _block_kernel(
             for i in range(0, (hidden + BN_O - 1) // BN_O, NPROG):  # tiles past the end are masked
                 t = i + pid
                 _store(o_ptr, t, _mv(_wtile(wo_ptr, 0, hidden, q_dim, t, BN_O, BLOCK_Q), a), hidden, BN_O)
+    _arrive(bar_ptr)
     if ONE_ROUND:
         w_g = _wtile(wgu_ptr, 0, inter, hidden, pid, BN_GU, BLOCK_H)
         w_u = _wtile(wgu_ptr, inter, inter, hidden, pid, BN_GU, BLOCK_H)
-    _sync(bar_ptr, NPROG)
+    _await(bar_ptr, NPROG)
     # 2. the attention's (post-normed) residual add and the MLP's input norm; gate/up with act(gate) * up
     if PARTIALS:  # o: the heads' shares summed in fp32, rounded once as the o projection rounds
         o_row = tl.zeros([BLOCK_H], tl.float32)
         for hh in tl.static_range(HEADS):
             o_row += _row(o32_ptr + hh * hidden, offs_h, mask_h)
         o_row = o_row.to(out_ty).to(tl.float32)
-        s = _residual_of(x, o_row, post_attn_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, GEMMA, POST_NORMS)
     else:
-        s = _residual(x, o_ptr, post_attn_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, GEMMA, POST_NORMS)
-    h = normed(s.to(tl.float32), pre_ffn_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, 1.0, GEMMA)
-    h = h.to(out_ty).to(tl.float32)
+        o_row = _row(o_ptr, offs_h, mask_h)
+    s = _residual(x, o_row, w_post_attn, out_ty, hidden, eps, GEMMA, POST_NORMS)
+    h = normed_by(s.to(tl.float32), w_pre_ffn, out_ty, hidden, eps, 1.0, GEMMA).to(out_ty).to(tl.float32)
     if ONE_ROUND:
         _store(g_ptr, pid, act_mul(_mv(w_g, h), _mv(w_u, h), out_ty, ACT), inter, BN_GU)
-        w_d = _wtile(wd_ptr, 0, hidden, inter, pid, BN_D, BLOCK_I)
     else:
         for i in range(0, (inter + BN_GU - 1) // BN_GU, NPROG):  # tiles past the end are masked
             t = i + pid
             gate = _mv(_wtile(wgu_ptr, 0, inter, hidden, t, BN_GU, BLOCK_H), h)
             up = _mv(_wtile(wgu_ptr, inter, inter, hidden, t, BN_GU, BLOCK_H), h)
             _store(g_ptr, t, act_mul(gate, up, out_ty, ACT), inter, BN_GU)
-    _sync(bar_ptr + 1, NPROG)
+    _arrive(bar_ptr + 1)
+    if ONE_ROUND:
+        w_d = _wtile(wd_ptr, 0, hidden, inter, pid, BN_D, BLOCK_I)
+    _await(bar_ptr + 1, NPROG)
     # 3. d = g @ W_down^T
     g = _row(g_ptr, offs_i, offs_i < inter)
     if ONE_ROUND:
         _store(d_ptr, pid, _mv(w_d, g), hidden, BN_D)
-        if HAS_QKV:
-            w_qkv = _wtile(wqkv_ptr, 0, n_qkv, hidden, pid, BN_QKV, BLOCK_H)
     else:
         for i in range(0, (hidden + BN_D - 1) // BN_D, NPROG):  # tiles past the end are masked
             t = i + pid
             _store(d_ptr, t, _mv(_wtile(wd_ptr, 0, hidden, inter, t, BN_D, BLOCK_I), g), hidden, BN_D)
-    _sync(bar_ptr + 2, NPROG)
+    _arrive(bar_ptr + 2)
+    if ONE_ROUND and HAS_QKV:
+        w_qkv = _wtile(wqkv_ptr, 0, n_qkv, hidden, pid, BN_QKV, BLOCK_H)
+    _await(bar_ptr + 2, NPROG)
     # 4. the MLP's (post-normed) residual add and the next norm; the next layer's qkv (+ bias)
-    x2 = _residual(s.to(tl.float32), d_ptr, post_ffn_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, GEMMA, POST_NORMS)
-    h2 = normed(x2.to(tl.float32), next_ptr, x_out_ptr, offs_h, mask_h, hidden, eps, 1.0, GEMMA).to(out_ty)
+    x2 = _residual(s.to(tl.float32), _row(d_ptr, offs_h, mask_h), w_post_ffn, out_ty, hidden, eps, GEMMA, POST_NORMS)
+    h2 = normed_by(x2.to(tl.float32), w_next, out_ty, hidden, eps, 1.0, GEMMA).to(out_ty)
     if pid == 0:
         tl.store(x_out_ptr + offs_h, x2, mask=mask_h)
         tl.store(h_out_ptr + offs_h, h2, mask=mask_h)
@@ -352,13 +368,12 @@ def _block_kernel(
                 w_t = _wtile(wqkv_ptr, 0, n_qkv, hidden, t, BN_QKV, BLOCK_H)
                 y = _biased(_mv(w_t, h2.to(tl.float32)), bqkv_ptr, t, n_qkv, BN_QKV, HAS_QKV_BIAS)
                 _store(qkv_ptr, t, y, n_qkv, BN_QKV)
-    # the last program out sets the counters back to zero (every program has passed every barrier)
+    # the last program out sets the counters back to zero (every program has passed every barrier): one
+    # plain store (the launch's end makes it visible to the next launch); four atomic exchanges, each
+    # waiting for the one before (acq_rel), kept the launch's end ~2.5 us later (bench/RESULTS.md, run 18)
     left = tl.atomic_add(bar_ptr + 3, 1, sem="acq_rel")
     if left == NPROG - 1:
-        tl.atomic_xchg(bar_ptr, 0)
-        tl.atomic_xchg(bar_ptr + 1, 0)
-        tl.atomic_xchg(bar_ptr + 2, 0)
-        tl.atomic_xchg(bar_ptr + 3, 0)
+        tl.store(bar_ptr + tl.arange(0, 4), tl.zeros([4], tl.int32))  # the COUNTERS
 
 
 INTERPRETED = isinstance(_block_kernel, InterpretedFunction)

@@ -145,7 +145,7 @@ def _linear_kernel(
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part_ptr + s * m * n_cols + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
             _epilogue(total, acc_up, b_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, ACT)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # zero again for the next launch
+            tl.store(cnt_ptr + pid_n, 0)  # zero again for the next launch (its end makes the store visible)
 
 
 @triton.jit

@@ -21,12 +21,18 @@ from services.engine.kernels import pdl
 def normed(x, w_ptr, out_ptr, offs, mask, dim, eps, w_offset, GEMMA: tl.constexpr):
     """One row x (fp32 [BLOCK_D]) RMS-normed with the weight at w_ptr, in fp32: GEMMA x * r * (w + w_offset),
     else (Llama) cast(x * r) * w, cast to out_ptr's dtype as the torch reference rounds."""
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return normed_by(x, w, out_ptr.dtype.element_ty, dim, eps, w_offset, GEMMA)
+
+
+@triton.jit
+def normed_by(x, w, out_ty: tl.constexpr, dim, eps, w_offset, GEMMA: tl.constexpr):
+    """`normed` with the weight already loaded (w: fp32 [BLOCK_D], zero past dim), rounded as to out_ty."""
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     if GEMMA:
         y = x * r * (w + w_offset)
     else:
-        y = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        y = (x * r).to(out_ty).to(tl.float32) * w
     return y
 
 
