@@ -193,13 +193,12 @@ class _GraphAttention:
                 self._ring_read = ring_read_set(bufs.ring_base, local.span, bufs.positions, local.window)
             rows, key_pos = self._ring_read
             return self._sdpa(layer_idx, q, k.shape[1], "ring", rows, key_pos, window, scale)
-        bufs.queries[layer_idx].copy_(q)  # page scoring reads them after the step (scoring steps)
         if not stored:
             self.pool.write(layer_idx, bufs.write_rows, k, v)
         if window is not None and window in bufs.local_rows:  # a sliding layer's last pages only
             return self._sdpa(layer_idx, q, k.shape[1], "local", bufs.local_rows[window], bufs.local_pos[window],
-                              window, scale, partial)  # fmt: skip
-        return self._sdpa(layer_idx, q, k.shape[1], "rows", bufs.rows, bufs.key_pos, window, scale, partial)
+                              window, scale, partial, keep_q=True)  # fmt: skip
+        return self._sdpa(layer_idx, q, k.shape[1], "rows", bufs.rows, bufs.key_pos, window, scale, partial, True)
 
     def _sdpa(
         self,
@@ -212,16 +211,21 @@ class _GraphAttention:
         window: int | None,
         scale: float,
         partial: bool = False,
+        keep_q: bool = False,
     ) -> torch.Tensor | Partials:
         """q [B, Hq, D] over the pool rows [B, W] of the layer at positions key_pos [B, W]: the fused kernel
         where it applies (`partial`: its Partials where it splits), else gathered rows and SDPA with the
-        additive mask of (read_set, window)."""
+        additive mask of (read_set, window). `keep_q`: q is also kept in the step's queries (page scoring
+        reads them after a scoring step), by the fused kernel itself or by a copy."""
         batch, width = rows.shape
         stores = self._fused_stores(layer_idx, width)
+        kept = self.bufs.queries[layer_idx] if keep_q else None
         if stores is not None:
             return self.kernels.decode_attention(  # type: ignore[union-attr,no-any-return]
-                q, *stores, rows, key_pos, self.bufs.positions, scale, window, partial=partial
+                q, *stores, rows, key_pos, self.bufs.positions, scale, window, partial=partial, keep_q=kept
             )
+        if kept is not None:
+            kept.copy_(q)
         num_heads, head_dim = q.shape[1], q.shape[2]
         k_w, v_w = self.pool.gather(layer_idx, rows.reshape(-1), q.dtype)  # [B * W, Hkv, D]
         k_w = k_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, W, D]

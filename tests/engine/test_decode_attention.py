@@ -241,6 +241,30 @@ def test_strided_query_and_given_output(where: str) -> None:
     torch.testing.assert_close(big[:, 1:9], decode_attention_reference(*x), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("partial", [False, True])
+def test_keeps_a_copy_of_the_queries(where: str, partial: bool) -> None:
+    """keep_q: the launch also copies q (strided, bf16, two sequences of 8 query heads over 2 KV heads) into
+    keep_q, exactly, once per query head whatever the split count; the attention is unchanged."""
+    from services.engine.kernels import decode_attention_triton as dat
+
+    device = device_or_skip(where)
+    x = _inputs(2, (8, 2), 64, 512, torch.bfloat16, device, seed=11)
+    assert 512 // dat.split_rows(2, 2, 512) > 1  # several splits: only the first one's programs copy
+    fused = torch.randn(2, 12, 64, device=device, dtype=torch.bfloat16)
+    fused[:, :8] = x.q
+    kept = torch.full((2, 8, 64), float("nan"), device=device, dtype=torch.bfloat16)
+    got = dat.decode_attention(*x._replace(q=fused[:, :8]), window=None, partial=partial, keep_q=kept)
+    assert torch.equal(kept, x.q)
+    if isinstance(got, dat.Partials):
+        got = dat.merge_reference(got)
+    want = dat.decode_attention_reference(*x)
+    tol = _tolerance(torch.bfloat16)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    with pytest.raises(AssertionError):  # not q's shape
+        dat.decode_attention(*x, keep_q=kept[:, :4])
+
+
 def test_split_rows_is_a_function_of_the_shapes() -> None:
     from services.engine.kernels.decode_attention_triton import split_rows
 

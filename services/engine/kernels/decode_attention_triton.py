@@ -185,6 +185,7 @@ def _split_kernel(
     l_ptr,  # [B, Hq, S] fp32: sum of exp2(score - max)
     acc_ptr,  # [B, Hq, S, D] fp32: sum of exp2(score - max) * v
     out_ptr,  # [B, Hq, D] (DIRECT only)
+    keep_ptr,  # [B, Hq, D] contiguous: a copy of q (KEEP_Q only)
     width,
     rows_per_split,
     num_splits,
@@ -209,6 +210,7 @@ def _split_kernel(
     DOT_FP32: tl.constexpr,
     INTERPRETED: tl.constexpr,
     SPLIT_BLOCKS: tl.constexpr,  # rows_per_split // BLOCK_N, interpreted only (0 when compiled)
+    KEEP_Q: tl.constexpr,  # the first split's programs copy q to keep_ptr
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.start(PDL)
@@ -220,6 +222,10 @@ def _split_kernel(
     heads = kv * G + g  # [BLOCK_G] query heads of this KV head
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+    if KEEP_Q:
+        if split == 0:
+            kept = keep_ptr + (b * tl.num_programs(1) * G + heads[:, None]) * D + d[None, :]
+            tl.store(kept, q.to(keep_ptr.dtype.element_ty), mask=g_ok[:, None])
     if DOT_FP32:
         q = q.to(tl.float32)
     else:
@@ -352,9 +358,12 @@ def decode_attention(
     window: int | None = None,
     out: torch.Tensor | None = None,
     partial: bool = False,
+    keep_q: torch.Tensor | None = None,
 ) -> torch.Tensor | Partials:
     """`decode_attention_reference` in one or two launches -> out [B, Hq, D] (q's dtype unless `out`); with
-    `partial`, the split kernel's Partials when there are several splits (no merge launch: the caller merges).
+    `partial`, the split kernel's Partials when there are several splits (no merge launch: the caller merges);
+    `keep_q` [B, Hq, D] (contiguous): q is also copied there, by the same launch (a decode step's queries,
+    kept for page scoring, without a copy of their own).
 
     q: [B, Hq, D] (last dim contiguous); k_store, v_store: [R, Hkv, D] one pool layer (plain float
     dtype, last dim contiguous); rows, key_pos: [B, W] int64 with W a multiple of 64; q_pos: [B] int64.
@@ -363,9 +372,8 @@ def decode_attention(
     batch, width = rows.shape
     assert rows.shape == key_pos.shape == (batch, width) and q_pos.shape == (batch,), (rows.shape, key_pos.shape)
     assert rows.dtype == key_pos.dtype == q_pos.dtype == torch.int64
-    return _attend(
-        q, k_store, v_store, rows.contiguous(), key_pos.contiguous(), q_pos, scale, window, out, width, 0, partial
-    )
+    rows, key_pos = rows.contiguous(), key_pos.contiguous()
+    return _attend(q, k_store, v_store, rows, key_pos, q_pos, scale, window, out, width, 0, partial, keep_q)
 
 
 def decode_attention_ring(
@@ -406,9 +414,11 @@ def _attend(
     width: int,
     span: int,
     partial: bool = False,
+    keep_q: torch.Tensor | None = None,
 ) -> torch.Tensor | Partials:
     """The launches of both read sets: rows/key_pos [B, W] (span 0), or a ring (rows = ring bases, span > 0);
-    `partial`: the partials instead of the merge launch (one split: the output, as always)."""
+    `partial`: the partials instead of the merge launch (one split: the output, as always); `keep_q`: a copy
+    of q written there."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_store.shape[1]
     assert supported(k_store), f"k_store {k_store.dtype} {tuple(k_store.shape)}: plain float, D a power of 2 <= 256"
@@ -420,6 +430,7 @@ def _attend(
     if out is None:
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.stride(2) == 1, (out.shape, q.shape)
+    assert keep_q is None or (keep_q.shape == q.shape and keep_q.is_contiguous()), (keep_q, q.shape)
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
@@ -437,13 +448,14 @@ def _attend(
     # fp32 dots (IEEE) for fp32 or mixed inputs, and interpreted: the interpreter's tl.dot is wrong on bf16
     dot_fp32 = k_store.dtype == torch.float32 or q.dtype != k_store.dtype or INTERPRETED
     _split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out,
+        q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out, keep_q if keep_q is not None else out,
         width, per_split, num_splits, window if window is not None else 0, max(span, 1), scale * LOG2E,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, RING=span > 0, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
-        SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, num_warps=8 if dot_fp32 else 4, num_stages=2,
+        SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, KEEP_Q=keep_q is not None,
+        num_warps=8 if dot_fp32 else 4, num_stages=2,
         **pdl.launch_args(q.device),
     )  # fmt: skip
     if direct:
