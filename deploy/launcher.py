@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack(cfg)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    # Ctrl-C (KeyboardInterrupt) stops the stack; installed explicitly because Python leaves SIGINT ignored when
+    # the launcher was started with it ignored (a background job of a non-interactive shell: `make run &`)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         stack.start()
         print(f"\nKVMem is up: {stack.url}/v1  (model list: curl {stack.url}/v1/models; Ctrl-C stops)\n", flush=True)
