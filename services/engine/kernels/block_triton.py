@@ -428,7 +428,8 @@ def block(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`block_reference` in one launch (`supported` inputs; Partials that `takes`): -> (x', h', qkv' or
     None). `programs` overrides the grid (benchmarks); at most the SM count, so that every program is
-    resident."""
+    resident. `preload=False` (benchmarks, tests) takes the looping path even where one round of tiles would
+    do: each phase loads its weight tiles after its barrier."""
     if isinstance(attn, Partials) and not takes(attn, x, w):  # merged by its own launch first
         attn = merge(attn).reshape(attn.m.shape[0], -1)
     partials = attn if isinstance(attn, Partials) else None
