@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python3 bench/profile_decode.py --mode kernels   # one 2K step: CUDA-graph replay time, and the
                                                                 # eager step under torch.profiler (kernels, GPU busy);
-                                                                # --context 30000: a step through the ring (4K pool)
+                                                                # --context 30000: a step through the ring (4K pool);
+                                                                # --knock split,head: those parts left out (below)
     PYTHONPATH=. python3 bench/profile_decode.py --mode host      # 2K: step wall time vs replay alone, cProfile
     PYTHONPATH=. python3 bench/profile_decode.py --mode ring      # 30K through the ring (4K pool, a kvstore on this
                                                                 # host): decode-step phases (which calls make the slow
@@ -17,6 +18,13 @@
 
 The engine is built without its loop thread and stepped here (build_engine(start=False)). Random weights:
 speeds and rounding, not quality.
+
+`--knock` (timing only: the tokens are wrong) replaces parts of the step by a buffer of the right shape,
+launching nothing: `qk` (the q/k norm + RoPE launch), `split` (the attention's launches), `block` (the
+persistent layer kernel), `head` (the vocabulary head and its cast). The replay without a part, against
+the replay with it in the same run, is that part's cost inside the chain of launches, which differs from
+its own time under the profiler (programmatic dependent launch overlaps a kernel's start with the one
+before; bench/RESULTS.md run 19).
 """
 
 from __future__ import annotations
@@ -41,6 +49,48 @@ from bench.decode import write_random_gemma  # noqa: E402
 from services.engine.builder import build_engine  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.sampling import SamplingParams  # noqa: E402
+
+KNOCKABLE = ("qk", "split", "block", "head")
+
+
+def knock_out(parts: set[str]) -> None:
+    """Replace each named part of the decode step by a cached zero buffer of its output's shape (the module
+    docstring); timing only."""
+    from services.engine.kernels import block_triton, norm_triton
+    from services.engine.kernels import decode_attention_triton as attention
+    from services.engine.models import gemma3
+
+    buffers: dict[tuple[object, ...], torch.Tensor] = {}
+
+    def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (shape, dtype, str(device))
+        if key not in buffers:
+            buffers[key] = torch.zeros(shape, dtype=dtype, device=device)
+        return buffers[key]
+
+    def qk(qkv, q_w, k_w, cos, sin, eps, num_q_heads, num_kv_heads, gemma, kv_sink=None, positions=None):  # type: ignore[no-untyped-def]  # noqa: E501
+        return zeros((qkv.shape[0], num_q_heads + num_kv_heads, qkv.shape[2]), qkv.dtype, qkv.device)
+
+    def attend(q, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return zeros(tuple(q.shape), q.dtype, q.device)
+
+    def block(attn, x, w, *args, **kwargs):  # type: ignore[no-untyped-def]
+        n_qkv = w.qkv.shape[0] if w.qkv is not None else 0
+        qkv = zeros((1, n_qkv), x.dtype, x.device) if n_qkv else None
+        return zeros(tuple(x.shape), x.dtype, x.device), zeros((1, x.shape[1]), x.dtype, x.device), qkv
+
+    def logits(self, hidden):  # type: ignore[no-untyped-def]
+        return zeros((hidden.shape[0], self.config.vocab_size), torch.float32, hidden.device)
+
+    if "qk" in parts:
+        norm_triton.qk_norm_rope = qk
+    if "split" in parts:
+        attention.decode_attention = attend
+        attention.decode_attention_ring = attend
+    if "block" in parts:
+        block_triton.block = block
+    if "head" in parts:
+        gemma3.Gemma3ForCausalLM.logits = logits
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -381,7 +431,13 @@ def main() -> int:
         default=None,
         help="--mode kernels (2,000) and gaps (30,000): the prompt length (past 4,000: the ring)",
     )
+    parts = ", ".join(KNOCKABLE)
+    p.add_argument("--knock", default="", help=f"--mode kernels: parts left out ({parts}; comma-separated)")
     a = p.parse_args()
+    knocked = {part for part in a.knock.split(",") if part}
+    if knocked - set(KNOCKABLE) or (knocked and a.mode != "kernels"):
+        p.error(f"--knock takes {parts} with --mode kernels")
+    knock_out(knocked)
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
         print("profile_decode.py needs a CUDA device")
