@@ -196,8 +196,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--no-hf", action="store_true", help="engine only")
     p.add_argument("--no-local-ring", action="store_true", help="page the sliding-window layers too")
-    p.add_argument("--ring-prefetch-steps", type=int, default=8, help="EngineConfig.ring_prefetch_steps (0: restores "
-                   "inside the re-selecting step)")  # fmt: skip
+    p.add_argument("--ring-prefetch-steps", type=int, default=EngineConfig.ring_prefetch_steps,
+                   help="EngineConfig.ring_prefetch_steps (0: restores inside the re-selecting step)")  # fmt: skip
     p.add_argument("--decode-burst", type=int, default=8, help="EngineConfig.decode_burst of the graphs mode")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()

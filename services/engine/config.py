@@ -53,9 +53,11 @@ class EngineConfig:
     neighbor_pages: int = 1  # seam completion reach
     query_tail: int = 64  # scored tokens when no query span is known
     rescore_interval: int = 16  # decode steps between re-selections (0: select at prefill only)
-    # decode re-selections take effect this many steps later, their host pages fetched meanwhile: a fetch of ~30
-    # pages takes ~4.6 ms on the H200 host (GetPages and Python) against ~0.65 ms a decode step (bench/RESULTS.md)
-    ring_prefetch_steps: int = 8
+    # decode re-selections take effect this many steps later, their host pages fetched meanwhile. Two bursts of 8:
+    # the fetch starts when the scoring burst's tokens are read, with the next burst already on the device, and
+    # takes ~3 ms on the H200 host (GetPages, Python, the copy) against ~3.4 ms a burst of 8 at 32K, so one
+    # burst left the device idle ~1.7 ms a re-selection; two leave it ~0.2 ms (bench/RESULTS.md, run 20)
+    ring_prefetch_steps: int = 16
     retrieval: bool = True  # False: the negative control (evidence stays empty)
     audit_dir: str = ""  # write per-selection scores and choices here
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
@@ -248,7 +250,7 @@ class EngineConfig:
         p.add_argument(
             "--ring-prefetch-steps",
             type=int,
-            default=int(env("KVMEM_RING_PREFETCH_STEPS", "8")),
+            default=int(env("KVMEM_RING_PREFETCH_STEPS", "16")),
             help="decode steps between a re-selection and its evidence taking effect (its host pages are "
             "fetched in the background meanwhile); 0: at the next step, restored inside it",
         )
