@@ -40,6 +40,10 @@ The fourth (`--tables block`) is Gemma 3 270M's 18 layers from the attention out
 qkv: the six launches a decode step ran (o, post-norm + add + next norm, gated gate/up, down, post-norm +
 add + next norm, qkv) against kernels/block_triton.py's one persistent launch per layer, over grid sizes,
 warps, and with the weights loaded before each barrier or after it; both replayed from a CUDA graph.
+
+The fifth (`--tables head`) is Gemma 3 270M's vocabulary head at the end of a decode step (262,144 x 640
+bf16): cuBLAS, the cast to fp32 and torch.argmax (the baseline) against kernels/head_triton.py's one launch,
+ten heads a replay, with the weight bandwidth each reaches and whether the tokens agree.
 """
 
 from __future__ import annotations
@@ -417,6 +421,35 @@ def _block_table(device: torch.device, reps: int) -> None:
         print(f"| {label} | {programs} | {t:.1f} | {base / t:.2f} | {err:.1e} |", flush=True)
 
 
+def _head_table(device: torch.device, reps: int) -> None:
+    """The vocabulary head of a one-row step: cuBLAS + cast + torch.argmax against kernels/head_triton.py."""
+    from services.engine.kernels import head_triton
+
+    vocab, hidden, heads = 262_144, 640, 10
+    g = torch.Generator(device=device).manual_seed(11)
+    weight = (torch.randn(vocab, hidden, generator=g, device=device) / hidden**0.5).to(torch.bfloat16)
+    rows = [torch.randn(1, hidden, generator=g, device=device).to(torch.bfloat16) for _ in range(heads)]
+    tokens: dict[str, list[torch.Tensor]] = {"torch": [], "kernel": []}
+
+    def baseline() -> None:
+        tokens["torch"] = [torch.argmax(head_triton.head_reference(h, weight), dim=-1) for h in rows]
+
+    def fused() -> None:
+        tokens["kernel"] = [t for h in rows if (t := head_triton.head(h, weight, argmax=True)[1]) is not None]
+
+    nbytes = weight.numel() * weight.element_size()
+    print("| path | us a head | weight TB/s | x vs baseline | tokens agree |")
+    print("|---|---|---|---|---|")
+    base = _timer(device, _graphed(device, baseline), reps) / heads
+    print(f"| cuBLAS + fp32 cast + torch.argmax | {base:.1f} | {nbytes / base / 1e6:.2f} | 1.00 | - |")
+    t = _timer(device, _graphed(device, fused), reps) / heads
+    baseline()
+    fused()
+    agree = all(bool(torch.equal(a, b)) for a, b in zip(tokens["torch"], tokens["kernel"], strict=True))
+    print(f"| kernels/head_triton.py (one launch) | {t:.1f} | {nbytes / t / 1e6:.2f} | {base / t:.2f} | {agree} |",
+          flush=True)  # fmt: skip
+
+
 def _backends(device: torch.device, wanted: list[str]) -> dict[str, object]:
     """Kernel modules that can run here (triton, cupy), by name."""
     found: dict[str, object] = {}
@@ -462,7 +495,7 @@ def main() -> int:
     p.add_argument("--contexts", default="2048,8192,32768", help="context lengths in tokens")
     p.add_argument("--backends", default="triton,cupy")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--tables", default="summary,decode,linear", help="which tables: summary, decode, linear, block")
+    p.add_argument("--tables", default="summary,decode,linear", help="summary, decode, linear, block, head")
     p.add_argument("--decode-widths", default="2048,4096,8192", help="decode attention: rows read per sequence")
     p.add_argument("--decode-batches", default="1,8", help="decode attention: sequences per step")
     a = p.parse_args()
@@ -481,6 +514,9 @@ def main() -> int:
     if "linear" in tables and device.type == "cuda":  # CUDA only: the interpreter is for tests
         print()
         _linear_table(device, _ints(a.decode_batches), a.reps)
+    if "head" in tables and device.type == "cuda":
+        print()
+        _head_table(device, a.reps)
     return 0
 
 

@@ -21,7 +21,7 @@ speeds and rounding, not quality.
 
 `--knock` (timing only: the tokens are wrong) replaces parts of the step by a buffer of the right shape,
 launching nothing: `qk` (the q/k norm + RoPE launch), `split` (the attention's launches), `block` (the
-persistent layer kernel), `head` (the vocabulary head and its cast). The replay without a part, against
+persistent layer kernel), `head` (the vocabulary head, its cast and argmax). The replay without a part, against
 the replay with it in the same run, is that part's cost inside the chain of launches, which differs from
 its own time under the profiler (programmatic dependent launch overlaps a kernel's start with the one
 before; bench/RESULTS.md run 19).
@@ -79,8 +79,10 @@ def knock_out(parts: set[str]) -> None:
         qkv = zeros((1, n_qkv), x.dtype, x.device) if n_qkv else None
         return zeros(tuple(x.shape), x.dtype, x.device), zeros((1, x.shape[1]), x.dtype, x.device), qkv
 
-    def logits(self, hidden):  # type: ignore[no-untyped-def]
-        return zeros((hidden.shape[0], self.config.vocab_size), torch.float32, hidden.device)
+    def head(self, hidden, argmax):  # type: ignore[no-untyped-def]
+        rows = hidden.shape[0]
+        token = zeros((rows,), torch.int64, hidden.device) if argmax else None
+        return zeros((rows, self.config.vocab_size), torch.float32, hidden.device), token
 
     if "qk" in parts:
         norm_triton.qk_norm_rope = qk
@@ -90,7 +92,7 @@ def knock_out(parts: set[str]) -> None:
     if "block" in parts:
         block_triton.block = block
     if "head" in parts:
-        gemma3.Gemma3ForCausalLM.logits = logits
+        gemma3.Gemma3ForCausalLM.head = head
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:

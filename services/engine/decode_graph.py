@@ -394,16 +394,17 @@ class DecodeGraphs:
             out.append(page_scores(q.reshape(1, -1, q.shape[-1]), *bounds, self._score_scale))
         return out
 
-    def _forward(self, bufs: _Buffers) -> torch.Tensor:
-        """The step on the static buffers: hidden states of the B tokens -> logits [B, V] float32."""
+    def _forward(self, bufs: _Buffers) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step on the static buffers: the B tokens -> (logits [B, V] float32, their argmax [B])."""
         attn = _GraphAttention(self.pool, bufs, self.dtype, self.kv_sinks)
         hidden = self.model(bufs.ids, bufs.positions, attn)  # [B, hidden]
-        return self.model.logits(hidden)
+        logits, token = self.model.head(hidden, argmax=True)
+        assert token is not None
+        return logits, token
 
     def _step(self, bufs: _Buffers) -> torch.Tensor:
         """The step, then its inputs advanced to the next step of a burst (the module docstring)."""
-        logits = self._forward(bufs)
-        token = torch.argmax(logits, dim=-1)  # [B]
+        logits, token = self._forward(bufs)
         kernels = triton_module("step_triton", self.device)
         (kernels.advance if kernels is not None else advance_inputs)(token, bufs.burst_tokens, bufs.inputs)
         return logits

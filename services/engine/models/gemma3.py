@@ -17,12 +17,20 @@ from types import ModuleType
 from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.engine.attention import AttentionBackend
 from services.engine.models.config import ModelConfig
-from services.engine.models.llama import MLP, Rope, RotaryEmbedding, apply_rope, block_kernel, fused_kernels, project
+from services.engine.models.llama import (
+    MLP,
+    Rope,
+    RotaryEmbedding,
+    apply_rope,
+    block_kernel,
+    fused_kernels,
+    project,
+    vocab_head,
+)
 
 if TYPE_CHECKING:
     from services.engine.kernels.block_triton import BlockWeights
@@ -223,7 +231,14 @@ class Gemma3ForCausalLM(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [M, hidden] -> float32 logits [M, vocab], softcapped if the config says so."""
+        return self.head(hidden, argmax=False)[0]
+
+    def head(self, hidden: Tensor, argmax: bool) -> tuple[Tensor, Tensor | None]:
+        """hidden: [M, hidden] -> (float32 logits [M, vocab], softcapped if the config says so; with `argmax`
+        their argmax [M]) (llama.vocab_head; a softcap is applied to the logits, then the argmax taken)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None:
+            return vocab_head(hidden, weight, argmax)
+        logits = torch.tanh(vocab_head(hidden, weight, False)[0] / cap) * cap
+        return logits, torch.argmax(logits, dim=-1) if argmax else None

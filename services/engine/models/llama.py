@@ -44,6 +44,17 @@ def project(layer: nn.Linear, x: Tensor) -> Tensor:
     return layer(x)  # type: ignore[no-any-return]
 
 
+def vocab_head(hidden: Tensor, weight: Tensor, argmax: bool) -> tuple[Tensor, Tensor | None]:
+    """hidden [M, H] @ weight [V, H]^T -> (fp32 logits [M, V], with `argmax` their argmax [M], else None). One
+    row on the Triton tier takes kernels/head_triton.py (the product, the cast and the argmax in one launch),
+    eager and captured steps alike, so that both see the same logits; else cuBLAS, the cast, torch.argmax."""
+    kernel = triton_module("head_triton", hidden.device)
+    if kernel is not None and kernel.enabled() and kernel.supported(hidden, weight):
+        return kernel.head(hidden, weight, argmax)  # type: ignore[no-any-return]
+    logits = F.linear(hidden, weight).float()
+    return logits, torch.argmax(logits, dim=-1) if argmax else None
+
+
 def block_kernel(x: Tensor, layers: int) -> ModuleType | None:
     """kernels/block_triton.py when a forward of x may run each of its `layers` layers' second half in one
     launch: one row (a decode step of one sequence) on the Triton tier, the kernel on, and barrier counters
@@ -298,5 +309,9 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [M, hidden] -> float32 logits [M, vocab]."""
+        return self.head(hidden, argmax=False)[0]
+
+    def head(self, hidden: Tensor, argmax: bool) -> tuple[Tensor, Tensor | None]:
+        """hidden: [M, hidden] -> (float32 logits [M, vocab], with `argmax` their argmax [M]) (`vocab_head`)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return vocab_head(hidden, weight, argmax)
