@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CausalLM", "ModelFormatError", "UnsupportedModelError", "load_model"]
 
-# Both expose forward(input_ids, positions, attn) -> hidden, logits(hidden), config, embed_tokens.
+# Both expose forward(input_ids, positions, attn) -> hidden, logits(hidden), head(hidden, argmax) -> (logits,
+# argmax), config, embed_tokens.
 CausalLM = LlamaForCausalLM | Gemma3ForCausalLM
 # A source returns the float tensor stored under an HF name, or raises KeyError.
 TensorSource = Callable[[str], Tensor]
