@@ -4,7 +4,7 @@ A batch-1 decode step ends with the vocabulary head (Gemma 3 270M: 262,144 x 640
 largest read of the step), then a cast of its output to fp32 and an argmax over the vocabulary: three
 launches, 94 us on the H200 of which cuBLAS's product is 80 (bench/RESULTS.md, run 20). Here each program
 takes BLOCK_V rows of the weight, computes their logits in fp32 (rounded to the weight's dtype first, as
-the cuBLAS output the model's torch code casts), stores them in fp32, and with `token` also its rows' maximum
+the cuBLAS output the model's torch code casts), stores them in fp32, and for the argmax also its rows' maximum
 and the first row that reaches it; the last program to finish (an arrival counter, kernels/arrivals.py)
 reduces those partials to the step's token. Programs take tiles in row order, so the first maximal row
 wins as in torch.argmax; a NaN logit counts as larger than every number (torch.argmax's rule too).
