@@ -30,7 +30,7 @@ from services.engine.kernels import arrivals, pdl
 
 logger = logging.getLogger(__name__)
 
-BLOCK_V = 64  # weight rows a program (the fastest of 48 tile shapes on the H200: bench/RESULTS.md, run 20)
+BLOCK_V = 64  # weight rows a program (the fastest of 16 tile shapes on the H200: bench/RESULTS.md, run 20)
 BLOCK_K = 64  # hidden size a load
 WARPS = 4
 MAX_TILES = 1 << 16  # partials the last program reduces in one pass (a 4M-row vocabulary)
