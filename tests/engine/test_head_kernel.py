@@ -89,19 +89,47 @@ def test_refuses_what_it_does_not_take() -> None:
         head(torch.cat([h, h]), weight)
 
 
-def test_the_models_take_it_for_one_row_and_agree_with_cublas_path() -> None:
-    """llama.vocab_head on the interpreted tier: one row through the kernel (logits and argmax), two rows through
-    F.linear; the same logits either way to the rounding, and KVMEM_HEAD_KERNEL's switch is honoured."""
+def test_the_models_take_it_for_one_row_and_agree_with_cublas_path(
+    monkeypatch: pytest.MonkeyPatch, triton_tier: None
+) -> None:
+    """llama.vocab_head on the interpreted Triton tier: one row through the kernel (logits and argmax), two rows through
+    F.linear; the same logits either way to the rounding; a tiny Gemma's `head` (what a decode step calls) takes
+    it too; KVMEM_HEAD_KERNEL=0 keeps one row on F.linear."""
     from services.engine.kernels import head_triton
     from services.engine.models.llama import vocab_head
+    from tests.engine.helpers import tiny_gemma
 
+    calls: list[int] = []
+    real = head_triton.head
+
+    def counted(h: torch.Tensor, weight: torch.Tensor, argmax: bool = False):  # noqa: ANN202
+        calls.append(h.shape[0])
+        return real(h, weight, argmax)
+
+    monkeypatch.setattr(head_triton, "head", counted)
     h, weight = _head_inputs(300, 48, torch.bfloat16, torch.device("cpu"), seed=3)
     one, token = vocab_head(h, weight, argmax=True)
     two, tokens = vocab_head(torch.cat([h, h]), weight, argmax=True)
+    assert calls == [1]  # the one row only
     assert token is not None and tokens is not None
     torch.testing.assert_close(one[0], two[0], rtol=8e-3, atol=8e-3)
     assert int(token) == int(torch.argmax(one, dim=-1)) and tokens.tolist() == torch.argmax(two, dim=-1).tolist()
-    assert head_triton.enabled()
+    model = tiny_gemma(64)  # the decode graph's call: the model's head (tied embedding, no softcap)
+    hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    logits, model_token = model.head(hidden, argmax=True)
+    assert calls == [1, 1] and model_token is not None
+    torch.testing.assert_close(logits, head_triton.head_reference(hidden, model.embed_tokens.weight))
+    assert int(model_token) == int(torch.argmax(logits, dim=-1))
+    calls.clear()
+    monkeypatch.setenv("KVMEM_HEAD_KERNEL", "0")
+    head_triton.enabled.cache_clear()
+    try:
+        off, off_token = vocab_head(h, weight, argmax=True)
+    finally:
+        head_triton.enabled.cache_clear()  # the next test reads the switch again (set back by monkeypatch)
+    assert calls == []
+    torch.testing.assert_close(off, two[:1], rtol=0, atol=0)
+    assert off_token is not None and int(off_token) == int(tokens[0])
 
 
 @pytest.mark.gpu
