@@ -19,6 +19,7 @@ from services.engine.local_ring import LocalRings, ring_span
 from services.engine.model_runner import ModelRunner
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
+from services.engine.recurrent_state import RecurrentStates
 from services.engine.ring import RingLimits
 from services.engine.write_through import WriteThrough
 
@@ -57,9 +58,9 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
     use_tier(select_tier(device, config.kernels))
     model_id = config.model_id or default_model_id(path)
     try:
-        formats = config.kv_spec.resolve(model_config.layer_windows)
+        formats = config.kv_spec.resolve(model_config.kv_layer_windows)
         pool = KVPool(
-            model_config.num_layers,
+            len(model_config.kv_layers),  # qwen3_5: the full-attention layers only (the linear ones keep a state)
             config.num_slots,
             config.page_size,
             model_config.num_kv_heads,
@@ -102,7 +103,11 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
         decode_burst=config.burst_for(device),
         decode_overlap=config.decode_overlap,
     )
-    runner = ModelRunner(model, pool, device, host, cuda_graphs=config.cuda_graphs, max_batch=config.max_running)
+    states = recurrent_states(model_config, config, device)
+    runner = ModelRunner(
+        model, pool, device, host, decode_runner=states is None, cuda_graphs=config.cuda_graphs,
+        max_batch=config.max_running, states=states,
+    )  # fmt: skip
     engine = Engine(limits, runner, tokenizer, write_through)
     if start:
         engine.start()
@@ -122,9 +127,20 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
     return engine, info
 
 
+def recurrent_states(model_config: ModelConfig, config: EngineConfig, device: torch.device) -> RecurrentStates | None:
+    """The linear-attention layers' per-sequence states (one slot per running sequence), or None (no such layers).
+    Their decode steps run eagerly: the decode runner (CUDA graphs) does not take the state buffers yet."""
+    if model_config.linear is None:
+        return None
+    return RecurrentStates(
+        model_config.linear, config.max_running, device, config.torch_dtype,
+        config.state_interval_pages * config.page_size, config.state_snapshots,
+    )  # fmt: skip
+
+
 def local_rings(model_config: ModelConfig, config: EngineConfig) -> LocalRings | None:
     """The sliding-window layers' rings (one per running sequence), or None when the model has none."""
-    windows = {i: w for i, w in enumerate(model_config.layer_windows) if w is not None}
+    windows = {i: w for i, w in enumerate(model_config.kv_layer_windows) if w is not None}
     if not windows:
         return None
     span = ring_span(max(windows.values()), config.page_size)

@@ -61,6 +61,9 @@ class EngineConfig:
     retrieval: bool = True  # False: the negative control (evidence stays empty)
     audit_dir: str = ""  # write per-selection scores and choices here
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
+    # recurrent (linear-attention) layers: their state is snapshotted every this many pages for prefix reuse
+    state_interval_pages: int = 8
+    state_snapshots: int = 32  # snapshots kept on the device (LRU; older ones come back from the kvstore)
     # -- GPU execution --
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     decode_burst: int = 0  # greedy decode steps per host round trip (1: off; 0: auto, BURST_ON_CUDA on CUDA, 1 on CPU)
@@ -97,6 +100,8 @@ class EngineConfig:
             raise ConfigError(f"prefill_policy {self.prefill_policy!r} not in sparse, exact")
         if not 0.0 <= self.retrieval_share <= 1.0:
             raise ConfigError(f"retrieval_share must be in [0, 1], got {self.retrieval_share}")
+        if self.state_interval_pages < 1 or self.state_snapshots < 1:
+            raise ConfigError("state_interval_pages and state_snapshots must be >= 1")
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_running < 1 or self.max_waiting < 1:
@@ -287,6 +292,12 @@ class EngineConfig:
             default=env("KVMEM_LOCAL_RING", "1") == "0",
             help="keep sliding-window layers in the page slots too (every layer paged)",
         )
+        p.add_argument(
+            "--state-interval-pages",
+            type=int,
+            default=int(env("KVMEM_STATE_INTERVAL_PAGES", "8")),
+            help="recurrent layers (qwen3_5): snapshot their state every this many pages (prefix reuse)",
+        )
         a = p.parse_args(argv)
         return cls(
             listen_addr=a.listen,
@@ -322,4 +333,5 @@ class EngineConfig:
             decode_burst=a.decode_burst,
             kernels=a.kernels,
             local_ring=not a.no_local_ring,
+            state_interval_pages=a.state_interval_pages,
         )

@@ -110,7 +110,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.slots, limits.page_size, limits.prefill_chunk, limits.max_running, limits.model_id,
             limits.kv_format, self.ring, limits.ring_chunk, self._new_ring if self.ring else None, self.pool,
-            runner.host, limits.decode_burst, runner.accepts_burst,
+            runner.host, limits.decode_burst, runner.accepts_burst, runner.states,
         )  # fmt: skip
         self.stats = EngineStats()
         self.ring_snapshot = RingSnapshot()
@@ -359,7 +359,7 @@ class Engine:
         size = self.limits.page_size
         max_pages = -(-min(self.limits.max_context, len(seq.prompt_ids) + seq.max_tokens) // size)
         summaries = PageSummaries(
-            cfg.num_layers, max_pages, cfg.num_kv_heads, cfg.head_dim, self.pool.device, self.pool.paged_layers
+            self.pool.num_layers, max_pages, cfg.num_kv_heads, cfg.head_dim, self.pool.device, self.pool.paged_layers
         )
         query_start = seq.query_start
         if query_start < 0:
@@ -413,6 +413,9 @@ class Engine:
             ready = copied(self.pool.device)  # the writer waits for the copy, not the engine (a burst may be in flight)
             for i, page in zip(written, pages, strict=True):
                 self.write_through.submit(table.page_hashes[i], page, size, ready=ready)
+        states = self.runner.states
+        if states is not None and states.is_boundary(computed) and len(table.page_hashes) * size == computed:
+            states.publish(seq.state_slot, table.page_hashes[-1], self.write_through)  # the state after `computed`
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         matched = seq.detokenizer.matched_stop or ""

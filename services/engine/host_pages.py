@@ -202,6 +202,25 @@ class KVStoreHostPages:
         self._write_through.mark_written(page_hashes[:found])
         return found
 
+    def present(self, keys: list[bytes]) -> list[bool]:
+        """Which of these keys the store holds (one lookup; pages or other stored objects alike)."""
+        return [loc.found for loc in self._client.lookup(keys)] if keys else []
+
+    def fetch_blob(self, key: bytes, nbytes: int) -> torch.Tensor | None:
+        """One stored object that is not a page (a recurrent-state snapshot, recurrent_state.py) as uint8
+        [nbytes] on the CPU; None when it is gone or of another size."""
+        try:
+            batch = self._client.get_pages([key])
+        except PageNotFoundError:
+            return None
+        try:
+            data = next(iter(batch))
+            if data is None or len(data) != nbytes:
+                return None
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        finally:
+            batch.release()
+
     def fetch(self, page_hashes: list[bytes]) -> list[torch.Tensor]:
         """Pages as uint8 [page_nbytes] CPU tensors (KVPool.read_page's layout; rows of one tensor), in one
         batched read; PagesLostError when any is gone."""

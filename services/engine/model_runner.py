@@ -11,6 +11,7 @@ from services.engine.decode_graph import DecodeGraphs
 from services.engine.kv_pool import KVPool
 from services.engine.models.loader import CausalLM
 from services.engine.paged_attention import SeqSpan, StepAttention
+from services.engine.recurrent_state import RecurrentStates
 from services.engine.ring import HostPages
 from services.engine.scheduler import Work
 from services.engine.sequence import NOT_RESIDENT
@@ -46,11 +47,13 @@ class ModelRunner:
         decode_runner: bool = True,
         cuda_graphs: bool = True,
         max_batch: int = 16,
+        states: RecurrentStates | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.host = host
+        self.states = states  # the linear-attention layers' per-sequence states (qwen3_5), else None
         self.decode = DecodeGraphs(model, pool, device, max_batch, cuda_graphs) if decode_runner else None
 
     def accepts_burst(self, works: list[Work]) -> bool:
@@ -105,7 +108,14 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         cfg = self.model.config
         attn = StepAttention(self.pool, spans, cfg.num_heads // cfg.num_kv_heads, self.model.embed_tokens.weight.dtype)
-        hidden = self.model(ids, pos, attn)  # [N, hidden]
+        if self.states is not None:  # each sequence's slot; a scoring pass reads its state, keeps nothing
+            batch = self.states.batch(
+                [w.seq.state_slot for w in works], [w.num_new for w in works], [w.start == 0 for w in works],
+                [not w.score_only for w in works],
+            )  # fmt: skip
+            hidden = self.model(ids, pos, attn, batch)  # type: ignore[call-arg]
+        else:
+            hidden = self.model(ids, pos, attn)  # [N, hidden]
         scores = [span.scores for span in spans]
         if not sample_rows:
             return torch.empty(0, device=self.device), scores

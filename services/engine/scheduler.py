@@ -33,13 +33,18 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from services.common.pagehash import chain_hashes, root_hash
 from services.engine.kv_pool import KVPool
+from services.engine.recurrent_state import RecurrentStates, state_key
 from services.engine.ring import HostPages, PagesLostError, RingExhaustedError, RingManager, restore_pages
 from services.engine.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
 from services.engine.slots import SlotAllocator
+from services.kvstore.pages import KVStoreError
+
+if TYPE_CHECKING:
+    from services.engine.host_pages import KVStoreHostPages
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +90,10 @@ class Scheduler:
         host: HostPages | None = None,
         decode_burst: int = 1,
         burst_ok: Callable[[list[Work]], bool] | None = None,
+        states: RecurrentStates | None = None,
     ) -> None:
+        self.states = states  # linear-attention layers' states (qwen3_5): prefixes end where a snapshot is
+        self.num_state_restores = 0  # prefixes that restored a recurrent-state snapshot
         self.decode_burst = decode_burst  # most decode steps one step may run (1: no bursts)
         self.burst_ok = burst_ok  # can the runner run these works as a burst (the decode runner accepts them)
         self.pool = pool  # for copying matched tail pages
@@ -216,7 +224,16 @@ class Scheduler:
             end = seq.num_computed + want
             if seq.num_computed < query_from < end < prompt_len and prompt_len - query_from <= limit:
                 want = query_from - seq.num_computed
-        return want
+        return self._state_chunk(seq, want)
+
+    def _state_chunk(self, seq: Sequence, want: int) -> int:
+        """A prefill chunk of a model with recurrent layers ends at the last snapshot boundary it crosses, so
+        that the state there is snapshotted (recurrent_state.py)."""
+        if self.states is None or not seq.in_prefill:
+            return want
+        interval = self.states.interval
+        boundary = (seq.num_computed + want) // interval * interval
+        return boundary - seq.num_computed if boundary > seq.num_computed else want
 
     def _work(self, seq: Sequence, want: int) -> Work:
         work = self._shape(seq, want)
@@ -388,6 +405,9 @@ class Scheduler:
             self.ring.release(seq.ring)
         if seq.local_ring >= 0:
             self._park_or_release_local(seq, park)
+        if seq.state_slot >= 0 and self.states is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = -1
         seq.page_table = PageTable()
         seq.num_computed = 0
         seq.ring = None
@@ -463,6 +483,9 @@ class Scheduler:
         hashes = chain_hashes(
             seq.token_ids[: reusable * self.page_size], self.page_size, self.model_id, self.kv_format, seq.namespace
         )
+        if self.states is not None:  # a prefix ends where the linear layers' state was snapshotted
+            seq.state_slot = self.states.allocate()
+            hashes = hashes[: self._state_prefix(hashes)]
         for page_hash in hashes:
             slot = self.slots.lookup(page_hash)
             if slot is None:
@@ -478,8 +501,12 @@ class Scheduler:
             )
         elif self.host is not None and self.pool is not None and device_pages < len(hashes):
             self._restore_host_prefix(seq, hashes[device_pages:])
+        if self.states is not None:
+            self._restore_state(seq)
         seq.num_computed = len(seq.page_table.slot_ids) * self.page_size
-        if local is None:
+        if self.states is not None:
+            pass  # no tail page: its rows would need the state in the middle of a page
+        elif local is None:
             self._match_partial(seq)
         elif not self._local_prefix(seq):
             self._release_all(seq, keep_partial=False, park=False)  # recomputed from the start
@@ -488,6 +515,57 @@ class Scheduler:
                 self._new_ring(seq)
         if not seq.admitted_once:
             seq.num_cached = seq.num_computed
+
+    def _state_prefix(self, hashes: list[bytes]) -> int:
+        """The most pages of `hashes` that end at a state snapshot, on the device or in the host store (0: none);
+        a snapshot only in the store is brought to the device's snapshots now."""
+        assert self.states is not None
+        per = self.states.interval // self.page_size
+        ends = [n for n in range(len(hashes) // per * per, 0, -per)]  # boundaries, longest first
+        for n in ends:
+            if self.states.has(hashes[n - 1]):
+                return n
+        if self.host is None or not ends:
+            return 0
+        host = cast("KVStoreHostPages", self.host)
+        keys = [state_key(hashes[n - 1]) for n in ends]
+        try:
+            present = host.present(keys)
+        except KVStoreError as exc:
+            logger.warning("state snapshots not looked up (%s): the prefix is recomputed", exc)
+            return 0
+        for n, key, found in zip(ends, keys, present, strict=True):
+            if not found:
+                continue
+            data = host.fetch_blob(key, self.states.nbytes)
+            if data is not None:
+                self.states.put_bytes(hashes[n - 1], data)
+                return n
+        return 0
+
+    def _restore_state(self, seq: Sequence) -> None:
+        """The matched prefix (cut back to the last page with a snapshot) and its state into the sequence's slot;
+        no snapshot: nothing is reused."""
+        assert self.states is not None
+        table = seq.page_table
+        per = self.states.interval // self.page_size
+        n = len(table.slot_ids) // per * per
+        while n > 0 and not self.states.has(table.page_hashes[n - 1]):
+            n -= per
+        if seq.ring is not None and n < len(table.slot_ids):  # the ring adopted its host pages: start over
+            self._release_all(seq, keep_partial=False, park=False)
+            seq.state_slot = self.states.allocate()
+            if self._new_ring is not None:
+                self._new_ring(seq)
+            return
+        if n < len(table.slot_ids):
+            for slot in table.slot_ids[n:]:
+                if slot != NOT_RESIDENT:
+                    self.slots.release(slot)
+            del table.slot_ids[n:]
+            del table.page_hashes[n:]
+        if n and self.states.restore(seq.state_slot, table.page_hashes[n - 1]):
+            self.num_state_restores += 1
 
     def _local_prefix(self, seq: Sequence) -> bool:
         """The local ring of a sequence whose cached prefix of whole pages was just matched: the ring a

@@ -87,6 +87,7 @@ class Sequence:
     ring: SeqRing | None = None  # set at admission when the engine runs a ring
     local_ring: int = -1  # its ring of the sliding-window layers (LocalRings), while admitted
     local_end: int = 0  # positions written into that ring (a decode burst cut short writes ahead of num_computed)
+    state_slot: int = -1  # its slot of the linear-attention layers' states (RecurrentStates), while admitted
     num_computed: int = 0  # tokens whose K/V has been computed (resident or on the host)
     num_cached: int = 0  # prompt tokens reused from the prefix cache (first admission)
     admitted_once: bool = False

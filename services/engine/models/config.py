@@ -10,7 +10,33 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """qwen3_5's Gated DeltaNet layers: which layers, key/value heads and head dims, the conv kernel size."""
+
+    layers: tuple[int, ...]
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_5")
 
 
 class UnsupportedModelError(ValueError):
@@ -61,6 +87,8 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    linear: LinearAttentionShape | None = None  # qwen3_5: the Gated DeltaNet layers' shape (layers in linear.layers)
+    rotary_dim: int | None = None  # qwen3_5: RoPE on the first rotary_dim dims of each head (partial rotary)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -92,6 +120,19 @@ class ModelConfig:
         used = [name for name, is_set in gemma_only.items() if is_set]
         if used and self.architecture != "gemma3":
             raise UnsupportedModelError(self.architecture, f"{', '.join(used)} (gemma3 only)")
+        if (self.linear is not None or self.rotary_dim is not None) and self.architecture != "qwen3_5":
+            raise UnsupportedModelError(self.architecture, "linear-attention layers / partial rotary (qwen3_5 only)")
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that carry K/V (attention layers): every layer but qwen3_5's linear-attention ones."""
+        linear = self.linear.layers if self.linear is not None else ()
+        return tuple(i for i in range(self.num_layers) if i not in linear)
+
+    @property
+    def kv_layer_windows(self) -> tuple[int | None, ...]:
+        """layer_windows of the KV layers, in order (the KV pool's layers)."""
+        return tuple(self.layer_windows[i] for i in self.kv_layers)
 
     @property
     def attention_scale(self) -> float:
@@ -115,6 +156,10 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         """From a parsed HF config.json (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
         arch = str(cfg.get("model_type", "?"))
+        if arch in QWEN3_5_MODEL_TYPES:
+            from services.engine.models.qwen3_5_config import qwen3_5_config
+
+            return qwen3_5_config(cls, cfg)
         if arch in GEMMA3_MODEL_TYPES:
             return cls._from_gemma3_hf_config(gemma3_text_config(cfg))
         if arch not in ARCHITECTURES:
@@ -299,6 +344,8 @@ def _gguf_rope_scaling(arch: str, meta: _GgufMeta, reader: Any, head_dim: int) -
             return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
     return None
 
+
+QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 # --- Gemma 3 -------------------------------------------------------------------------------------
 

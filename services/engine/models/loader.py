@@ -24,6 +24,7 @@ from torch import Tensor
 from services.engine.models.config import ModelConfig, UnsupportedModelError
 from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.qwen3_5 import Qwen3_5ForCausalLM, qwen3_5_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ __all__ = ["CausalLM", "ModelFormatError", "UnsupportedModelError", "load_model"
 
 # Both expose forward(input_ids, positions, attn) -> hidden, logits(hidden), head(hidden, argmax) -> (logits,
 # argmax), config, embed_tokens.
-CausalLM = LlamaForCausalLM | Gemma3ForCausalLM
+CausalLM = LlamaForCausalLM | Gemma3ForCausalLM | Qwen3_5ForCausalLM
 # A source returns the float tensor stored under an HF name, or raises KeyError.
 TensorSource = Callable[[str], Tensor]
 
@@ -89,7 +90,8 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Mo
 
 def _build(config: ModelConfig, source: TensorSource, device: torch.device, dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
-        model: CausalLM = Gemma3ForCausalLM(config) if config.architecture == "gemma3" else LlamaForCausalLM(config)
+        classes = {"gemma3": Gemma3ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM}
+        model: CausalLM = classes.get(config.architecture, LlamaForCausalLM)(config)
     state = dict(_our_tensors(config, source))
     expected = {name: p.shape for name, p in model.named_parameters()}
     for name, tensor in state.items():
@@ -105,6 +107,9 @@ def _build(config: ModelConfig, source: TensorSource, device: torch.device, dtyp
 
 def _our_tensors(config: ModelConfig, get: TensorSource) -> Iterator[tuple[str, Tensor]]:
     """Our parameter names and tensors from HF-named ones, fusing q/k/v and gate/up."""
+    if config.architecture == "qwen3_5":
+        yield from qwen3_5_tensors(config, get, _need)
+        return
     yield "embed_tokens.weight", _need(get, "model.embed_tokens.weight")
     yield "norm.weight", _need(get, "model.norm.weight")
     if not config.tie_word_embeddings:
