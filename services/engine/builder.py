@@ -72,6 +72,10 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
         )
     except KVFormatError as exc:
         raise ConfigError(f"kv_format {config.kv_format!r} for {model_config.architecture}: {exc}") from None
+    logger.info(
+        "device KV per token: %d bytes (%d of %d layers carry K/V)",
+        pool.page_nbytes // config.page_size, len(model_config.kv_layers), model_config.num_layers,
+    )  # fmt: skip
     config.check_host_capacity(pool.page_nbytes)
     write_through = _write_through(config)
     host = None

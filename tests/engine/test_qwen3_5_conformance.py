@@ -148,3 +148,16 @@ def test_config_refuses_what_we_do_not_run() -> None:
         ModelConfig.from_hf_config({**base, "layer_types": ["linear_attention"] * 4})
     with pytest.raises(UnsupportedModelError, match="rope scaling"):
         ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+
+
+@pytest.mark.slow
+def test_triton_tier_matches_the_torch_code(tmp_path: Path, triton_tier: None) -> None:
+    """On the Triton tier (interpreted here) the norms, skinny projections and the head take the kernels; the
+    logits of a prefill and of decode steps stay the torch code's."""
+    from services.engine import kernels
+
+    _, _, model = _pair(tmp_path, 5, hidden=32)
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(4))
+    on_triton = run_chunks(model, ids, [20, 1, 1, 1, 1])
+    kernels.use_tier(kernels.KernelTier("torch", "cpu", None, False))
+    _close(on_triton, run_chunks(model, ids, [20, 1, 1, 1, 1]))

@@ -50,6 +50,7 @@ def gated_delta_rule(
 def fla_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial: Tensor, lengths: list[int]
 ) -> tuple[Tensor, Tensor]:
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))  # splits of the conv output: strided views
     if all(n == 1 for n in lengths):  # one token per sequence: batch them, T = 1
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
