@@ -26,6 +26,11 @@ for the same sequences, before its tokens are read (engine.py): the launched bur
 places as PENDING (Sequence.add_pending) and its K/V counts as computed, so the plan, the clock and the
 page table move on exactly as if it had been read; only token values are unknown, and nothing here reads
 them. The next step's input tokens are the device's own (Work.on_device).
+
+Recurrent layers (qwen3_5's Gated DeltaNet, RecurrentStates): a running sequence holds a state slot; a prefix
+is reused only up to a page whose state snapshot exists (on the device or in the kvstore), restored into the
+slot at admission, never with a tail page; prefill chunks end at the snapshot boundaries they cross, so that
+the state there is snapshotted (recurrent_state.py).
 """
 
 from __future__ import annotations
