@@ -9,14 +9,26 @@ asked for it, scores every earlier page against this step's queries (the ring's 
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.attention import grouped_sdpa, position_mask
+from services.engine.attention import causal_sdpa, grouped_sdpa, position_mask
 from services.engine.exact_attention import grouped_attention_lse, merge_partials, rows_to_heads
 from services.engine.kv_pool import KVPool
 from services.engine.summaries import PageSummaries, page_scores
+
+logger = logging.getLogger(__name__)
+
+
+def flash_prefill() -> bool:
+    """Whether, on CUDA, a span of several new tokens over a gap-free read set (all its pages resident, a
+    global layer, no host pages) attends with causal_sdpa (FlashAttention, no mask tensor, the masked tiles
+    skipped) rather than the masked grouped_sdpa (the memory-efficient kernel over a [G * n, T] additive
+    mask): not with KVMEM_PREFILL_FLASH=0 (A/B runs, bench/scale.py)."""
+    return os.environ.get("KVMEM_PREFILL_FLASH", "1") != "0"
 
 
 @dataclass
@@ -62,6 +74,7 @@ class StepAttention:
         self.dtype = dtype
         self.staging_pages = staging_pages
         self.write_rows = torch.cat([s.write_rows for s in spans])  # [N], the step's flattened order
+        self.flash = pool.device.type == "cuda" and flash_prefill()  # the CPU keeps the masked path (its speed)
         self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}  # (span, window, local) -> mask
 
     def kv_sink(self, layer_idx: int) -> None:
@@ -87,7 +100,6 @@ class StepAttention:
         outs = []
         start = 0
         for i, span in enumerate(self.spans):
-            mask = self._mask(i, span, window)
             q_s = q[start : start + span.num_new]
             if span.summaries is not None:
                 self._summarize(layer_idx, span)
@@ -96,9 +108,12 @@ class StepAttention:
             k_s, v_s = self.pool.gather(layer_idx, span.read_rows, q.dtype)
             k_s, v_s = k_s.transpose(0, 1), v_s.transpose(0, 1)  # [Hkv, T, D]
             if span.host_pages:
+                mask = self._mask(i, span, window)
                 outs.append(self._exact(layer_idx, span, q_s, k_s, v_s, mask, scale, window).to(q.dtype))
+            elif self.flash and span.num_new > 1 and span.key_pos is None and window is None:
+                outs.append(causal_sdpa(q_s, k_s, v_s, scale))  # keys 0..T-1, the new tokens last
             else:
-                outs.append(grouped_sdpa(q_s, k_s, v_s, mask, scale))  # [n, Hq, D]
+                outs.append(grouped_sdpa(q_s, k_s, v_s, self._mask(i, span, window), scale))  # [n, Hq, D]
             start += span.num_new
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
