@@ -27,9 +27,12 @@ Rows (written to --out as {"date", "commit", "device", "rows": {NAME: {...}}}):
   <shape>_128k               dense_ttft_s, dense_decode_tok_s (engine, everything in HBM); ring_* need a kvstore
   <shape>_ring_32x32k        not run here: see `not_run`
   <shape>_logits_2k          cosine and argmax of the engine's forward against transformers' on one prompt
-  attention_<n>x<T>          the prefill attention alone (--attn-bench): masked memory-efficient SDPA (the
-                             engine before this issue), causal_sdpa (FlashAttention, the engine now),
-                             flex_attention with a block mask (compiled), as TFLOP/s
+  attention_<n>x<T>          the prefill attention alone (--attn-bench / --only-attn) on the last n-token chunk
+                             of a T-token prompt: masked memory-efficient SDPA (the engine before issue 26),
+                             causal_sdpa (torch's FlashAttention-2), flex_attention with a block mask (compiled),
+                             kernels/prefill_attention_triton.py over scattered pool rows in five configurations
+                             (the engine's default now), and the K/V gather the non-Triton paths need, as TFLOP/s
+--prefill-modes runs the TTFT row once per KVMEM_PREFILL_ATTENTION value (triton, flash, masked).
 A row that could not run records why ("not_run"), never a number it did not measure.
 """
 
@@ -47,6 +50,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -55,112 +59,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.scale_model import HBM_BYTES_PER_S, SHAPES, Shape, matmul_tflops, peer_generate, write_random_llama  # noqa: E402
 from services.engine.sampling import SamplingParams  # noqa: E402
 from services.engine.sequence import Chunk, Done, Failed  # noqa: E402
 
 logger = logging.getLogger(__name__)
-
-HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
-SHAPES: dict[str, dict[str, Any]] = {
-    "llama8b": dict(
-        vocab_size=128_256, hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=131_072, rope_theta=500_000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128_000, eos_token_id=128_001,
-    ),
-    "tiny": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=500_000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 256},
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    ),
-}  # fmt: skip
-
-
-# -- the model ------------------------------------------------------------------------------------
-
-
-def write_random_llama(directory: Path, shape: str, device: torch.device, seed: int = 0) -> None:
-    """Seeded random weights of `shape` (bf16, initialised on `device`) saved as an HF directory with a
-    word-level tokenizer over the whole vocabulary."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(**SHAPES[shape])
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.eval().save_pretrained(str(directory))
-    del model
-    vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
-    tok = HFTokenizer(WordLevel(vocab, unk_token="t3"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "unk_token": "t3"})
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """What the limits need: parameter counts and the attention shape."""
-
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    vocab: int
-    params: int  # every parameter
-    embed: int  # the input embedding table's (one row read a token)
-
-    @classmethod
-    def of(cls, shape: str) -> Shape:
-        s = SHAPES[shape]
-        h, i, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
-        q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        embed = s["vocab_size"] * h
-        head = 0 if s["tie_word_embeddings"] else embed
-        return cls(layers, s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"], h, s["vocab_size"],
-                   layers * per_layer + embed + head + h, embed)  # fmt: skip
-
-    def prefill_flops(self, tokens: int, past: int = 0) -> float:
-        """Projections of `tokens` new tokens (the head for one row) + causal attention over past + tokens."""
-        linear = 2 * (self.params - 2 * self.embed) * tokens + 2 * self.embed
-        t_all = past + tokens
-        attn = 2 * self.layers * self.heads * self.head_dim * (t_all**2 - past**2)  # QK^T and PV, causal
-        return float(linear + attn)
-
-    def kv_bytes(self, tokens: int, elem: int = 2) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * elem * tokens
-
-    def decode_bytes(self, contexts: list[int]) -> float:
-        """One decode step of these sequences: every weight once (not the embedding table) + their K/V."""
-        return 2.0 * (self.params - self.embed) + sum(self.kv_bytes(c) for c in contexts)
-
-
-def matmul_tflops(device: torch.device) -> float:
-    """bf16 8192^3 products on random data: median TFLOP/s of 10 after 3 warm-ups (0 off CUDA)."""
-    if device.type != "cuda":
-        return 0.0
-    n = 8192
-    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    times = []
-    for i in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
-    return 2 * n**3 / statistics.median(times) / 1e12
-
 
 # -- the engine side --------------------------------------------------------------------------------
 
@@ -227,52 +130,6 @@ def single_decode(st: Stream, new_tokens: int) -> float:
     return (new_tokens - 1) / max(st.end - st.arrivals[0][0], 1e-9)
 
 
-# -- the transformers side ---------------------------------------------------------------------------
-
-
-class _Times:
-    """A generate streamer: when each step's tokens are there (synchronising the device)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.times = device, []  # type: ignore[var-annotated]
-        self.tokens: list[list[int]] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.times.append(time.perf_counter())
-        if len(self.times) > 1:  # the first put is the prompt
-            self.tokens.append(value.reshape(-1).tolist())
-
-    def end(self) -> None:
-        pass
-
-
-@torch.inference_mode()
-def peer_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> tuple[float, float, float, list[int]]:  # type: ignore[no-untyped-def]  # noqa: E501
-    """One batched greedy generate over a StaticCache of exactly prompt + new_tokens positions (generate
-    compiles its decode step for a static cache on CUDA): (ttft s, wall s, decode tok/s of the batch after the
-    first token, the first sequence's tokens). The same call with the same shapes first, untimed (compiling)."""
-    from transformers import StaticCache
-
-    ids = torch.tensor(prompts, device=device)
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
-    for timed in (False, True):
-        cache.reset()
-        times = _Times(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), streamer=times, **kw)
-        if not timed:
-            continue
-        ttft, wall = times.times[1] - t0, times.times[-1] - t0
-        decode = (new_tokens - 1) * len(prompts) / max(times.times[-1] - times.times[1], 1e-9)
-        return ttft, wall, decode, [t[0] for t in times.tokens]
-    raise AssertionError("unreachable")
-
-
 # -- rows --------------------------------------------------------------------------------------------
 
 
@@ -303,15 +160,20 @@ class Run:
         conc, conc_len = (int(x) for x in a.concurrent.split("x"))
         self.conc, self.conc_len = conc, conc_len
         self.names = {
-            "ttft": f"{a.shape}_ttft_{tag_len(a.ttft_len)}", "decode": f"{a.shape}_decode_{tag_len(a.ttft_len)}",
-            "concurrent": f"{a.shape}_concurrent_{conc}x{tag_len(conc_len)}", "batch": f"{a.shape}_decode_batch",
-            "long": f"{a.shape}_128k", "ring": f"{a.shape}_ring_32x32k", "logits": f"{a.shape}_logits_2k",
-        }  # fmt: skip
+            "ttft": f"{a.shape}_ttft_{tag_len(a.ttft_len)}",
+            "decode": f"{a.shape}_decode_{tag_len(a.ttft_len)}",
+            "concurrent": f"{a.shape}_concurrent_{conc}x{tag_len(conc_len)}",
+            "batch": f"{a.shape}_decode_batch",
+            "long": f"{a.shape}_128k",
+            "ring": f"{a.shape}_ring_32x32k",
+            "logits": f"{a.shape}_logits_2k",
+        }
         self.prompts = {
             "ttft": prompts_of(self.gen, self.shape.vocab, a.repeats, a.ttft_len - a.new_tokens),
             "concurrent": prompts_of(self.gen, self.shape.vocab, conc, conc_len),
         }
         self.engine_tokens: list[int] = []
+        self.save: Callable[[], None] = lambda: None  # main's: the rows so far to --out
 
     def row(self, key: str) -> dict[str, Any]:
         return self.rows.setdefault(self.names[key], {})
@@ -327,17 +189,29 @@ class Run:
 
         a = self.a
         n_ttft = a.ttft_len
-        cap = max(n_ttft + 256, self.conc * (self.conc_len + a.new_tokens + 64), a.long_len + 256,
-                  max(a.batch_list or [1]) * (a.batch_len + a.new_tokens + 64))  # fmt: skip
+        cap = max(
+            n_ttft + 256,
+            self.conc * (self.conc_len + a.new_tokens + 64),
+            a.long_len + 256,
+            max(a.batch_list or [1]) * (a.batch_len + a.new_tokens + 64),
+        )
         max_context = max(n_ttft, self.conc_len + a.new_tokens, a.long_len, a.batch_len + a.new_tokens)
         cfg = EngineConfig(
-            model=str(model_dir), device=str(self.device), max_context=max_context, kv_capacity=cap,
-            prefill_chunk=a.prefill_chunk, max_running=max(64, self.conc), max_waiting=256,
-        )  # fmt: skip
+            model=str(model_dir),
+            device=str(self.device),
+            max_context=max_context,
+            kv_capacity=cap,
+            prefill_chunk=a.prefill_chunk,
+            max_running=max(64, self.conc),
+            max_waiting=256,
+        )
         t0 = time.perf_counter()
         engine, _ = build_engine(cfg)
-        print(f"engine built in {time.perf_counter() - t0:.1f} s (pool {cfg.pool_tokens} tokens, "
-              f"{engine.pool.nbytes / 2**30:.1f} GiB)", flush=True)  # fmt: skip
+        print(
+            f"engine built in {time.perf_counter() - t0:.1f} s (pool {cfg.pool_tokens} tokens, "
+            f"{engine.pool.nbytes / 2**30:.1f} GiB)",
+            flush=True,
+        )
         try:
             self._engine_rows(engine, out_dir)
         finally:
@@ -357,37 +231,49 @@ class Run:
         warm = prompts_of(self.gen, sh.vocab, 1, 64)
         engine_requests(engine, warm, 4, "warm")
         chunks = [int(c) for c in a.chunks.split(",")]
-        flash_modes = ["1", "0"] if a.ab_flash else ["1"]
+        modes = a.prefill_modes.split(",")
         if "ttft" in rows or "decode" in rows:
             # one untimed prompt of the same length first: one-time costs (Triton variants, graph buckets)
-            engine_requests(engine, prompts_of(self.gen, sh.vocab, 1, a.ttft_len - a.new_tokens), min(24, a.new_tokens), "warm-ttft")
+            engine_requests(
+                engine, prompts_of(self.gen, sh.vocab, 1, a.ttft_len - a.new_tokens), min(24, a.new_tokens), "warm-ttft"
+            )
             ttft_row, dec_row = self.row("ttft"), self.row("decode")
-            for flash in flash_modes:
-                os.environ["KVMEM_PREFILL_FLASH"] = flash
+            for mode in modes:
+                os.environ["KVMEM_PREFILL_ATTENTION"] = mode
                 for chunk in chunks:
                     self._chunked(engine, chunk)
-                    res = [engine_requests(engine, [p], a.new_tokens, f"ttft-{flash}-{chunk}-{i}")[0]
-                           for i, p in enumerate(self.prompts["ttft"])]  # fmt: skip
+                    res = [
+                        engine_requests(engine, [p], a.new_tokens, f"ttft-{mode}-{chunk}-{i}")[0]
+                        for i, p in enumerate(self.prompts["ttft"])
+                    ]
                     ttft = statistics.median(s.ttft for s in res)
                     dec = statistics.median(single_decode(s, a.new_tokens) for s in res)
-                    ttft_row[f"engine_s_chunk{chunk}{'' if flash == '1' else '_masked'}"] = round(ttft, 4)
-                    print(f"engine ttft {a.ttft_len} chunk {chunk} flash {flash}: {ttft:.3f} s; decode {dec:.1f} tok/s",
-                          flush=True)  # fmt: skip
-                    if flash == "1" and chunk == chunks[0]:
+                    ttft_row[f"engine_s_{mode}_chunk{chunk}"] = round(ttft, 4)
+                    dec_row[f"engine_tok_s_{mode}_chunk{chunk}"] = round(dec, 2)
+                    print(
+                        f"engine ttft {a.ttft_len} chunk {chunk} {mode}: {ttft:.3f} s; decode {dec:.1f} tok/s",
+                        flush=True,
+                    )
+                    if mode == modes[0] and chunk == chunks[0]:
                         ttft_row["engine_s"] = round(ttft, 4)
                         dec_row["engine_tok_s"] = round(dec, 2)
                         self.engine_tokens = res[0].tokens
-            os.environ["KVMEM_PREFILL_FLASH"] = "1"
+            os.environ["KVMEM_PREFILL_ATTENTION"] = modes[0]
             self._chunked(engine, chunks[0])
             ttft_row["limit_s"] = round(self.limit_prefill_s(a.ttft_len - a.new_tokens), 4)
             ttft_row["prompt_tokens"] = a.ttft_len - a.new_tokens
             step = sh.decode_bytes([a.ttft_len])
             weights = sh.decode_bytes([])
             dec = dec_row.get("engine_tok_s", 0.0)
-            dec_row.update(limit_tok_s=round(HBM_BYTES_PER_S / step, 1), weight_limit_tok_s=round(HBM_BYTES_PER_S / weights, 1),
-                           hbm_frac=round(dec * step / HBM_BYTES_PER_S, 3),
-                           weight_frac=round(dec * weights / HBM_BYTES_PER_S, 3),
-                           bytes_per_step=step, new_tokens=a.new_tokens)  # fmt: skip
+            dec_row.update(
+                limit_tok_s=round(HBM_BYTES_PER_S / step, 1),
+                weight_limit_tok_s=round(HBM_BYTES_PER_S / weights, 1),
+                hbm_frac=round(dec * step / HBM_BYTES_PER_S, 3),
+                weight_frac=round(dec * weights / HBM_BYTES_PER_S, 3),
+                bytes_per_step=step,
+                new_tokens=a.new_tokens,
+            )
+            self.save()
             if a.profile and out_dir is not None and self.device.type == "cuda":
                 self._profile(engine, out_dir)
         if "concurrent" in rows:
@@ -400,18 +286,28 @@ class Run:
                 wall = max(s.end for s in res) - t0
                 last_first = max(s.arrivals[0][0] for s in res) - t0
                 row[f"engine_wall_s_chunk{chunk}"] = round(wall, 3)
-                print(f"engine concurrent {self.conc}x{self.conc_len} chunk {chunk}: wall {wall:.2f} s, "
-                      f"prefill {self.conc * self.conc_len / last_first:.0f} tok/s, ttft max {last_first:.2f} s",
-                      flush=True)  # fmt: skip
+                print(
+                    f"engine concurrent {self.conc}x{self.conc_len} chunk {chunk}: wall {wall:.2f} s, "
+                    f"prefill {self.conc * self.conc_len / last_first:.0f} tok/s, ttft max {last_first:.2f} s",
+                    flush=True,
+                )
                 if "engine_wall_s" not in row or wall < row["engine_wall_s"]:
-                    row.update(engine_wall_s=round(wall, 3), prefill_tok_s=round(self.conc * self.conc_len / last_first),
-                               ttft_max_s=round(last_first, 3), ttft_mean_s=round(statistics.mean(s.ttft for s in res), 3),
-                               decode_agg_tok_s=round(aggregate_decode(res), 1), chunk=chunk)  # fmt: skip
+                    row.update(
+                        engine_wall_s=round(wall, 3),
+                        prefill_tok_s=round(self.conc * self.conc_len / last_first),
+                        ttft_max_s=round(last_first, 3),
+                        ttft_mean_s=round(statistics.mean(s.ttft for s in res), 3),
+                        decode_agg_tok_s=round(aggregate_decode(res), 1),
+                        chunk=chunk,
+                    )
             self._chunked(engine, chunks[0])
             row["limit_prefill_s"] = round(self.conc * self.limit_prefill_s(self.conc_len), 3)
+            self.save()
         if "batch" in rows and a.batch_list:
             row = self.row("batch")
             for b in a.batch_list:
+                if b == a.profile_batch and out_dir is not None:
+                    self._profile_batch(engine, b, out_dir)
                 res = engine_requests(engine, prompts_of(self.gen, sh.vocab, b, a.batch_len), a.new_tokens, f"b{b}")
                 agg = aggregate_decode(res)
                 limit = HBM_BYTES_PER_S / sh.decode_bytes([a.batch_len] * b) * b
@@ -419,15 +315,24 @@ class Run:
                 row[f"b{b}_limit_tok_s"] = round(limit, 1)
                 print(f"engine batch {b} at {a.batch_len}: {agg:.0f} tok/s (limit {limit:.0f})", flush=True)
             row["context"] = a.batch_len
+            self.save()
         if "long" in rows and a.long_len:
             row = self.row("long")
-            res = engine_requests(engine, prompts_of(self.gen, sh.vocab, 1, a.long_len - a.new_tokens), a.new_tokens, "long")
+            res = engine_requests(
+                engine, prompts_of(self.gen, sh.vocab, 1, a.long_len - a.new_tokens), a.new_tokens, "long"
+            )
             st = res[0]
-            row.update(dense_ttft_s=round(st.ttft, 3), dense_decode_tok_s=round(single_decode(st, a.new_tokens), 1),
-                       dense_limit_ttft_s=round(self.limit_prefill_s(a.long_len - a.new_tokens), 3),
-                       dense_limit_decode_tok_s=round(HBM_BYTES_PER_S / sh.decode_bytes([a.long_len]), 1),
-                       ring_not_run="the ring needs redis + a kvstore on the device machine (wheels not carried this run)")  # fmt: skip
-            print(f"engine dense {a.long_len}: ttft {st.ttft:.2f} s, decode {row['dense_decode_tok_s']} tok/s", flush=True)
+            row.update(
+                dense_ttft_s=round(st.ttft, 3),
+                dense_decode_tok_s=round(single_decode(st, a.new_tokens), 1),
+                dense_limit_ttft_s=round(self.limit_prefill_s(a.long_len - a.new_tokens), 3),
+                dense_limit_decode_tok_s=round(HBM_BYTES_PER_S / sh.decode_bytes([a.long_len]), 1),
+                ring_not_run="the ring needs redis + a kvstore on the device machine (wheels not carried this run)",
+            )
+            print(
+                f"engine dense {a.long_len}: ttft {st.ttft:.2f} s, decode {row['dense_decode_tok_s']} tok/s", flush=True
+            )
+            self.save()
         if "logits" in rows:
             self._engine_logits(engine)
 
@@ -465,6 +370,28 @@ class Run:
         print(table[:4000], flush=True)
         del streams
 
+    def _profile_batch(self, engine, batch: int, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
+        """Kernel table of `batch` sequences of --batch-len tokens decoding together (its prefill included),
+        with the wall time beside the device's kernel time (a step the host cannot keep busy shows here)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        prompts = prompts_of(self.gen, self.shape.vocab, batch, self.a.batch_len)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            res = engine_requests(engine, prompts, self.a.new_tokens, f"profile-b{batch}")
+        wall = time.perf_counter() - t0
+        avg = prof.key_averages()
+        cuda_us = sum(e.self_device_time_total for e in avg)
+        head = (
+            f"batch {batch} x {self.a.batch_len} + {self.a.new_tokens}: wall {wall:.2f} s, "
+            f"kernels {cuda_us / 1e6:.2f} s, "
+            f"decode {aggregate_decode(res):.0f} tok/s under the profiler\n"
+        )
+        table = head + avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+        table += "\n" + avg.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        (out_dir / f"profile_batch{batch}.txt").write_text(table)
+        print(head + table[-5000:], flush=True)
+
     # transformers ------------------------------------------------------------------------------------
 
     def peer_rows(self, model_dir: Path) -> None:
@@ -481,21 +408,35 @@ class Run:
                 with torch.inference_mode():
                     ref = model(torch.tensor([self.logit_prompt], device=self.device)).logits[0, -1].float().cpu()
                 cos = torch.nn.functional.cosine_similarity(ref, self.engine_logits, dim=0).item()
-                self.rows[self.names["logits"]] = dict(cosine=round(cos, 5), same_argmax=bool(ref.argmax() == self.engine_logits.argmax()),
-                                                       max_abs_diff=round((ref - self.engine_logits).abs().max().item(), 4),
-                                                       prompt_tokens=a.logits_len)  # fmt: skip
+                self.rows[self.names["logits"]] = dict(
+                    cosine=round(cos, 5),
+                    same_argmax=bool(ref.argmax() == self.engine_logits.argmax()),
+                    max_abs_diff=round((ref - self.engine_logits).abs().max().item(), 4),
+                    prompt_tokens=a.logits_len,
+                )
                 print(f"logits at {a.logits_len}: {self.rows[self.names['logits']]}", flush=True)
             if "ttft" in rows or "decode" in rows:
-                ttft, _, dec, toks = peer_generate(model, self.prompts["ttft"][:1], a.new_tokens, self.device)
-                self.row("ttft")["peer_s"] = round(ttft, 4)
-                self.row("decode")["peer_tok_s"] = round(dec, 2)
-                self.row("decode")["same_tokens_as_engine"] = leading_equal(toks, self.engine_tokens)
-                print(f"transformers ttft {ttft:.3f} s, decode {dec:.1f} tok/s", flush=True)
-                torch.cuda.empty_cache() if self.device.type == "cuda" else None
+                r = peer_generate(model, self.prompts["ttft"][:1], a.new_tokens, self.device)
+                self.row("ttft")["peer_s"] = round(r["ttft_s"], 4)
+                self.row("decode").update(
+                    peer_tok_s=round(r["decode_tok_s"], 2),
+                    peer_max_step_s=round(r["max_step_s"], 4),
+                    peer_median_step_s=round(r["median_step_s"], 4),
+                    same_tokens_as_engine=leading_equal(r["tokens"], self.engine_tokens),
+                )
+                print(f"transformers ttft {r['ttft_s']:.3f} s, decode {r['decode_tok_s']:.1f} tok/s", flush=True)
+                self.save()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
             if "concurrent" in rows:
-                _, wall, dec, _ = peer_generate(model, self.prompts["concurrent"], a.new_tokens, self.device)
-                self.row("concurrent").update(peer_wall_s=round(wall, 3), peer_decode_agg_tok_s=round(dec, 1))
-                print(f"transformers concurrent {self.conc}x{self.conc_len}: wall {wall:.2f} s", flush=True)
+                r = peer_generate(model, self.prompts["concurrent"], a.new_tokens, self.device)
+                self.row("concurrent").update(
+                    peer_wall_s=round(r["wall_s"], 3),
+                    peer_decode_agg_tok_s=round(r["decode_tok_s"], 1),
+                    peer_ttft_s=round(r["ttft_s"], 3),
+                    peer_max_step_s=round(r["max_step_s"], 4),
+                )
+                print(f"transformers concurrent {self.conc}x{self.conc_len}: wall {r['wall_s']:.2f} s", flush=True)
         except torch.OutOfMemoryError as exc:
             print(f"transformers ran out of memory: {exc}", flush=True)
         finally:
@@ -504,56 +445,78 @@ class Run:
 
     def attention_bench(self) -> None:
         """The prefill attention alone on the last chunk of a --ttft-len prompt (every key visible but the
-        chunk's own causal triangle): the engine's masked path, causal_sdpa, flex_attention."""
-        from services.engine.attention import causal_sdpa, grouped_sdpa, position_mask
-
-        import triton.testing as tt
-
-        sh, dev = self.shape, self.device
+        chunk's own causal triangle): the engine's masked path, causal_sdpa, flex_attention, the Triton kernel."""
         total = self.a.ttft_len
         for n in (2048, 8192):
-            if n > total:
-                continue
-            q = torch.randn(n, sh.heads, sh.head_dim, device=dev, dtype=torch.bfloat16)
-            k = torch.randn(sh.kv_heads, total, sh.head_dim, device=dev, dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            scale = sh.head_dim**-0.5
-            group = sh.heads // sh.kv_heads
-            allowed = position_mask(torch.arange(total - n, total, device=dev), torch.arange(total, device=dev))
-            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
-            mask = mask.repeat(group, 1)
-            flops = 4 * sh.heads * sh.head_dim * (n * (total - n) + n * n / 2)
-            res: dict[str, Any] = {}
-            ref = grouped_sdpa(q, k, v, mask, scale)
-            fns = {"masked_sdpa": lambda: grouped_sdpa(q, k, v, mask, scale), "causal_sdpa": lambda: causal_sdpa(q, k, v, scale)}
-            try:
-                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            if n <= total:
+                res = self._attention_case(n, total)
+                self.rows[f"attention_{n}x{tag_len(total)}"] = res
+                print(f"attention {n} x {total}: {res}", flush=True)
 
-                off = total - n
-                bm = create_block_mask(lambda b, h, qi, ki: ki <= qi + off, None, None, n, total, device=dev)
-                flex = torch.compile(flex_attention)
-                qh = q.transpose(0, 1)[None].contiguous()
-                fns["flex_attention"] = lambda: flex(qh, k[None], v[None], block_mask=bm, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-            except Exception as exc:  # noqa: BLE001 -- a bench row records why a variant did not run
-                res["flex_not_run"] = repr(exc)[:200]
-            for name, fn in fns.items():
-                try:
-                    out = fn()
-                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    ms = tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
-                    res[name] = dict(ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), rel_err=round(err, 5))
-                except Exception as exc:  # noqa: BLE001
-                    res[name] = dict(not_run=repr(exc)[:200])
-            res["matmul_tflops"] = round(self.tflops, 1)
-            self.rows[f"attention_{n}x{tag_len(total)}"] = res
-            print(f"attention {n} x {total}: {res}", flush=True)
-            del q, k, v, mask, allowed
+    def _attention_case(self, n: int, total: int) -> dict[str, Any]:
+        import triton.testing as tt
+
+        from services.engine.attention import causal_sdpa, grouped_sdpa, position_mask
+        from services.engine.kernels import prefill_attention_triton as pat
+
+        sh, dev = self.shape, self.device
+        q = torch.randn(n, sh.heads, sh.head_dim, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(sh.kv_heads, total, sh.head_dim, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        scale = sh.head_dim**-0.5
+        group = sh.heads // sh.kv_heads
+        allowed = position_mask(torch.arange(total - n, total, device=dev), torch.arange(total, device=dev))
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
+        mask = mask.repeat(group, 1)
+        flops = 4 * sh.heads * sh.head_dim * (n * (total - n) + n * n / 2)
+        res: dict[str, Any] = {}
+        ref = grouped_sdpa(q, k, v, mask, scale)
+        fns = {
+            "masked_sdpa": lambda: grouped_sdpa(q, k, v, mask, scale),
+            "causal_sdpa": lambda: causal_sdpa(q, k, v, scale),
+        }
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            off = total - n
+            bm = create_block_mask(lambda b, h, qi, ki: ki <= qi + off, None, None, n, total, device=dev)
+            flex = torch.compile(flex_attention)
+            qh = q.transpose(0, 1)[None].contiguous()
+            fns["flex_attention"] = lambda: flex(qh, k[None], v[None], block_mask=bm, scale=scale, enable_gqa=True)[
+                0
+            ].transpose(0, 1)
+        except Exception as exc:  # noqa: BLE001 -- a bench row records why a variant did not run
+            res["flex_not_run"] = repr(exc)[:200]
+
+        pool_rows = torch.randperm(total + 4096, device=dev)[:total]  # scattered rows, as pages are
+        k_pool = torch.empty(total + 4096, sh.kv_heads, sh.head_dim, device=dev, dtype=k.dtype)
+        v_pool = torch.empty_like(k_pool)
+        k_pool[pool_rows], v_pool[pool_rows] = k.transpose(0, 1), v.transpose(0, 1)
+        for cfg in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4)):
+            fns[f"triton_paged_{'_'.join(map(str, cfg))}"] = lambda cfg=cfg: pat.prefill_attention(
+                q, k_pool, v_pool, pool_rows, scale, cfg=cfg
+            )
+        fns["gather_kv"] = lambda: (k_pool.index_select(0, pool_rows), v_pool.index_select(0, pool_rows))
+        for name, fn in fns.items():
+            try:
+                out = fn()
+                err = (
+                    -1.0 if isinstance(out, tuple) else ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                )
+                ms = tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
+                res[name] = dict(ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), rel_err=round(err, 5))
+            except Exception as exc:  # noqa: BLE001
+                res[name] = dict(not_run=repr(exc)[:200])
+        res["matmul_tflops"] = round(self.tflops, 1)
+        return res
 
 
 def _commit() -> str:
     try:
         root = Path(__file__).resolve().parents[1]
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
         return out.stdout.strip() or os.environ.get("KVMEM_COMMIT", "unknown")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("KVMEM_COMMIT", "unknown")
@@ -568,12 +531,22 @@ def main() -> int:
     p.add_argument("--rows", default="ttft,decode,concurrent,batch,long,logits", help="engine/peer rows to run")
     p.add_argument("--no-peer", action="store_true", help="engine only")
     p.add_argument("--attn-bench", action="store_true", help="the prefill attention variants alone")
-    p.add_argument("--ab-flash", action="store_true", help="TTFT with KVMEM_PREFILL_FLASH=0 too")
+    p.add_argument("--only-attn", action="store_true", help="the attention variants and nothing else (no model)")
+    p.add_argument(
+        "--prefill-modes",
+        default="triton",
+        help="KVMEM_PREFILL_ATTENTION values for the TTFT row; the first is the row's",
+    )
     p.add_argument("--profile", action="store_true", help="kernel tables of one prefill and its decode (--out-dir)")
+    p.add_argument("--profile-batch", type=int, default=0, help="kernel table of this decode batch (--out-dir)")
     p.add_argument("--ttft-len", type=int, default=32_768, help="prompt + new tokens of the TTFT/decode rows")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--chunks", default="8192", help="prefill chunks (token budget per step) for the TTFT row; the first is the row's")
+    p.add_argument(
+        "--chunks",
+        default="8192",
+        help="prefill chunks (token budget per step) for the TTFT row; the first is the row's",
+    )
     p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--concurrent", default="32x8192", help="NxL: N prompts of L tokens submitted at once")
     p.add_argument("--concurrent-chunks", default="16384", help="token budgets per step for the concurrent row")
@@ -589,6 +562,13 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(a.device)
     out_dir = Path(a.out_dir) if a.out_dir else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    if a.only_attn:  # no model: the prefill attention variants alone
+        run = Run(a, device)
+        run.attention_bench()
+        print(json.dumps(run.rows, indent=1))
+        return 0
     with ExitStack() as stack:
         model_dir = Path(a.model_dir or f"/dev/shm/kvmem-scale-{a.shape}")
         if not (a.reuse_model and (model_dir / "config.json").exists()):
@@ -602,24 +582,42 @@ def main() -> int:
                 stack.callback(shutil.rmtree, model_dir, True)
         os.environ.setdefault("KVMEM_CACHE_DIR", str(model_dir / "cache"))
         run = Run(a, device)
-        print(f"bf16 matmul: {run.tflops:.0f} TFLOP/s; {a.shape}: {run.shape.params / 1e9:.2f} B parameters", flush=True)
+        print(
+            f"bf16 matmul: {run.tflops:.0f} TFLOP/s; {a.shape}: {run.shape.params / 1e9:.2f} B parameters", flush=True
+        )
+        run.rows[run.names["ring"]] = {
+            "not_run": "32 x 32K fp8 sessions through the ring need redis + a kvstore "
+            "on the device machine, not carried in this run"
+        }
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+        def save(final: bool = False) -> None:
+            """The rows so far (after every stage: a run cut short keeps what it measured)."""
+            doc = {
+                "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ"),
+                "commit": _commit(),
+                "device": name,
+                "command": " ".join(sys.argv),
+                "matmul_tflops": round(run.tflops, 1),
+                "complete": final,
+                "rows": run.rows,
+            }
+            text = json.dumps(doc, indent=1)
+            if final:
+                print(text)
+            if a.out:
+                Path(a.out).write_text(text + "\n")
+            if out_dir is not None:
+                (out_dir / "scale.json").write_text(text + "\n")
+
+        run.save = save
         if a.attn_bench and device.type == "cuda":
             run.attention_bench()
         run.engine_rows(model_dir, out_dir)
+        save()
         if not a.no_peer:
             run.peer_rows(model_dir)
-        run.rows[run.names["ring"]] = {"not_run": "32 x 32K fp8 sessions through the ring need redis + a kvstore "
-                                       "on the device machine, not carried in this run"}  # fmt: skip
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        doc = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ"), "commit": _commit(),
-               "device": name, "command": " ".join(sys.argv), "matmul_tflops": round(run.tflops, 1),
-               "rows": run.rows}  # fmt: skip
-        text = json.dumps(doc, indent=1)
-        print(text)
-        if a.out:
-            Path(a.out).write_text(text + "\n")
-        if out_dir is not None:
-            (out_dir / "scale.json").write_text(text + "\n")
+        save(final=True)
     return 0
 
 
