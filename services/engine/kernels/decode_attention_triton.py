@@ -249,7 +249,9 @@ def _split_kernel(
     # the last split may end past W: those rows are masked
     for n0 in range(0, SPLIT_BLOCKS * BLOCK_N if INTERPRETED else n_stop, BLOCK_N):
         n = start + n0 + tl.arange(0, BLOCK_N)
-        in_w = (n < width) & (n0 < n_stop)  # interpreted, the loop runs to the constexpr bound: masked past n_stop
+        in_w = n < width
+        if SORTED:  # interpreted, the loop runs to the constexpr bound: the rows past n_stop are masked
+            in_w = in_w & (n < start + n_stop)
         if RING:  # rows from arithmetic: no index load before the K/V loads
             pos = q_pos - width + 1 + n
             ok = in_w & (pos >= 0)
