@@ -1,6 +1,8 @@
 """Production-size rows (issue 26): the engine and transformers on Llama-3.1-8B's shape, same process, same weights.
 
-    PYTHONPATH=. python3 bench/scale.py --device cuda --out bench/results/scale_h200.json   # the H200 run
+    PYTHONPATH=. python3 bench/scale.py --device cuda --rows ttft,decode,concurrent,batch,long,logits \
+        --prefill-modes triton,flash --repeats 1 --chunks 8192 --concurrent-chunks 16384 --batches 8,32,64 \
+        --batch-len 2048 --long-len 131072 --out bench/results/scale_h200.json     # the H200 run (RESULTS)
     .venv/bin/python bench/scale.py --shape tiny --device cpu --ttft-len 96 --concurrent 4x64 \\
         --new-tokens 8 --batches 2 --batch-len 64 --long-len 0 --out /tmp/scale.json    # the plumbing, on a CPU
 
@@ -512,14 +514,18 @@ class Run:
 
 
 def _commit() -> str:
+    """KVMEM_COMMIT when set (a copy carried to another machine sits inside some other checkout, whose HEAD is
+    not this code's), else this checkout's HEAD."""
+    if os.environ.get("KVMEM_COMMIT"):
+        return os.environ["KVMEM_COMMIT"]
     try:
         root = Path(__file__).resolve().parents[1]
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
         )
-        return out.stdout.strip() or os.environ.get("KVMEM_COMMIT", "unknown")
+        return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("KVMEM_COMMIT", "unknown")
+        return "unknown"
 
 
 def main() -> int:

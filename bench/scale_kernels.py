@@ -134,9 +134,9 @@ def attention_table(dev: torch.device) -> None:
             q_pos = torch.full((batch,), length - 1, device=dev)
             gb = 2 * batch * length * kv_heads * d * 2 / 1e9
             cells = []
-            real_rows, real_warps, real_stages = dat.block_rows, dat.NUM_WARPS, dat.NUM_STAGES
+            real_rows, real_warps, real_stages = dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM
             for max_rows, step, warps, stages, srt in VARIANTS:
-                dat.MAX_SPLIT_ROWS, dat.NUM_WARPS, dat.NUM_STAGES = max_rows, warps, stages
+                dat.MAX_SPLIT_ROWS, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM = max_rows, warps, {d: stages}
                 dat.block_rows = (lambda w, step=step: step) if step else real_rows  # type: ignore[assignment]
                 try:
                     t = per_call_us(
@@ -152,7 +152,7 @@ def attention_table(dev: torch.device) -> None:
                 except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported
                     cells.append(f"{max_rows}/{step}/{warps}w/{stages}s: {type(exc).__name__}")
                 finally:
-                    dat.block_rows, dat.NUM_WARPS, dat.NUM_STAGES = real_rows, real_warps, real_stages
+                    dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM = real_rows, real_warps, real_stages
             print(f"attention B={batch} rows {length} W={width}: " + " | ".join(cells), flush=True)
             del ks, vs
             torch.cuda.empty_cache()

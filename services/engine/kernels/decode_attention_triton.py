@@ -52,6 +52,11 @@ SHORT_WIDTH = 1024  # windows up to this many rows are read in blocks of 32 rows
 LOG2E = 1.4426950408889634
 NUM_WARPS = 4  # of a split program (bf16 / fp16 dots)
 NUM_STAGES = 2  # its software pipeline depth
+# at head_dim 128 (Llama-3.1-8B's 32 / 8 heads) 4 stages, measured on the H200 (bench/scale_kernels.py,
+# bench/RESULTS.md): 57.7 -> 47.5 us a layer at 32K rows, batch 1; 360 -> 305 at 32 x 8K; 204 -> 178 at 64 x 2K.
+# Other head dims and fp32 K/V keep 2 (D 256 or fp32 tiles at 4 stages would not fit shared memory; nothing
+# else was measured)
+STAGES_BY_HEAD_DIM = {128: 4}
 _PLAIN = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -464,6 +469,7 @@ def _attend(
     q_pos = q_pos.contiguous()
     # fp32 dots (IEEE) for fp32 or mixed inputs, and interpreted: the interpreter's tl.dot is wrong on bf16
     dot_fp32 = k_store.dtype == torch.float32 or q.dtype != k_store.dtype or INTERPRETED
+    stages = NUM_STAGES if dot_fp32 else STAGES_BY_HEAD_DIM.get(head_dim, NUM_STAGES)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out, keep_q if keep_q is not None else out,
         width, per_split, num_splits, window if window is not None else 0, max(span, 1), scale * LOG2E,
@@ -472,7 +478,7 @@ def _attend(
         G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, RING=span > 0, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
         SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, KEEP_Q=keep_q is not None, SORTED=sorted_keys,
-        num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=stages,
         **pdl.launch_args(q.device),
     )  # fmt: skip
     if direct:
