@@ -16,7 +16,7 @@ from services.engine.attention import ContiguousKV
 from services.engine.models.config import ModelConfig
 from services.engine.models.gemma3 import GemmaRMSNorm
 from services.engine.models.llama import RMSNorm, RotaryEmbedding, apply_rope
-from tests.engine.helpers import device_or_skip, tiny_gemma
+from tests.engine.helpers import device_or_skip, tiny_gemma, tiny_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -275,3 +275,30 @@ def test_gelu_tanh_mul_matches_gelu_then_multiply(where: str, dtype: torch.dtype
     got = norm_triton.gelu_tanh_mul(gate_up)
     tol = 1e-5 if dtype == torch.float32 else 4e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_tiny_llama_without_qk_norm_rotates_in_the_fused_launch(
+    triton_tier: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Llama without q/k norm on the Triton tier rotates q and k in qk_norm_rope's launch (no weights: RoPE
+    alone, one launch a layer) and computes what the torch path computes."""
+    from services.engine.kernels import norm_triton
+
+    calls: list[bool] = []
+    real = norm_triton.qk_norm_rope
+
+    def counted(qkv, q_weight, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(q_weight is None)
+        return real(qkv, q_weight, *args, **kwargs)
+
+    monkeypatch.setattr(norm_triton, "qk_norm_rope", counted)
+    model = tiny_model(64)
+    assert model.layers[0].self_attn.q_norm is None
+    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(20)
+    with torch.no_grad():
+        fused = model.logits(model(ids, pos, ContiguousKV(2)))
+        assert calls == [True, True]  # both layers, without norm weights
+        kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
+        plain = model.logits(model(ids, pos, ContiguousKV(2)))
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
