@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 if TYPE_CHECKING:
     from services.engine.kernels.decode_attention_triton import Partials
@@ -187,7 +188,22 @@ def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, row_mask: Tensor | None, scale
     return out.view(num_kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3).reshape(num_new, num_heads, head_dim)
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal GQA attention of the last n of T positions, no mask tensor: q [n, Hq, D]; k, v [Hkv, T, D]
+    (T >= n, keys at positions 0..T-1) -> [n, Hq, D], query i (position T - n + i) seeing keys 0..T - n + i.
+
+    torch's lower-right causal bias (torch.nn.attention.bias.causal_lower_right) with enable_gqa: on CUDA
+    it runs the FlashAttention-2 kernel (causal, bottom-right aligned, K/V heads shared natively), which
+    skips the masked tiles and reads no [G * n, T] additive mask; elsewhere torch materialises the same
+    mask (the math path). The same function as grouped_sdpa with position_mask's causal mask."""
+    n, num_heads, _ = q.shape
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    bias = causal_lower_right(n, k.shape[1])
+    out = sdpa(qh, k[None], v[None], bias, scale, enable_gqa=num_heads != k.shape[0])  # type: ignore[arg-type]
+    return out[0].transpose(0, 1)  # [n, Hq, D]
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, enable_gqa: bool = False) -> Tensor:
     """F.scaled_dot_product_attention (4-D inputs) without the cuDNN backend on CUDA. cuDNN builds an
     execution plan for every new shape (40-70 ms each on the H200, the first ~1.8 s; bench/RESULTS.md), and a
     step's key count changes with every chunk, prompt and selection, so its first use of a shape cost more
@@ -195,9 +211,9 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> 
     same additive masks with no per-shape build, as fast or faster at these shapes (same table). The switch is
     process-wide while the call runs (torch keeps it global): the engine attends from one thread."""
     if not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)

@@ -73,6 +73,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_WINDOW = 256
+# every read set here lists its rows by position (pages in order, the padding at PAD_POS last): the flash-
+# decoding kernel may skip the splits past the token (kernels/decode_attention_triton.py, `sorted_keys`)
+SORTED_READS = True
 
 
 def advance_inputs(token: torch.Tensor, burst_tokens: torch.Tensor, inputs: torch.Tensor) -> None:
@@ -222,8 +225,9 @@ class _GraphAttention:
         kept = self.bufs.queries[layer_idx] if keep_q else None
         if stores is not None:
             return self.kernels.decode_attention(  # type: ignore[union-attr,no-any-return]
-                q, *stores, rows, key_pos, self.bufs.positions, scale, window, partial=partial, keep_q=kept
-            )
+                q, *stores, rows, key_pos, self.bufs.positions, scale, window, partial=partial, keep_q=kept,
+                sorted_keys=SORTED_READS,
+            )  # fmt: skip
         if kept is not None:
             kept.copy_(q)
         num_heads, head_dim = q.shape[1], q.shape[2]

@@ -9,14 +9,36 @@ asked for it, scores every earlier page against this step's queries (the ring's 
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.attention import grouped_sdpa, position_mask
+from services.engine.attention import causal_sdpa, grouped_sdpa, position_mask
 from services.engine.exact_attention import grouped_attention_lse, merge_partials, rows_to_heads
+from services.engine.kernels import triton_module
 from services.engine.kv_pool import KVPool
 from services.engine.summaries import PageSummaries, page_scores
+
+logger = logging.getLogger(__name__)
+
+
+PREFILL_MODES = ("triton", "flash", "masked")
+
+
+def prefill_mode() -> str:
+    """How, on CUDA, a span of several new tokens over a gap-free read set (all its pages resident, a global
+    layer, no host pages) attends: `triton` (the default) kernels/prefill_attention_triton.py over the pool in
+    place (plain-format layers on the Triton tier; else flash: 412 vs 343 TFLOP/s on the H200 at the 8B shape,
+    bench/RESULTS.md); `flash` causal_sdpa over the gathered rows (torch's FlashAttention-2, no mask tensor,
+    the masked tiles skipped); `masked` grouped_sdpa over a [G * n, T] additive mask
+    (the memory-efficient kernel: the path before). KVMEM_PREFILL_ATTENTION picks one (A/B runs,
+    bench/scale.py); the CPU takes `masked` (its speed) unless the variable is set."""
+    mode = os.environ.get("KVMEM_PREFILL_ATTENTION", "triton")
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"KVMEM_PREFILL_ATTENTION={mode!r} not in {', '.join(PREFILL_MODES)}")
+    return mode
 
 
 @dataclass
@@ -62,6 +84,11 @@ class StepAttention:
         self.dtype = dtype
         self.staging_pages = staging_pages
         self.write_rows = torch.cat([s.write_rows for s in spans])  # [N], the step's flattened order
+        explicit = "KVMEM_PREFILL_ATTENTION" in os.environ  # the CPU takes another mode only when asked (tests)
+        self.mode = prefill_mode() if pool.device.type == "cuda" or explicit else "masked"
+        self.kernel = triton_module("prefill_attention_triton", pool.device) if self.mode == "triton" else None
+        if self.mode == "triton" and self.kernel is None:
+            self.mode = "flash"  # not the Triton tier
         self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}  # (span, window, local) -> mask
 
     def kv_sink(self, layer_idx: int) -> None:
@@ -87,20 +114,32 @@ class StepAttention:
         outs = []
         start = 0
         for i, span in enumerate(self.spans):
-            mask = self._mask(i, span, window)
             q_s = q[start : start + span.num_new]
             if span.summaries is not None:
                 self._summarize(layer_idx, span)
                 if span.score_tokens:
                     self._score(layer_idx, span, q_s, scale)
-            k_s, v_s = self.pool.gather(layer_idx, span.read_rows, q.dtype)
-            k_s, v_s = k_s.transpose(0, 1), v_s.transpose(0, 1)  # [Hkv, T, D]
-            if span.host_pages:
-                outs.append(self._exact(layer_idx, span, q_s, k_s, v_s, mask, scale, window).to(q.dtype))
-            else:
-                outs.append(grouped_sdpa(q_s, k_s, v_s, mask, scale))  # [n, Hq, D]
+            outs.append(self._attend_span(i, layer_idx, span, q_s, scale, window))
             start += span.num_new
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _attend_span(
+        self, i: int, layer_idx: int, span: SeqSpan, q_s: torch.Tensor, scale: float, window: int | None
+    ) -> torch.Tensor:
+        """One sequence's attention over its read rows -> [n, Hq, D] (the `prefill_mode` paths for a causal
+        span over positions 0..T-1; the masked path for gaps, windows and single tokens; `exact` host pages)."""
+        causal = span.num_new > 1 and span.key_pos is None and window is None and not span.host_pages
+        plain = self.pool.plain_kv(layer_idx) if causal and self.kernel is not None else None
+        if plain is not None and self.kernel is not None and self.kernel.supported(q_s, plain[0]):
+            return self.kernel.prefill_attention(q_s, plain[0], plain[1], span.read_rows, scale)  # type: ignore[no-any-return]
+        k_s, v_s = self.pool.gather(layer_idx, span.read_rows, q_s.dtype)
+        k_s, v_s = k_s.transpose(0, 1), v_s.transpose(0, 1)  # [Hkv, T, D]
+        if span.host_pages:
+            mask = self._mask(i, span, window)
+            return self._exact(layer_idx, span, q_s, k_s, v_s, mask, scale, window).to(q_s.dtype)
+        if causal and self.mode != "masked":
+            return causal_sdpa(q_s, k_s, v_s, scale)  # keys 0..T-1, the new tokens last
+        return grouped_sdpa(q_s, k_s, v_s, self._mask(i, span, window), scale)  # [n, Hq, D]
 
     def _attend_local(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None

@@ -422,3 +422,38 @@ def test_partials_merge_to_the_output(where: str, heads: tuple[int, int], width:
         assert isinstance(direct, torch.Tensor)
         want = dat.decode_attention_reference(*one, window=window)
         torch.testing.assert_close(direct.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sorted_keys_skip_the_splits_past_the_query(where: str) -> None:
+    """The decode graphs' read sets (rows by position, padding at PAD_POS last, the token's bucket wider than
+    its rows): with sorted_keys the splits past the query walk nothing, and the output is the unsorted
+    kernel's and the reference's (poisoned output first: every element written)."""
+    from services.engine.kernels import decode_attention_triton as dat
+
+    device = device_or_skip(where)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    batch, (hq, hkv), d = 3, (4, 2), 32
+    width = 256 if device.type == "cpu" else 65_536
+    g = torch.Generator().manual_seed(11)
+    lengths = [width // 4 + 3, width // 2 - 64, 70]  # real rows of each sequence, the rest padding
+    num_rows = batch * width
+    k_store = torch.randn(num_rows, hkv, d, generator=g).to(device, dtype)
+    v_store = torch.randn(num_rows, hkv, d, generator=g).to(device, dtype)
+    q = (2 * torch.randn(batch, hq, d, generator=g)).to(device, dtype)
+    rows = torch.zeros(batch, width, dtype=torch.int64)
+    key_pos = torch.full((batch, width), PAD_POS, dtype=torch.int64)
+    for b, n in enumerate(lengths):
+        rows[b, :n] = torch.randperm(num_rows, generator=g)[:n]
+        key_pos[b, :n] = torch.arange(n) * 2  # increasing, with gaps
+    q_pos = torch.tensor([2 * (n - 1) for n in lengths[:2]] + [2 * 30])  # the last: 39 later keys are future
+    x = Inputs(q, k_store, v_store, rows.to(device), key_pos.to(device), q_pos.to(device), d**-0.5)
+    want = dat.decode_attention_reference(*x)
+    plain = dat.decode_attention(*x)
+    out = torch.full_like(q, float("nan"))
+    got = dat.decode_attention(*x, out=out, sorted_keys=True)
+    assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
+    tol = _tolerance(dtype)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got.float(), plain.float(), rtol=tol, atol=tol)
+    assert dat.split_rows(batch, hkv, width) < width  # several splits, some wholly past the query

@@ -16,7 +16,7 @@ from services.engine.attention import ContiguousKV
 from services.engine.models.config import ModelConfig
 from services.engine.models.gemma3 import GemmaRMSNorm
 from services.engine.models.llama import RMSNorm, RotaryEmbedding, apply_rope
-from tests.engine.helpers import device_or_skip, tiny_gemma
+from tests.engine.helpers import device_or_skip, tiny_gemma, tiny_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -127,6 +127,54 @@ def test_qk_norm_rope_matches_norms_then_rope(where: str, dtype: torch.dtype, ge
     assert torch.equal(k_store, k_want) and torch.equal(v_store, v_want)
 
 
+@pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
+def test_rope_alone_matches_apply_rope(where: str, dtype: torch.dtype) -> None:
+    """No q/k norm weights (a Llama without q/k norm): RoPE alone, rounded as apply_rope rounds (bit for bit on
+    CUDA and in float32), from gathered rows or the whole tables, and K/V written to a sink."""
+    from services.engine.kernels import norm_triton
+    from services.engine.kernels.decode_attention_triton import write_kv_reference
+
+    device = device_or_skip(where)
+    torch.manual_seed(4)
+    hq, hkv, dim, n = 4, 2, 32, 5
+    cfg = ModelConfig(
+        architecture="llama", vocab_size=10, hidden_size=hq * dim, intermediate_size=8, num_layers=1,
+        num_heads=hq, num_kv_heads=hkv, head_dim=dim, rms_norm_eps=1e-6, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+        tie_word_embeddings=True, attention_bias=False, qk_norm=False, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    rope = RotaryEmbedding(cfg)(torch.tensor([0, 9, 64, 300, 511], device=device), dtype)
+    cos, sin = rope.rows
+    qkv = (torch.randn(n, hq + 2 * hkv, dim, device=device) * 2).to(dtype)
+    want = apply_rope(qkv[:, : hq + hkv], cos, sin)
+    got = norm_triton.qk_norm_rope(qkv, None, None, cos, sin, 0.0, hq, hkv, gemma=False)
+    if dtype == torch.float32 or device.type == "cuda":  # the interpreter truncates bf16 instead of rounding
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    tabled = norm_triton.qk_norm_rope(
+        qkv, None, None, rope.cos, rope.sin, 0.0, hq, hkv, gemma=False, positions=rope.positions
+    )
+    assert torch.equal(tabled, got)
+    k_store, v_store = (
+        torch.randn(8, hkv, dim, device=device).to(dtype),
+        torch.randn(8, hkv, dim, device=device).to(dtype),
+    )
+    k_want, v_want = k_store.clone(), v_store.clone()
+    rows = torch.tensor([6, 0, 7, 2, 3], device=device)
+    sunk = norm_triton.qk_norm_rope(
+        qkv, None, None, cos, sin, 0.0, hq, hkv, gemma=False, kv_sink=(k_store, v_store, rows)
+    )
+    assert torch.equal(sunk, got)
+    write_kv_reference(k_want, v_want, rows, got[:, hq:], qkv[:, hq + hkv :])
+    assert torch.equal(k_store, k_want) and torch.equal(v_store, v_want)
+    with pytest.raises(AssertionError, match="both"):
+        norm_triton.qk_norm_rope(
+            qkv, torch.ones(dim, device=device, dtype=dtype), None, cos, sin, 1e-6, hq, hkv, gemma=False
+        )
+
+
 def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
     triton_tier: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -227,3 +275,30 @@ def test_gelu_tanh_mul_matches_gelu_then_multiply(where: str, dtype: torch.dtype
     got = norm_triton.gelu_tanh_mul(gate_up)
     tol = 1e-5 if dtype == torch.float32 else 4e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_tiny_llama_without_qk_norm_rotates_in_the_fused_launch(
+    triton_tier: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Llama without q/k norm on the Triton tier rotates q and k in qk_norm_rope's launch (no weights: RoPE
+    alone, one launch a layer) and computes what the torch path computes."""
+    from services.engine.kernels import norm_triton
+
+    calls: list[bool] = []
+    real = norm_triton.qk_norm_rope
+
+    def counted(qkv, q_weight, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(q_weight is None)
+        return real(qkv, q_weight, *args, **kwargs)
+
+    monkeypatch.setattr(norm_triton, "qk_norm_rope", counted)
+    model = tiny_model(64)
+    assert model.layers[0].self_attn.q_norm is None
+    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(20)
+    with torch.no_grad():
+        fused = model.logits(model(ids, pos, ContiguousKV(2)))
+        assert calls == [True, True]  # both layers, without norm weights
+        kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
+        plain = model.logits(model(ids, pos, ContiguousKV(2)))
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)

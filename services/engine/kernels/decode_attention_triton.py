@@ -50,6 +50,13 @@ TARGET_PROGRAMS = 256  # split until B * Hkv * S reaches this (about two program
 MERGE_BLOCK_S = 16  # partials per iteration of the merge kernel
 SHORT_WIDTH = 1024  # windows up to this many rows are read in blocks of 32 rows, longer ones of 64
 LOG2E = 1.4426950408889634
+NUM_WARPS = 4  # of a split program (bf16 / fp16 dots)
+NUM_STAGES = 2  # its software pipeline depth
+# at head_dim 128 (Llama-3.1-8B's 32 / 8 heads) 4 stages, measured on the H200 (bench/scale_kernels.py,
+# bench/RESULTS.md): 57.7 -> 47.5 us a layer at 32K rows, batch 1; 360 -> 305 at 32 x 8K; 204 -> 178 at 64 x 2K.
+# Other head dims and fp32 K/V keep 2 (D 256 or fp32 tiles at 4 stages would not fit shared memory; nothing
+# else was measured)
+STAGES_BY_HEAD_DIM = {128: 4}
 _PLAIN = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -212,6 +219,7 @@ def _split_kernel(
     SPLIT_BLOCKS: tl.constexpr,  # rows_per_split // BLOCK_N, interpreted only (0 when compiled)
     KEEP_Q: tl.constexpr,  # the first split's programs copy q to keep_ptr
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    SORTED: tl.constexpr = False,  # key positions non-decreasing along each row list (padding last)
 ):
     pdl.start(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -237,10 +245,18 @@ def _split_kernel(
     start = split * rows_per_split
     if RING:
         base = tl.load(rows_ptr + b)
+    # SORTED: a split whose first key is after the query (the padding of a window bucket, or future rows) has
+    # nothing to attend: it walks no rows and leaves m = -inf, l = 0, acc = 0 (the merge weighs it 0)
+    n_stop = rows_per_split
+    if SORTED:
+        if not RING:
+            n_stop = tl.where(tl.load(key_pos_ptr + b * width + start) > q_pos, 0, rows_per_split)
     # the last split may end past W: those rows are masked
-    for n0 in range(0, SPLIT_BLOCKS * BLOCK_N if INTERPRETED else rows_per_split, BLOCK_N):
+    for n0 in range(0, SPLIT_BLOCKS * BLOCK_N if INTERPRETED else n_stop, BLOCK_N):
         n = start + n0 + tl.arange(0, BLOCK_N)
         in_w = n < width
+        if SORTED:  # interpreted, the loop runs to the constexpr bound: the rows past n_stop are masked
+            in_w = in_w & (n < start + n_stop)
         if RING:  # rows from arithmetic: no index load before the K/V loads
             pos = q_pos - width + 1 + n
             ok = in_w & (pos >= 0)
@@ -359,11 +375,14 @@ def decode_attention(
     out: torch.Tensor | None = None,
     partial: bool = False,
     keep_q: torch.Tensor | None = None,
+    sorted_keys: bool = False,
 ) -> torch.Tensor | Partials:
     """`decode_attention_reference` in one or two launches -> out [B, Hq, D] (q's dtype unless `out`); with
     `partial`, the split kernel's Partials when there are several splits (no merge launch: the caller merges);
     `keep_q` [B, Hq, D] (contiguous): q is also copied there, by the same launch (a decode step's queries,
-    kept for page scoring, without a copy of their own).
+    kept for page scoring, without a copy of their own). `sorted_keys`: the caller promises each row list's
+    key positions never decrease (the decode graphs' read sets: pages in order, padding at PAD_POS last), so a
+    split whose first key is after the query skips its rows (a window bucket's padding costs no loop).
 
     q: [B, Hq, D] (last dim contiguous); k_store, v_store: [R, Hkv, D] one pool layer (plain float
     dtype, last dim contiguous); rows, key_pos: [B, W] int64 with W a multiple of 64; q_pos: [B] int64.
@@ -373,7 +392,9 @@ def decode_attention(
     assert rows.shape == key_pos.shape == (batch, width) and q_pos.shape == (batch,), (rows.shape, key_pos.shape)
     assert rows.dtype == key_pos.dtype == q_pos.dtype == torch.int64
     rows, key_pos = rows.contiguous(), key_pos.contiguous()
-    return _attend(q, k_store, v_store, rows, key_pos, q_pos, scale, window, out, width, 0, partial, keep_q)
+    return _attend(
+        q, k_store, v_store, rows, key_pos, q_pos, scale, window, out, width, 0, partial, keep_q, sorted_keys
+    )
 
 
 def decode_attention_ring(
@@ -415,6 +436,7 @@ def _attend(
     span: int,
     partial: bool = False,
     keep_q: torch.Tensor | None = None,
+    sorted_keys: bool = False,
 ) -> torch.Tensor | Partials:
     """The launches of both read sets: rows/key_pos [B, W] (span 0), or a ring (rows = ring bases, span > 0);
     `partial`: the partials instead of the merge launch (one split: the output, as always); `keep_q`: a copy
@@ -447,6 +469,7 @@ def _attend(
     q_pos = q_pos.contiguous()
     # fp32 dots (IEEE) for fp32 or mixed inputs, and interpreted: the interpreter's tl.dot is wrong on bf16
     dot_fp32 = k_store.dtype == torch.float32 or q.dtype != k_store.dtype or INTERPRETED
+    stages = NUM_STAGES if dot_fp32 else STAGES_BY_HEAD_DIM.get(head_dim, NUM_STAGES)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out, keep_q if keep_q is not None else out,
         width, per_split, num_splits, window if window is not None else 0, max(span, 1), scale * LOG2E,
@@ -454,8 +477,8 @@ def _attend(
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, RING=span > 0, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
-        SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, KEEP_Q=keep_q is not None,
-        num_warps=8 if dot_fp32 else 4, num_stages=2,
+        SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, KEEP_Q=keep_q is not None, SORTED=sorted_keys,
+        num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=stages,
         **pdl.launch_args(q.device),
     )  # fmt: skip
     if direct:

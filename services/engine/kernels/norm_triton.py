@@ -171,8 +171,10 @@ def _qk_norm_rope_kernel(
     qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, num_q_heads, num_qk_heads, dim, stride_n, stride_h,
     eps, k_store_ptr, v_store_ptr, rows_ptr, stride_sr, stride_sh,
     GEMMA: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr = True,
 ):  # fmt: skip
-    """One program per (token, q-or-k head): RMSNorm with that head kind's weight, then RoPE
+    """One program per (token, q-or-k head): RMSNorm with that head kind's weight (not with NORM False: a
+    model without q/k norm, RoPE alone), then RoPE
     (x * cos + roll(x, D/2) * sin, the sin table signed), rounding where the torch reference rounds.
     STORE: a k head's program also writes its k, and the token's v of that KV head, into the KV stores
     at the token's row (KVPool.write's job, without its launch). TABLE: cos/sin are the whole tables,
@@ -187,14 +189,20 @@ def _qk_norm_rope_kernel(
     base = qkv_ptr + n * stride_n + h * stride_h
     x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + rolled, mask=mask, other=0.0).to(tl.float32)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-    is_q = h < num_q_heads
-    w = tl.where(is_q, tl.load(qw_ptr + offs, mask=mask, other=0.0), tl.load(kw_ptr + offs, mask=mask, other=0.0))
-    w2 = tl.where(is_q, tl.load(qw_ptr + rolled, mask=mask, other=0.0), tl.load(kw_ptr + rolled, mask=mask, other=0.0))
-    w = w.to(tl.float32)
-    w2 = w2.to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
-    if GEMMA:
+    if NORM:
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+        is_q = h < num_q_heads
+        w = tl.where(is_q, tl.load(qw_ptr + offs, mask=mask, other=0.0), tl.load(kw_ptr + offs, mask=mask, other=0.0))
+        w2 = tl.where(
+            is_q, tl.load(qw_ptr + rolled, mask=mask, other=0.0), tl.load(kw_ptr + rolled, mask=mask, other=0.0)
+        )
+        w = w.to(tl.float32)
+        w2 = w2.to(tl.float32)
+    if not NORM:  # x and x2 are the input's values already
+        y = x
+        y2 = x2
+    elif GEMMA:
         y = (x * r * (w + 1.0)).to(out_ty).to(tl.float32)
         y2 = (x2 * r * (w2 + 1.0)).to(out_ty).to(tl.float32)
     else:
@@ -219,8 +227,8 @@ def _qk_norm_rope_kernel(
 
 def qk_norm_rope(
     qkv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
     eps: float,
@@ -232,7 +240,8 @@ def qk_norm_rope(
 ) -> torch.Tensor:
     """qkv: [N, Hq + 2 Hkv, D] (the fused projection, viewed by head); cos, sin: [N, 1, D] from
     RotaryEmbedding, or with `positions` [N] int64 the whole tables [P, D] (each token's row read in the
-    launch: no gather launches) -> [N, Hq + Hkv, D]: q and k normed (their own weights) and rotated, contiguous.
+    launch: no gather launches) -> [N, Hq + Hkv, D]: q and k normed (their own weights) and rotated, contiguous;
+    with no weights (None, None: a model without q/k norm) rotated only, as apply_rope rounds.
     kv_sink (k_store, v_store [R, Hkv, D] of a plain dtype, rows [N] int64, distinct): k and v are also
     written there, row rows[n] (what write_kv_reference does with them)."""
     n, _, d = qkv.shape
@@ -253,11 +262,15 @@ def qk_norm_rope(
     else:
         cos2, sin2 = cos.reshape(n, d), sin.reshape(n, d)
         assert cos2.is_contiguous() and sin2.is_contiguous()
+    norm = q_weight is not None and k_weight is not None
+    if not norm:
+        assert q_weight is None and k_weight is None, "both q/k norm weights or neither"
+        q_weight = k_weight = cos2  # never read
     if n:
         _qk_norm_rope_kernel[(n, heads)](
             qkv, q_weight, k_weight, cos2, sin2, positions.contiguous() if positions is not None else cos2, out,
             num_q_heads, heads, d, qkv.stride(0), qkv.stride(1), eps,
             *store, GEMMA=gemma, BLOCK_D=triton.next_power_of_2(d), STORE=kv_sink is not None,
-            TABLE=positions is not None, **pdl.launch_args(qkv.device),
+            TABLE=positions is not None, NORM=norm, **pdl.launch_args(qkv.device),
         )  # fmt: skip
     return out

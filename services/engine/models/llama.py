@@ -185,11 +185,13 @@ class Attention(nn.Module):
         n, num_qk_heads = qkv.shape[0], self.num_heads + self.num_kv_heads
         qkv = qkv.view(n, num_qk_heads + self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([num_qk_heads, self.num_kv_heads], dim=1)  # qk: [N, Hq + Hkv, D]; v: [N, Hkv, D]
-        kernels = fused_kernels(qkv) if self.q_norm is not None and self.k_norm is not None else None
-        if kernels is not None and self.q_norm is not None and self.k_norm is not None:  # one launch
+        kernels = fused_kernels(qkv)
+        if kernels is not None:  # one launch: the q/k norm (when the model has one) and RoPE
             sink = attn.kv_sink(self.layer_idx)  # the K/V rows written in that launch too
+            normed = self.q_norm is not None and self.k_norm is not None
             qk = kernels.qk_norm_rope(
-                qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, self.q_norm.eps,
+                qkv, self.q_norm.weight if normed else None, self.k_norm.weight if normed else None,
+                rope.cos, rope.sin, self.q_norm.eps if normed else 0.0,
                 self.num_heads, self.num_kv_heads, gemma=False, kv_sink=sink, positions=rope.positions,
             )  # fmt: skip
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

@@ -1,0 +1,194 @@
+"""Decode kernels at Llama-3.1-8B's shapes (issue 26), CUDA: what a batch-1 or batched decode step spends.
+
+    PYTHONPATH=. python3 bench/scale_kernels.py [--only linear|attention] [--sweep]
+
+- linear: each projection of a decode step (qkv 6144 x 4096, o 4096 x 4096, gate/up 2 x 14336 x 4096 with the
+  SiLU product, down 4096 x 14336) at M rows: cuBLAS (F.linear; gate/up then the torch product), the Triton
+  kernel's heuristic (kernels/linear_triton.py `config`), and with --sweep every configuration of a small grid
+  at M = 1. GB/s counts the weight bytes (each read once).
+- attention: the flash-decoding kernel (kernels/decode_attention_triton.py) over 32 layers' pools, Hq 32 / Hkv 8
+  of 128, at the decode graphs' padded windows (W a power of two >= the rows, as DecodeGraphs pads them), for
+  MAX_SPLIT_ROWS in a few values (rows per split program at most). TB/s counts the real K/V bytes.
+
+Times are microseconds per layer, from CUDA-graph replays of 32 calls on 32 distinct weights / pools (one decode
+step's layers; nothing stays in L2). bench/kernel_sweep.py is the same method at Gemma 3 270M's shapes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.engine.kernels import decode_attention_triton as dat  # noqa: E402
+from services.engine.kernels import linear_triton as lt  # noqa: E402
+
+LAYERS = 32
+# (MAX_SPLIT_ROWS, rows per loop step or 0 for block_rows, num_warps, num_stages, sorted_keys): the engine's
+# default before issue 26 first, then with the padding splits skipped (the decode graphs pass sorted_keys now)
+VARIANTS = ((512, 0, 4, 2, False), (512, 0, 4, 2, True), (1024, 0, 4, 2, True), (512, 0, 4, 4, True))
+# (batch, rows of each sequence, W exact instead of the power-of-two bucket)
+CASES = ((1, 32_896, False), (1, 32_896, True), (32, 8_320, False), (64, 2_176, False))
+PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def per_call_us(fn: Callable[[], object], calls: int = LAYERS, reps: int = 20) -> float:
+    """Mean time of one of the `calls` calls `fn` makes, replayed as a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps / calls
+
+
+def _gated_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear_table(dev: torch.device, sweep: bool) -> None:
+    grid = list(itertools.product([32, 64, 128], [128, 256], [4, 8], [4], [1, 4]))
+    for name, (n, k) in PROJECTIONS.items():
+        gated = name == "gate_up"
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(LAYERS)]
+        gb = n * k * 2 / 1e9
+        for m in (1, 16, 32, 64):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            if m > lt.MAX_ROWS:  # the engine's path for a larger batch: cuBLAS
+                f = _gated_torch if gated else F.linear
+                base = per_call_us(lambda x=x, ws=ws, f=f: [f(x, w) for w in ws])
+                print(
+                    f"{name:8s} M={m:2d} N={n} K={k}: cublas {base:7.1f} us ({gb / base * 1e6:5.0f} GB/s)", flush=True
+                )
+                continue
+            if gated:
+                base = per_call_us(lambda x=x, ws=ws: [_gated_torch(x, w) for w in ws])
+                heur = per_call_us(lambda x=x, ws=ws: [lt.linear_gated(x, w, "silu") for w in ws])
+                cfg_h = lt.config(n // 2, k)
+            else:
+                base = per_call_us(lambda x=x, ws=ws: [F.linear(x, w) for w in ws])
+                heur = per_call_us(lambda x=x, ws=ws: [lt.linear(x, w) for w in ws])
+                cfg_h = lt.config(n, k)
+            line = (f"{name:8s} M={m:2d} N={n} K={k}: cublas {base:7.1f} us ({gb / base * 1e6:5.0f} GB/s) | "
+                    f"triton {cfg_h} {heur:7.1f} us ({gb / heur * 1e6:5.0f} GB/s)")  # fmt: skip
+            if sweep and m == 1:
+                timed = []
+                for cfg in grid:
+                    if gated and cfg[4] != 1:
+                        continue
+                    try:
+                        if gated:
+                            t = per_call_us(
+                                lambda x=x, ws=ws, cfg=cfg: [lt.linear_gated(x, w, "silu", cfg=cfg) for w in ws]
+                            )
+                        else:
+                            t = per_call_us(lambda x=x, ws=ws, cfg=cfg: [lt.linear(x, w, cfg=cfg) for w in ws])
+                        timed.append((t, cfg))
+                    except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
+                        print(f"  {cfg}: {type(exc).__name__}")
+                timed.sort()
+                line += " | best " + ", ".join(f"{c} {t:.1f} ({gb / t * 1e6:.0f} GB/s)" for t, c in timed[:3])
+            print(line, flush=True)
+        del ws
+
+
+def attention_table(dev: torch.device) -> None:
+    heads, kv_heads, d = 32, 8, 128
+    real_max = dat.MAX_SPLIT_ROWS
+    try:
+        for batch, length, exact in CASES:
+            width = 256
+            while width < length:
+                width *= 2
+            if exact:  # no bucket: the rows rounded up to whole pages (what the padding costs)
+                width = -(-length // 64) * 64
+            rows_total = batch * length
+            layers = LAYERS if rows_total <= 300_000 else 8  # 32 layers of 32 x 8K would be 34 GB
+            ks = [torch.randn(rows_total, kv_heads, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+            vs = [torch.randn(rows_total, kv_heads, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+            q = torch.randn(batch, heads, d, device=dev, dtype=torch.bfloat16)
+            pad = torch.zeros(batch, width - length, dtype=torch.long, device=dev)
+            rows = torch.cat([torch.arange(b * length, (b + 1) * length, device=dev)[None] for b in range(batch)])
+            rows = torch.cat((rows, pad), dim=1).contiguous()
+            key_pos = torch.cat(
+                (torch.arange(length, device=dev).expand(batch, -1), pad + (1 << 40)), dim=1
+            ).contiguous()
+            q_pos = torch.full((batch,), length - 1, device=dev)
+            gb = 2 * batch * length * kv_heads * d * 2 / 1e9
+            cells = []
+            real_rows, real_warps, real_stages = dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM
+            for max_rows, step, warps, stages, srt in VARIANTS:
+                dat.MAX_SPLIT_ROWS, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM = max_rows, warps, {d: stages}
+                dat.block_rows = (lambda w, step=step: step) if step else real_rows  # type: ignore[assignment]
+                try:
+                    t = per_call_us(
+                        lambda ks=ks, vs=vs, q=q, rows=rows, key_pos=key_pos, q_pos=q_pos, srt=srt: [
+                            dat.decode_attention(q, ks[i], vs[i], rows, key_pos, q_pos, d**-0.5, sorted_keys=srt)
+                            for i in range(len(ks))
+                        ],
+                        calls=layers,
+                    )
+                    splits = -(-width // dat.split_rows(batch, kv_heads, width))
+                    name = f"{max_rows}/{step or 0}/{warps}w/{stages}s{'/sorted' if srt else ''}"
+                    cells.append(f"{name}: {t:6.1f} us {gb / t * 1e3:4.2f} TB/s ({splits} sp)")
+                except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported
+                    cells.append(f"{max_rows}/{step}/{warps}w/{stages}s: {type(exc).__name__}")
+                finally:
+                    dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM = real_rows, real_warps, real_stages
+            print(f"attention B={batch} rows {length} W={width}: " + " | ".join(cells), flush=True)
+            del ks, vs
+            torch.cuda.empty_cache()
+    finally:
+        dat.MAX_SPLIT_ROWS = real_max
+
+
+def head_table(dev: torch.device) -> None:
+    """The vocabulary head of one row (128256 x 4096): kernels/head_triton.py against cuBLAS + cast + argmax."""
+    from services.engine.kernels import head_triton
+
+    ws = [torch.randn(128_256, 4096, device=dev, dtype=torch.bfloat16) / 64 for _ in range(4)]
+    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    gb = 128_256 * 4096 * 2 / 1e9
+    base = per_call_us(lambda: [torch.argmax(F.linear(x, w).float(), dim=-1) for w in ws], calls=4)
+    line = f"head 128256 x 4096, 1 row: cublas+argmax {base:6.1f} us ({gb / base * 1e6:5.0f} GB/s)"
+    if head_triton.supported(x, ws[0]):
+        kern = per_call_us(lambda: [head_triton.head(x, w, True) for w in ws], calls=4)
+        line += f" | head kernel {kern:6.1f} us ({gb / kern * 1e6:5.0f} GB/s)"
+    print(line, flush=True)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("scale_kernels.py needs a CUDA device")
+        return 2
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    dev = torch.device("cuda")
+    if only in (None, "attention"):
+        attention_table(dev)
+    if only in (None, "linear"):
+        linear_table(dev, "--sweep" in sys.argv)
+    if only in (None, "head"):
+        head_table(dev)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

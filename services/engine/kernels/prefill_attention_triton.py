@@ -1,0 +1,189 @@
+"""Prefill attention over paged KV (Triton): causal FlashAttention of a prompt chunk, reading the pool in place.
+
+A prefill chunk of n new tokens at positions [P, P + n) attends every key at positions 0..P + i (causal,
+bottom-right aligned: the chunk is the last n of T = P + n positions). The keys and values of all T positions
+are already in the pool (the step writes the new rows before attending); `rows` [T] says which pool row holds
+position t (StepAttention's SeqSpan.read_rows: the page table expanded), so nothing is gathered into a copy.
+
+    grid (cdiv(n, BLOCK_M), Hq): program (mb, h) takes query rows [mb * BLOCK_M, (mb + 1) * BLOCK_M) of head h,
+    walks key tiles of BLOCK_N positions from 0 to the last one its rows can see (online softmax in base 2,
+    fp32 accumulators), the tiles left of its first row's position unmasked, the diagonal ones masked, and
+    writes the normalised output [n, Hq, D].
+
+Query head h reads KV head h // G (transformers' repeat_kv order); the G programs of one KV head run side by
+side, so their K/V tiles come from L2 after the first. The torch reference is `prefill_attention_reference`
+(grouped_sdpa with the causal mask over the gathered rows); `supported` says which layers take the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from services.engine.attention import grouped_sdpa, position_mask
+
+LOG2E = 1.4426950408889634
+_PLAIN = (torch.bfloat16, torch.float16)
+
+
+def prefill_attention_reference(
+    q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [n, Hq, D] at positions T - n .. T - 1; k_store, v_store [R, Hkv, D]; rows [T] int64 -> [n, Hq, D]."""
+    n, num_heads, _ = q.shape
+    t = rows.shape[0]
+    k = k_store.index_select(0, rows).to(q.dtype).transpose(0, 1)  # [Hkv, T, D]
+    v = v_store.index_select(0, rows).to(q.dtype).transpose(0, 1)
+    group = num_heads // k.shape[0]
+    allowed = position_mask(torch.arange(t - n, t, device=q.device), torch.arange(t, device=q.device))
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+    return grouped_sdpa(q, k, v, mask.repeat(group, 1), scale)
+
+
+def supported(q: torch.Tensor, k_store: torch.Tensor) -> bool:
+    """A chunk of at least 16 queries over a bf16 / fp16 pool layer of the same dtype, D a power of two in
+    32..256, last dims contiguous."""
+    d = q.shape[-1] if q.dim() == 3 else 0
+    return (
+        q.dim() == 3
+        and k_store.dim() == 3
+        and q.shape[0] >= 16
+        and k_store.dtype in _PLAIN
+        and q.dtype == k_store.dtype
+        and k_store.shape[-1] == d
+        and 32 <= d <= 256
+        and d & (d - 1) == 0
+        and q.stride(-1) == 1
+        and k_store.stride(-1) == 1
+    )
+
+
+def config(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head dim. D 128 from five tried on the H200 at the 8B
+    shape's last 8K chunk of 32K (bench/scale.py --attn-bench, RESULTS): 128 x 64 at 4 warps, 3 stages 9.35 ms
+    (412 TFLOP/s), 128 x 128 / 8 warps 9.54, 128 x 64 / 8 warps 12.4, 64 x 64 / 4 warps 11.9, 128 x 32 / 4
+    warps, 4 stages 13.4 (torch's FlashAttention-2, causal_sdpa: 11.2). Other head dims: untuned guesses."""
+    if head_dim <= 128:
+        return 128, 64, 4, 3
+    return 64, 32, 4, 2
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [n, Hq, D]
+    k_ptr,  # [R, Hkv, D]
+    v_ptr,
+    rows_ptr,  # [T] int64
+    out_ptr,  # [n, Hq, D]
+    n_q,
+    past,  # T - n: the position of query row 0
+    scale_log2,
+    stride_qn,
+    stride_qh,
+    stride_kr,
+    stride_kh,
+    stride_vr,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    kv = h // G
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < n_q
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + m[:, None] * stride_qn + h * stride_qh + d[None, :], mask=m_ok[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    q_pos = past + m  # [BLOCK_M]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    first_pos = past + mb * BLOCK_M  # the block's first query sees keys 0..first_pos
+    last_pos = tl.minimum(past + (mb + 1) * BLOCK_M, past + n_q) - 1
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # tiles before it are visible to every row
+    for start in range(0, full_end, BLOCK_N):
+        kk = start + tl.arange(0, BLOCK_N)
+        r = tl.load(rows_ptr + kk)
+        k = tl.load(k_ptr + r[:, None] * stride_kr + kv * stride_kh + d[None, :])
+        v = tl.load(v_ptr + r[:, None] * stride_vr + kv * stride_vh + d[None, :])
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if DOT_FP32:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    for start in range(full_end, last_pos + 1, BLOCK_N):  # the diagonal tiles: causal mask
+        kk = start + tl.arange(0, BLOCK_N)
+        k_ok = kk <= last_pos
+        r = tl.load(rows_ptr + kk, mask=k_ok, other=0)
+        k = tl.load(k_ptr + r[:, None] * stride_kr + kv * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + r[:, None] * stride_vr + kv * stride_vh + d[None, :], mask=k_ok[:, None], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = (kk[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row sees nothing: keep exp2 finite
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if DOT_FP32:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + m[:, None] * stride_on + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None])  # fmt: skip
+
+
+# the interpreter multiplies bf16 operands as raw bits (decode_attention_triton.py): fp32 dots there
+INTERPRETED = isinstance(_prefill_kernel, InterpretedFunction)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    cfg: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """`prefill_attention_reference` in one launch -> [n, Hq, D] in q's dtype; `cfg` overrides `config`."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_store.shape[1]
+    if not supported(q, k_store) or v_store.shape != k_store.shape or num_heads % num_kv_heads:
+        raise ValueError(f"prefill attention kernel: q {tuple(q.shape)} {q.dtype}, pool {tuple(k_store.shape)}")
+    assert rows.dim() == 1 and rows.shape[0] >= n and rows.dtype == torch.int64, (rows.shape, rows.dtype)
+    block_m, block_n, warps, stages = cfg or config(head_dim)
+    out = torch.empty_like(q)
+    rows = rows.contiguous()
+    _prefill_kernel[(triton.cdiv(n, block_m), num_heads)](
+        q, k_store, v_store, rows, out, n, rows.shape[0] - n, scale * LOG2E,
+        q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
+        out.stride(0), out.stride(1),
+        G=num_heads // num_kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=INTERPRETED,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
