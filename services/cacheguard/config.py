@@ -51,7 +51,7 @@ class CacheGuardConfig:
     session_ttl_s: float = 3600.0  # an idle session's affinity is forgotten after this
     normalizations: tuple[str, ...] = NORMALIZATIONS  # see normalize.py; () turns them all off
     chat_template: str = ""  # path of a Jinja chat template replacing the model's own; "": the model's
-    query_span: str = "question"  # the ring's query: "question" (core.question_start) or "turn" (the last user turn)
+    query_span: str = "turn"  # the ring's query: "turn" (the last user turn) or "question" (core.question_start)
 
     def __post_init__(self) -> None:
         parse_addr(self.listen_addr, "listen_addr", allow_port_zero=True)

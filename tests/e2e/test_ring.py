@@ -49,17 +49,3 @@ def test_passkey_four_times_the_pool(ring_stack: Stack, passkey: tuple[str, str]
     assert plan["prefill_policy"] == policy
     assert bool(plan["unverified"]) is (policy == "sparse")
     assert r.usage.prompt_tokens > 4 * 900
-
-
-def test_chat_document_then_question_through_the_ring(ring_stack: Stack, passkey: tuple[str, str]) -> None:
-    """The same document as one chat message with the question last (issue 25): the cache guard finds the
-    question inside the message and the ring scores pages with it, not with the document's head."""
-    prompt, key = passkey
-    user = prompt.removesuffix(" The pass key is")
-    assert user != prompt and user.endswith("What is the pass key?")
-    client = openai.OpenAI(base_url=f"{ring_stack.url}/v1", api_key="none", max_retries=0, timeout=600)
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": user}], max_tokens=24,
-                                       temperature=0, extra_body={"kvmem": {"over_pool_policy": "sparse"}})  # fmt: skip
-    assert key in (r.choices[0].message.content or "")
-    plan = r.model_extra["kvmem"]["plan"]
-    assert plan["prefill_policy"] == "sparse" and plan["unverified"]
