@@ -51,6 +51,7 @@ class CacheGuardConfig:
     session_ttl_s: float = 3600.0  # an idle session's affinity is forgotten after this
     normalizations: tuple[str, ...] = NORMALIZATIONS  # see normalize.py; () turns them all off
     chat_template: str = ""  # path of a Jinja chat template replacing the model's own; "": the model's
+    query_span: str = "turn"  # the ring's query: "turn" (the last user turn) or "question" (core.question_start)
 
     def __post_init__(self) -> None:
         parse_addr(self.listen_addr, "listen_addr", allow_port_zero=True)
@@ -75,6 +76,8 @@ class CacheGuardConfig:
         unknown = [n for n in self.normalizations if n not in NORMALIZATIONS]
         if unknown:
             raise ConfigError(f"unknown normalization(s) {','.join(unknown)}; known: {','.join(NORMALIZATIONS)}")
+        if self.query_span not in ("question", "turn"):
+            raise ConfigError(f"query_span must be question or turn, got {self.query_span!r}")
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ConfigError(f"chat_template {self.chat_template!r} is not a file")
 
@@ -112,6 +115,11 @@ class CacheGuardConfig:
             default=env.get("KVMEM_CHAT_TEMPLATE", cls.chat_template),
             help="Jinja chat template file replacing the model's own",
         )
+        p.add_argument(
+            "--query-span",
+            default=env.get("KVMEM_CACHEGUARD_QUERY_SPAN", cls.query_span),
+            help="the ring's query span: question (found in the last user message) or turn (all of it)",
+        )
         a = p.parse_args(argv)
         names = a.normalizations.strip()
         return cls(
@@ -125,6 +133,7 @@ class CacheGuardConfig:
             session_ttl_s=_number(a.session_ttl_s, float, "session_ttl_s"),
             normalizations=() if names == "none" else tuple(x.strip() for x in names.split(",") if x.strip()),
             chat_template=a.chat_template.strip(),
+            query_span=a.query_span.strip(),
         )
 
 

@@ -86,9 +86,12 @@ class GuardCore:
         max_sessions: int,
         normalizations: Sequence[str] = NORMALIZATIONS,
         chat_template: str | None = None,
+        query_span: str = "turn",
     ) -> None:
-        """chat_template: replaces the model's own template (None: the model's)."""
+        """chat_template: replaces the model's own template (None: the model's); query_span: "question"
+        (question_start) or "turn" (the start of the last user message) is where the ring's query starts."""
         self.tokenizer = tokenizer
+        self.query_span = query_span
         info = tokenizer.info
         if chat_template is not None:
             info = dataclasses.replace(info, chat_template=chat_template)
@@ -115,7 +118,12 @@ class GuardCore:
         )
         applied = chat.applied if chat is not None else ()
         users = [m for m in prompt.message_spans if m.role == "user"]
-        query_start = users[-1].token_start if users and users[-1].token_start < len(prompt.token_ids) else None
+        query_start = None
+        if users and users[-1].token_start < len(prompt.token_ids):
+            last = users[-1]
+            query_start = question_start(last, self.tokenizer) if self.query_span == "question" else last.token_start
+        elif request.prompt_text is not None and self.query_span == "question":
+            query_start = text_question_start(request.prompt_text, len(prompt.token_ids), self.tokenizer)
         return Prepared(prompt.token_ids, session_id, report._replace(normalizations=applied), query_start)
 
     def count_tokens(self, request: PromptRequest) -> int:
@@ -203,6 +211,41 @@ def _check_input(request: PromptRequest) -> None:
                 raise InvalidRequestError(f"message {k} has no role")
     if request.prompt_text is not None and not request.prompt_text:
         raise InvalidRequestError("prompt_text is empty")
+
+
+QUESTION_MIN_TOKENS = 512  # a last user message shorter than this is the question itself
+QUESTION_MAX_CHARS = 1200  # a trailing paragraph longer than this is document, not a question
+
+
+def question_start(message: MessageSpan, tokenizer: Tokenizer) -> int:
+    """Where the question of a chat's last user message starts (the ring's query span runs from here to
+    the prompt's end). A short message is the question itself (the document came before it). In a long one
+    the question is a short paragraph (blank-line separated) at one end: the last when it asks ("?"), else
+    the first when that asks, else the last when short (an instruction). A question first, then the
+    document: the message's end, so the scored query is the generation prompt's tokens, which read the
+    question from the protected head of the prompt. A paragraph's tokens are counted by tokenizing it alone
+    (off by a token or two at the seam: a query span's edge)."""
+    if message.token_end - message.token_start < QUESTION_MIN_TOKENS:
+        return message.token_start
+    content = message.content.strip()
+    head, sep, last = content.rpartition("\n\n")
+    head, last, first = head.strip(), last.strip(), content.partition("\n\n")[0].strip()
+    end = message.token_end - 2  # the template's end-of-message tokens (two for ChatML; a seam either way)
+    short_last = bool(sep and head) and 0 < len(last) <= QUESTION_MAX_CHARS
+    if short_last and (last.endswith("?") or not (first.endswith("?") and len(first) <= QUESTION_MAX_CHARS)):
+        return max(message.token_start, end - len(tokenizer.encode(last)))
+    return max(message.token_start, end)
+
+
+def text_question_start(text: str, num_tokens: int, tokenizer: Tokenizer) -> int | None:
+    """A raw prompt's question: its last paragraph when the prompt is long and that paragraph short
+    (None otherwise: the engine scores the prompt's last tokens)."""
+    if num_tokens < QUESTION_MIN_TOKENS:
+        return None
+    head, sep, tail = text.rstrip().rpartition("\n\n")
+    if not sep or not head.strip() or not 0 < len(tail.strip()) <= QUESTION_MAX_CHARS:
+        return None
+    return max(0, num_tokens - len(tokenizer.encode(tail.strip())) - 1)
 
 
 def _message_fields(message: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:

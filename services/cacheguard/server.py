@@ -230,7 +230,9 @@ class GuardServer:
     def __init__(self, config: CacheGuardConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         template = Path(config.chat_template).read_text() if config.chat_template else None
-        self.core = GuardCore(tokenizer, config.max_sessions, config.normalizations, chat_template=template)
+        self.core = GuardCore(
+            tokenizer, config.max_sessions, config.normalizations, chat_template=template, query_span=config.query_span
+        )
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._pool: EnginePool | None = None

@@ -157,7 +157,8 @@ def ring_limits(config: EngineConfig) -> RingLimits:
         recent_pages=config.recent_pages, skeleton_pages=config.skeleton_pages,
         evidence_pages=config.evidence_pages, neighbor_pages=config.neighbor_pages, query_tail=config.query_tail,
         max_query=256, rescore_interval=config.rescore_interval, retrieval=config.retrieval,
-        audit_dir=config.audit_dir, prefetch_steps=config.ring_prefetch_steps,
+        audit_dir=config.audit_dir, prefetch_steps=config.ring_prefetch_steps, vote_top=config.ring_vote_top,
+        anchor_pages=config.ring_anchor_pages, exclude_recent=config.ring_exclude_recent,
     )  # fmt: skip
 
 

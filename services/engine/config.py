@@ -59,6 +59,11 @@ class EngineConfig:
     # burst left the device idle ~1.7 ms a re-selection; two leave it ~0.2 ms (bench/RESULTS.md, run 20)
     ring_prefetch_steps: int = 16
     retrieval: bool = True  # False: the negative control (evidence stays empty)
+    # selection (ring.RingLimits): each head votes its top k pages (0: mass summed over heads), a decode
+    # re-selection keeps the prompt's best anchor pages, recent pages are no candidates (bench/longeval)
+    ring_vote_top: int = 0
+    ring_anchor_pages: int = 0
+    ring_exclude_recent: bool = False
     audit_dir: str = ""  # write per-selection scores and choices here
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
     # recurrent (linear-attention) layers: their state is snapshotted every this many pages for prefix reuse
@@ -265,6 +270,9 @@ class EngineConfig:
             default=env("KVMEM_RETRIEVAL", "1") == "0",
             help="negative control: the ring keeps no evidence pages",
         )
+        p.add_argument("--ring-vote-top", type=int, default=int(env("KVMEM_RING_VOTE_TOP", "0")))
+        p.add_argument("--ring-anchor-pages", type=int, default=int(env("KVMEM_RING_ANCHOR_PAGES", "0")))
+        p.add_argument("--ring-exclude-recent", type=int, default=int(env("KVMEM_RING_EXCLUDE_RECENT", "0")))
         p.add_argument("--audit-dir", default=env("KVMEM_RING_AUDIT_DIR", ""))
         p.add_argument(
             "--no-cuda-graphs",
@@ -327,6 +335,9 @@ class EngineConfig:
             rescore_interval=a.rescore_interval,
             ring_prefetch_steps=a.ring_prefetch_steps,
             retrieval=not a.no_retrieval,
+            ring_vote_top=a.ring_vote_top,
+            ring_anchor_pages=a.ring_anchor_pages,
+            ring_exclude_recent=bool(a.ring_exclude_recent),
             audit_dir=a.audit_dir,
             cuda_graphs=not a.no_cuda_graphs,
             decode_overlap=not a.no_decode_overlap,

@@ -64,7 +64,6 @@ from services.engine.local_ring import ring_read_set
 from services.engine.models.loader import CausalLM
 from services.engine.scheduler import Work
 from services.engine.sequence import NOT_RESIDENT, Sequence
-from services.engine.summaries import page_scores
 from services.engine.transfers import to_host
 
 if TYPE_CHECKING:
@@ -395,7 +394,7 @@ class DecodeGraphs:
             assert ring.summaries.layers == self.pool.paged_layers, (ring.summaries.layers, self.pool.paged_layers)
             q = self._last.queries.index_select(0, self._paged_index)[:, i].float() * self._query_scales  # [L, Hq, D]
             bounds = ring.summaries.stacked_bounds(num_pages)
-            out.append(page_scores(q.reshape(1, -1, q.shape[-1]), *bounds, self._score_scale))
+            out.append(ring.summaries.score(q.reshape(1, -1, q.shape[-1]), *bounds, self._score_scale))
         return out
 
     def _forward(self, bufs: _Buffers) -> tuple[torch.Tensor, torch.Tensor]:

@@ -341,15 +341,16 @@ class Engine:
         if scores is not None:
             self.ring.add_scores(ring, scores, w.score_tokens)
         candidates = w.start // self.limits.page_size
+        end = w.start + w.num_new  # what the recent window covers once this selection is in use
         if w.score_only:
             ring.final_scored = True
-            self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total)
+            self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)
         elif w.score_tokens and w.seq.in_prefill:
-            self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total)
+            self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)
         elif w.score_tokens:  # decode: the scheduler scores only the steps that re-select
             table = w.seq.page_table
             self.ring.select_deferred(
-                ring, candidates, w.seq.request_id, self.stats.steps_total, table.slot_ids, table.page_hashes
+                ring, candidates, w.seq.request_id, self.stats.steps_total, table.slot_ids, table.page_hashes, end
             )
 
     def _new_ring(self, seq: Sequence) -> None:

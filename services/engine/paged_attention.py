@@ -19,7 +19,7 @@ from services.engine.attention import causal_sdpa, grouped_sdpa, position_mask
 from services.engine.exact_attention import grouped_attention_lse, merge_partials, rows_to_heads
 from services.engine.kernels import triton_module
 from services.engine.kv_pool import KVPool
-from services.engine.summaries import PageSummaries, page_scores
+from services.engine.summaries import PageSummaries
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class StepAttention:
             return
         q_sel = q_s[-span.score_tokens :]  # [Tq, Hq, D]
         kmin, kmax = span.summaries.bounds(layer_idx, span.score_pages)
-        scores = page_scores(q_sel, kmin, kmax, scale)
+        scores = span.summaries.score(q_sel, kmin, kmax, scale)  # the sequence's scoring rule
         span.scores = scores if span.scores is None else span.scores + scores
 
     def _exact(

@@ -90,6 +90,14 @@ class RingLimits:
     # a decode re-selection takes effect this many steps later, its host pages fetched in the background
     # meanwhile (0: at the next step, restored inside it); a function of steps only, never of timing
     prefetch_steps: int = 0
+    # page scoring: 0 sums every (token, head, layer)'s mass over pages (summaries.page_scores); k > 0: each
+    # head votes its top k pages (summaries.page_votes); bench/longeval measured both (bench/RESULTS.md)
+    vote_top: int = 0
+    # a decode re-selection keeps this many of the prompt's evidence pages (the question's best, in its
+    # order) and fills the rest from the decode step's scores: an answer that drifts keeps what the question
+    # needed (0: a decode re-selection replaces the whole set, as before)
+    anchor_pages: int = 0
+    exclude_recent: bool = False  # selection skips pages the recent window keeps resident anyway
 
 
 @dataclass
@@ -125,6 +133,7 @@ class SeqRing:
     num_demotions: int = 0
     num_adopted: int = 0  # prefix pages taken from the host store (never resident before)
     hidden_pages: int = 0  # pages a sparse step could not see (over the whole request)
+    anchor: list[int] = field(default_factory=list)  # the prompt's final evidence, best first (anchor_pages)
 
     @property
     def outgrew_device(self) -> bool:
@@ -183,6 +192,7 @@ class RingManager:
         size = self.limits.page_size
         first, last = ring.query_start // size, (prompt_len - 1) // size
         ring.skeleton = set(range(max(first, last - self.limits.skeleton_pages + 1), last + 1))
+        ring.summaries.vote_top = self.limits.vote_top
 
     def summarize(self, ring: SeqRing, slot_ids: list[int], pages: range | list[int]) -> None:
         """Summaries of resident full pages from the pool (pages reused from the prefix cache)."""
@@ -321,16 +331,17 @@ class RingManager:
         step: int,
         slot_ids: list[int],
         page_hashes: list[bytes],
+        end_tokens: int = 0,
     ) -> None:
         """A decode re-selection: with prefetch_steps, `select` now, in effect prefetch_steps decode steps
         later (apply_pending); meanwhile the chosen pages that are only on the host are fetched to the
         device in the background, so the step that takes them in does not wait for the store."""
         if self.limits.prefetch_steps <= 0:
-            self.select(ring, num_candidate_pages, request_id, step)
+            self.select(ring, num_candidate_pages, request_id, step, end_tokens)
             return
         self.apply_pending(ring, force=True)  # an earlier re-selection takes effect first
         current = ring.evidence
-        self.select(ring, num_candidate_pages, request_id, step)
+        self.select(ring, num_candidate_pages, request_id, step, end_tokens)
         chosen, ring.evidence = ring.evidence, current
         wanted = [
             page_hashes[p]
@@ -379,19 +390,30 @@ class RingManager:
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True)
 
-    def select(self, ring: SeqRing, num_candidate_pages: int, request_id: str, step: int) -> None:
-        """Top-scored candidate pages plus their neighbours become the evidence set; scores reset."""
+    def select(self, ring: SeqRing, num_candidate_pages: int, request_id: str, step: int, end_tokens: int = 0) -> None:
+        """Top-scored candidate pages plus their neighbours become the evidence set; scores reset.
+
+        `end_tokens`: the sequence's length once the step this selection serves is written; with
+        exclude_recent the pages the recent window will hold then are not candidates (they are resident
+        anyway, and a selection that picks them leaves the budget unused). A decode re-selection (the
+        prompt's final selection made: ring.final_scored) starts from the prompt's best anchor_pages."""
         lim = self.limits
         if not lim.retrieval or ring.scores is None:
             ring.evidence = set()
             return
         scores = ring.scores[:num_candidate_pages]
         excluded = set(range(lim.protect_pages)) | ring.skeleton
+        if lim.exclude_recent and end_tokens:
+            first_recent = -(-end_tokens // lim.page_size) - lim.recent_pages
+            excluded |= set(range(max(0, first_recent), num_candidate_pages))
         ranked: list[int] = torch.argsort(scores, descending=True, stable=True).tolist()
-        order = [p for p in ranked if p not in excluded]
+        decoding = ring.final_scored and bool(ring.anchor)
+        kept = [p for p in ring.anchor[: lim.anchor_pages] if p not in excluded] if decoding else []
+        order = kept + [p for p in ranked if p not in excluded and p not in kept]
         chosen: list[int] = []
         for p in order:
-            for q in [p, *range(p + 1, p + 1 + lim.neighbor_pages), *range(p - 1, p - 1 - lim.neighbor_pages, -1)]:
+            reach = 0 if p in kept else lim.neighbor_pages  # anchors came with their neighbours already
+            for q in [p, *range(p + 1, p + 1 + reach), *range(p - 1, p - 1 - reach, -1)]:
                 if len(chosen) >= lim.evidence_pages:
                     break
                 if 0 <= q < num_candidate_pages and q not in excluded and q not in chosen:
@@ -399,6 +421,8 @@ class RingManager:
             if len(chosen) >= lim.evidence_pages:
                 break
         ring.evidence = set(chosen)
+        if not decoding and ring.final_scored:
+            ring.anchor = chosen  # the prompt's final selection, best first
         if self._audit is not None:
             self._write_audit(ring, scores, chosen, request_id, step)
         ring.scores = None

@@ -76,6 +76,14 @@ class PageSummaries:
         self.kmax = torch.zeros(shape, dtype=torch.float32, device=device)
         self.kmean = torch.zeros(shape, dtype=torch.float32, device=device)
         self.num_pages = 0  # pages summarised so far (0..num_pages-1 valid)
+        self.vote_top = 0  # page scoring: 0 sums every head's mass (page_scores); k > 0 counts each head's top k
+
+    def score(self, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
+        """This sequence's page scores [Np] of queries q [T, Hq, D] against bounds [Np, Hkv, D] (one layer's,
+        or stacked_bounds with the same layers' query heads side by side): page_scores, or page_votes."""
+        if self.vote_top > 0:
+            return page_votes(q, kmin, kmax, scale, self.vote_top)
+        return page_scores(q, kmin, kmax, scale)
 
     def bounds(self, layer_idx: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """kmin, kmax [num_pages, Hkv, D] of a layer's first pages (what page scoring reads)."""
@@ -187,6 +195,27 @@ def page_scores_reference(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     """Torch reference of page_scores: materialises the [T, Hq, Np] bounds."""
     bound = page_bounds(q, kmin, kmax) * scale  # [T, Hq, Np]
     return torch.softmax(bound, dim=-1).sum(dim=(0, 1))
+
+
+def page_votes(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float, top: int) -> torch.Tensor:
+    """Each query head's vote for the pages its queries need: [T, Hq, D] x [Np, Hkv, D] -> [Np] fp32.
+
+    A head's distribution over pages is the softmax of the Quest bound averaged over its query tokens (the
+    observation window votes per head, as in SnapKV); the head gives its `top` best pages their mass and
+    nothing to the rest. A head whose queries do not single a page out spreads its mass thin and adds
+    little to any page; a head that finds the needle gives it most of a unit. Summing mass over every
+    page instead (page_scores) lets the long tail of many uninformative heads outweigh the few that
+    know where to look. Plain torch on any device (the [T, Hq, Np] bounds are small at the T of a
+    question or a decode step)."""
+    num_pages = kmin.shape[0]
+    if num_pages == 0:
+        return torch.zeros(0, dtype=torch.float32, device=q.device)
+    probs = torch.softmax(page_bounds(q, kmin, kmax) * scale, dim=-1).mean(dim=0)  # [Hq, Np]
+    k = min(top, num_pages)
+    mass, pages = probs.topk(k, dim=-1)
+    return torch.zeros(num_pages, dtype=torch.float32, device=q.device).index_add_(
+        0, pages.reshape(-1), mass.reshape(-1)
+    )
 
 
 def mean_key_scores(q: torch.Tensor, kmean: torch.Tensor, scale: float) -> torch.Tensor:

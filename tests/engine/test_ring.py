@@ -331,3 +331,15 @@ def test_decode_reselection_takes_effect_prefetch_steps_later_whatever_the_fetch
         engine.stop()
     if slow:
         assert runs["slow"] == runs["fast"]
+
+
+def test_voting_selection_runs_through_prefill_and_decode(model, smol_tokenizer: Tokenizer, store_address: str) -> None:
+    """Per-head votes, recent pages out of the competition and anchored decode re-selections (issue 25) run
+    through a real sparse prefill and decode re-selections, with the bucket identity checked every step."""
+    limits = ring_limits(budget_pages=8, vote_top=2, anchor_pages=1, exclude_recent=True)
+    engine = make_engine(model, smol_tokenizer, num_slots=8, ring=limits, ring_chunk=8, store_address=store_address)
+    seq = engine.submit("votes", _prompt(70, 6), greedy(12))
+    _run_checking_buckets(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert done.prefill_policy == "sparse" and done.unverified and len(tokens) == 12
+    assert seq.ring is None and engine.ring.num_restores > 0

@@ -1,0 +1,278 @@
+"""Drive the real stack over HTTP (openai SDK) with the long-context grid; print a table with Wilson 95%
+intervals, write every answer to JSON.
+
+    .venv/bin/python -m bench.longeval.run --split tuning --lengths 4096 --per-cell 4 --configs dense,sparse
+    python -m bench.longeval.run --split heldout --lengths 4096,8192 --depths 0.1,0.3,0.5,0.7,0.9 --per-cell 4
+
+Configurations: `dense` (a stack whose pool holds the whole context: no ring), `sparse` / `exact` /
+`shard` (a stack with a `--pool`-token pool; the request's kvmem.over_pool_policy), `off` (the same pool
+with KVMEM_RETRIEVAL=0: the ring keeps no evidence, the negative control). Each stack is started with
+deploy.launcher.Stack (what `make run` and the e2e tests start: redis, kvstore, engine, cache guard,
+gateway as processes) and stopped after its configurations ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+
+import deploy.launcher
+from bench.longeval.split import SPLITS
+from bench.longeval.tasks import NUMERIC, SHAPES, TASKS, Case, make_case, score
+from deploy.launcher import LaunchConfig, ServiceSpec, Stack
+from services.common.model_files import resolve_model_path
+from services.common.tokenizer import load_tokenizer
+
+logger = logging.getLogger("bench.longeval")
+CONFIGS = ("dense", "sparse", "off", "exact", "shard")
+RETRIEVAL_TASKS = tuple(t for t in TASKS if t != "fwe")
+# selection variants (a configuration `sparse@v1` runs the ring stack with that environment): v0 is the ring
+# before issue 25 (the query from the start of the last user turn, mass summed over heads, recent pages
+# competing, decode re-selections replacing the set); v1 the question's span, recent pages out, decode
+# re-selections keeping the prompt's best 4 pages; v2 = v1 with per-head votes (top 4)
+VARIANTS: dict[str, dict[str, str]] = {
+    "v0": {"KVMEM_CACHEGUARD_QUERY_SPAN": "turn", "KVMEM_RING_VOTE_TOP": "0", "KVMEM_RING_ANCHOR_PAGES": "0",
+           "KVMEM_RING_EXCLUDE_RECENT": "0"},
+    "v1": {"KVMEM_CACHEGUARD_QUERY_SPAN": "question", "KVMEM_RING_VOTE_TOP": "0", "KVMEM_RING_ANCHOR_PAGES": "4",
+           "KVMEM_RING_EXCLUDE_RECENT": "1"},
+    "v2": {"KVMEM_CACHEGUARD_QUERY_SPAN": "question", "KVMEM_RING_VOTE_TOP": "4", "KVMEM_RING_ANCHOR_PAGES": "4",
+           "KVMEM_RING_EXCLUDE_RECENT": "1"},
+}  # fmt: skip
+_STACK_ENV: dict[int, dict[str, str]] = {}  # gateway port -> extra environment of that stack's services
+_service_specs = deploy.launcher.service_specs
+
+
+def _specs(cfg: LaunchConfig, redis_url: str, ports: dict[str, int]) -> list[ServiceSpec]:
+    """The launcher's services with their stack's extra environment (stacks start at once, so os.environ
+    cannot carry it)."""
+    extra = _STACK_ENV.get(cfg.port, {})
+    return [dataclasses.replace(s, env={**s.env, **extra}) for s in _service_specs(cfg, redis_url, ports)]
+
+
+deploy.launcher.service_specs = _specs
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score 95% interval of k successes in n trials."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def build_cases(args: argparse.Namespace, count) -> list[Case]:
+    split = SPLITS[args.split]
+    kinds = [k for k in split.kinds if not args.kinds or k[0] in args.kinds.split(",")]
+    tasks = args.tasks.split(",")
+    shapes = args.shapes.split(",")
+    cases = []
+    for length in (int(x) for x in args.lengths.split(",")):
+        for depth in (float(x) for x in args.depths.split(",")):
+            for i in range(args.per_cell):
+                # a balanced, seeded assignment of task, shape and haystack to the cell's cases
+                rng = random.Random(f"{split.seed}:{length}:{depth}:{i}")
+                j = i + int(depth * 100) + length
+                task = tasks[j % len(tasks)]
+                shape = shapes[(j // len(tasks) + i) % len(shapes)]
+                if shape == "completion_digits" and task not in NUMERIC:
+                    shape = "completion"
+                kind, half = kinds[rng.randrange(len(kinds))]
+                if task == "codeqa" and "code" in [k for k, _ in kinds]:
+                    kind, half = next(k for k in kinds if k[0] == "code")
+                cases.append(make_case(split, task, kind, half, length, depth, shape, i, count))
+    return cases
+
+
+def ask(client: openai.OpenAI, model: str, case: Case, policy: str | None) -> dict[str, Any]:
+    extra = {"kvmem": {"over_pool_policy": policy}} if policy else None
+    t0 = time.perf_counter()
+    try:
+        if case.messages is not None:
+            r = client.chat.completions.create(model=model, messages=case.messages, max_tokens=case.max_tokens,
+                                               temperature=0, extra_body=extra)  # fmt: skip
+            text = r.choices[0].message.content or ""
+        else:
+            r = client.completions.create(model=model, prompt=case.prompt, max_tokens=case.max_tokens, temperature=0,
+                                          logit_bias=case.logit_bias or None, extra_body=extra)  # fmt: skip
+            text = r.choices[0].text
+    except openai.APIError as exc:
+        return {"case_id": case.case_id, "error": f"{type(exc).__name__}: {exc}"[:300], "correct": False,
+                "latency_s": time.perf_counter() - t0}  # fmt: skip
+    plan = (r.model_extra or {}).get("kvmem", {}).get("plan", {})
+    return {
+        "case_id": case.case_id, "text": text, "correct": score(case, text), "latency_s": time.perf_counter() - t0,
+        "prompt_tokens": r.usage.prompt_tokens if r.usage else None, "plan": plan,
+    }  # fmt: skip
+
+
+def ttft(client: openai.OpenAI, model: str, case: Case, policy: str | None) -> float:
+    """Seconds to the first streamed token (chat) of one case."""
+    extra = {"kvmem": {"over_pool_policy": policy}} if policy else None
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(model=model, messages=case.messages, max_tokens=4, temperature=0,
+                                            stream=True, extra_body=extra)  # fmt: skip
+    first = None
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - t0
+    return first if first is not None else time.perf_counter() - t0
+
+
+def stack_for(config: str, args: argparse.Namespace) -> tuple[str, LaunchConfig, dict[str, str]]:
+    """(stack key, launch config, extra environment) of a configuration (`name` or `name@variant`)."""
+    max_context = max(int(x) for x in args.lengths.split(",")) + 2048
+    name, _, variant = config.partition("@")
+    if variant:
+        key, cfg, env = stack_for(name, args)
+        return config if args.stack_per_config else f"{key}@{variant}", cfg, {**env, **VARIANTS[variant]}
+    if config == "dense":
+        return "dense", LaunchConfig(port=args.port, max_context=max_context, kv_capacity=max_context,
+                                     host_kv_mib=args.host_kv_mib, ready_timeout_s=600), {}  # fmt: skip
+    cfg = LaunchConfig(port=args.port, max_context=max_context, kv_capacity=args.pool, host_kv_mib=args.host_kv_mib,
+                       ready_timeout_s=600)  # fmt: skip
+    if config == "off":
+        return "off", cfg, {"KVMEM_RETRIEVAL": "0"}
+    return config if args.stack_per_config else "ring", cfg, {}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    tok = load_tokenizer(resolve_model_path(args.model))
+    count = lambda s: len(tok.encode(s))  # noqa: E731
+    t0 = time.time()
+    cases = build_cases(args, count)
+    logger.info("%d cases built in %.1f s", len(cases), time.time() - t0)
+    by_id = {c.case_id: c for c in cases}
+    configs = args.configs.split(",")
+    groups: dict[str, list[str]] = defaultdict(list)
+    launch: dict[str, tuple[LaunchConfig, dict[str, str]]] = {}
+    for c in configs:
+        key, cfg, env = stack_for(c, args)
+        groups[key].append(c)
+        launch[key] = (cfg, env)
+    results: dict[str, list[dict[str, Any]]] = {}
+    ttfts: dict[str, list[float]] = {}
+
+    def one_stack(key: str, port: int) -> None:
+        cfg, env = launch[key]
+        cfg = dataclasses.replace(cfg, port=port)
+        _STACK_ENV[port] = env
+        stack = Stack(cfg, echo=False)
+        stack.start()
+        try:
+            client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=args.timeout)
+            model = client.models.list().data[0].id
+            for config in groups[key]:
+                base = config.partition("@")[0]
+                policy = {"dense": None, "off": "sparse"}.get(base, base)
+                t1 = time.time()
+                stop_at = t1 + args.budget_s if args.budget_s else float("inf")
+
+                def job(case: Case, policy: str | None = policy, stop_at: float = stop_at) -> dict[str, Any] | None:
+                    return ask(client, model, case, policy) if time.time() < stop_at else None
+
+                with ThreadPoolExecutor(args.concurrency) as pool:
+                    done = [r for r in pool.map(job, cases) if r is not None]
+                results[config] = done
+                right = sum(r["correct"] for r in done)
+                logger.info("%s: %d/%d right (%d asked) in %.0f s", config, right, len(done), len(cases),
+                            time.time() - t1)  # fmt: skip
+                if args.ttft:
+                    longest = max(x.length for x in cases)
+                    chat = [c for c in cases if c.messages is not None and c.length == longest]
+                    ttfts[config] = [ttft(client, model, c, policy) for c in chat[: args.ttft]]
+        finally:
+            stack.stop()
+
+    keys = list(groups)
+    if args.parallel_stacks:
+        with ThreadPoolExecutor(len(keys)) as pool:
+            list(pool.map(one_stack, keys, [args.port + 10 * i for i in range(len(keys))]))
+    else:
+        for key in keys:
+            one_stack(key, args.port)
+    return {"cases": {c.case_id: c.to_json() for c in cases}, "results": results, "ttft_s": ttfts, "by_id": by_id}
+
+
+def table(out: dict[str, Any], by: str) -> list[str]:
+    """Rows of right/n (Wilson 95%) per configuration, grouped by a case field."""
+    cases = out["by_id"]
+    configs = list(out["results"])
+    keys = sorted({getattr(c, by) for c in cases.values()}, key=str)
+    lines = [f"| {by} | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
+    for k in [*keys, "all (retrieval tasks)"]:
+        cells = []
+        for config in configs:
+            rs = [r for r in out["results"][config] if (getattr(cases[r["case_id"]], by) == k) or
+                  (k == "all (retrieval tasks)" and cases[r["case_id"]].task in RETRIEVAL_TASKS)]  # fmt: skip
+            n, right = len(rs), sum(r["correct"] for r in rs)
+            lo, hi = wilson(right, n)
+            cells.append(f"{right}/{n} = {100 * right / max(n, 1):.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.longeval.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--split", choices=sorted(SPLITS), default="tuning")
+    p.add_argument("--model", default=os.environ.get("KVMEM_MODEL", "embedded:smollm2"))
+    p.add_argument("--lengths", default="4096")
+    p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    p.add_argument("--per-cell", type=int, default=2, help="cases per (length, depth) cell")
+    p.add_argument("--tasks", default="single_number,single_word,single_uuid,multikey,codeqa")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--kinds", default="", help="haystack kinds to keep (default: the split's)")
+    p.add_argument("--configs", default="dense,sparse,off")
+    p.add_argument("--pool", type=int, default=1024, help="ring stacks' kv capacity in tokens")
+    p.add_argument("--host-kv-mib", type=int, default=1024)
+    p.add_argument("--port", type=int, default=18000)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--ttft", type=int, default=0, help="also stream this many chat cases at the longest length")
+    p.add_argument("--parallel-stacks", action="store_true", help="start the stacks at once (a GPU host)")
+    p.add_argument("--stack-per-config", action="store_true", help="one stack per configuration (run at once)")
+    p.add_argument("--budget-s", type=float, default=0, help="stop asking a configuration after this long")
+    p.add_argument("--label", default="")
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out = run(args)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    head = (f"longeval {args.split} split, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, "
+            f"{platform.node()} python {platform.python_version()}, pool {args.pool}, "
+            f"{' '.join(sys.argv[1:])}")  # fmt: skip
+    text = [head, ""]
+    for by in ("task", "shape", "length", "depth", "kind"):
+        text += table(out, by) + [""]
+    for config, ts in out["ttft_s"].items():
+        if ts:
+            ts = sorted(ts)
+            text.append(f"TTFT {config}: median {ts[len(ts) // 2]:.2f} s over {len(ts)} chat cases")
+    print("\n".join(text))
+    name = f"longeval_{args.split}_{args.label or time.strftime('%H%M')}"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    del out["by_id"]
+    Path(args.out, name + ".json").write_text(json.dumps({"head": head, **out}, indent=1))
+    Path(args.out, name + ".txt").write_text("\n".join(text) + "\n")
+
+
+if __name__ == "__main__":
+    main()
