@@ -23,6 +23,8 @@ from collections import OrderedDict
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,14 @@ class RedisAffinity(Affinity):
         self.prefix = prefix
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.num_errors = 0
-        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        # One retry on a fresh connection: after a redis restart every pooled connection is dead once.
+        self._redis = aioredis.Redis.from_url(
+            redis_url,
+            socket_timeout=1.0,
+            socket_connect_timeout=1.0,
+            retry=AsyncRetry(NoBackoff(), 1),
+            retry_on_error=[redis.ConnectionError],
+        )
         self._move = self._redis.register_script(_MOVE_SCRIPT)
         self.mirror = LocalAffinity(ttl_s)
         self.num_rebuilt = 0

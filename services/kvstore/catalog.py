@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from services.kvstore.store import PageLocation
 
@@ -64,7 +66,14 @@ class CatalogReader:
     def __init__(self, redis_url: str, prefix: str = "kvmem:", stale_after_s: float = 6.0) -> None:
         self.prefix = prefix
         self.stale_after_s = stale_after_s
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        # One retry on a fresh connection: after a redis restart every pooled connection is dead once.
+        self._redis = redis.Redis.from_url(
+            redis_url,
+            socket_timeout=2.0,
+            socket_connect_timeout=2.0,
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[redis.ConnectionError],
+        )
 
     def page_key(self, page_hash: bytes) -> str:
         return f"{self.prefix}page:{page_hash.hex()}"
