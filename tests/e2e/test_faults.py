@@ -36,6 +36,7 @@ NUM_STREAMS = 3
 RECOVER_S = 30.0  # a new request succeeds within this after the kill
 REPLACE_S = 60.0  # the dead process is replaced (a new pid that said ready) within this
 FIRST_DELTA_S = 60.0  # every stream of a round has produced text within this
+STREAM_END_S = 180.0  # an in-flight stream has ended within this after the kill (seconds alone; minutes when shared)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ class StreamWatch:
 
     def _run(self) -> None:
         req = chat(self.stack, f"Tell a long story about lighthouse keeper number {self.index}.", stream=True,
-                   max_tokens=96)  # fmt: skip
+                   max_tokens=64)  # fmt: skip
         try:
             with httpx.stream("POST", f"{self.stack.url}/v1/chat/completions", timeout=90, **req) as r:
                 if r.status_code != 200:
@@ -184,8 +185,8 @@ def test_kill_mid_stream(stack: Stack, victim: str) -> None:
             time.sleep(0.1)
 
     for s in streams:
-        s.thread.join(timeout=120)
-        assert not s.thread.is_alive(), f"stream {s.index} still hangs after the kill of {victim}"
+        s.thread.join(timeout=max(1.0, STREAM_END_S - (time.monotonic() - killed_at)))
+        assert not s.thread.is_alive(), f"stream {s.index} still open {STREAM_END_S:.0f} s after the kill of {victim}"
     if victim == "gateway":  # the process holding the connections is gone: they are cut, at once
         assert all(s.outcome in ("cut", "done") for s in streams), [s.outcome for s in streams]
     else:
