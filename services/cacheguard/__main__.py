@@ -10,7 +10,7 @@ import sys
 from services.cacheguard.config import CacheGuardConfig, ConfigError
 from services.cacheguard.renderer import RenderError
 from services.cacheguard.server import GuardServer
-from services.common import logs
+from services.common import auth, logs
 from services.common.model_files import ModelNotFoundError, resolve_model_path
 from services.common.tokenizer import load_tokenizer
 
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         logger.error("bad configuration: %s", exc)
         return 2
+    auth.configure(config.internal_secret)
     try:
         asyncio.run(serve(config))
     except (ModelNotFoundError, OSError, RenderError) as exc:

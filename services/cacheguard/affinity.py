@@ -7,8 +7,10 @@ digest = sha256 of the tenant and the session id (length-prefixed), 32 hex chara
 Several guard processes agree through redis: a new session is claimed with SET NX (the first claim
 wins, the others follow it) and a move is a compare-and-set from the replica the mover saw (a
 concurrent move by another guard wins and is followed). Redis is the source of truth when it
-answers; when it does not, routing goes on without affinity (logged and counted), because a
-session on the "wrong" replica costs a re-prefill, never a wrong answer.
+answers; every guard also keeps what it read and wrote in a local mirror (LocalAffinity, same TTL):
+while redis is gone, routing goes on from the mirror (logged and counted; a session this guard has not
+seen goes to the least-loaded replica: a re-prefill, never a wrong answer), and when redis is back
+empty (restarted) the mirror's entries are written back as sessions come (SET NX: the affinity is rebuilt).
 Without a redis URL (tests, a single guard) LocalAffinity keeps the same table in this process.
 """
 
@@ -21,6 +23,8 @@ from collections import OrderedDict
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 
 logger = logging.getLogger(__name__)
 
@@ -75,38 +79,62 @@ class RedisAffinity(Affinity):
         self.prefix = prefix
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.num_errors = 0
-        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        # One retry on a fresh connection: after a redis restart every pooled connection is dead once.
+        self._redis = aioredis.Redis.from_url(
+            redis_url,
+            socket_timeout=1.0,
+            socket_connect_timeout=1.0,
+            retry=AsyncRetry(NoBackoff(), 1),
+            retry_on_error=[redis.ConnectionError],
+        )
         self._move = self._redis.register_script(_MOVE_SCRIPT)
+        self.mirror = LocalAffinity(ttl_s)
+        self.num_rebuilt = 0
 
     def key(self, tenant: str, session_id: str) -> str:
         return f"{self.prefix}guard:session:{session_digest(tenant, session_id)}"
 
     async def get(self, tenant: str, session_id: str) -> str | None:
+        key = self.key(tenant, session_id)
         try:
-            value = await self._redis.getex(self.key(tenant, session_id), px=self.ttl_ms)
+            value = await self._redis.getex(key, px=self.ttl_ms)
+            if value is None:
+                known = await self.mirror.get(tenant, session_id)
+                if known is not None and await self._redis.set(key, known, nx=True, px=self.ttl_ms):
+                    self.num_rebuilt += 1  # redis lost it (restarted): written back from the mirror
+                    return known
+                value = await self._redis.getex(key, px=self.ttl_ms) if known is not None else None
         except redis.RedisError as exc:
             self._failed("get", exc)
+            return await self.mirror.get(tenant, session_id)
+        if value is None:
             return None
-        return _text(value) if value is not None else None
+        self.mirror._put(session_digest(tenant, session_id), _text(value))
+        return _text(value)
 
     async def claim(self, tenant: str, session_id: str, replica: str) -> str:
         key = self.key(tenant, session_id)
         try:
             if await self._redis.set(key, replica, nx=True, px=self.ttl_ms):
-                return replica
-            value = await self._redis.getex(key, px=self.ttl_ms)
+                value: bytes | str | None = replica
+            else:
+                value = await self._redis.getex(key, px=self.ttl_ms)
         except redis.RedisError as exc:
             self._failed("claim", exc)
-            return replica
-        return _text(value) if value is not None else replica
+            return await self.mirror.claim(tenant, session_id, replica)
+        chosen = _text(value) if value is not None else replica
+        self.mirror._put(session_digest(tenant, session_id), chosen)
+        return chosen
 
     async def move(self, tenant: str, session_id: str, seen: str, replica: str) -> str:
         try:
             value = await self._move(keys=[self.key(tenant, session_id)], args=[seen, replica, self.ttl_ms])
         except redis.RedisError as exc:
             self._failed("move", exc)
-            return replica
-        return _text(value)
+            return await self.mirror.move(tenant, session_id, seen, replica)
+        chosen = _text(value)
+        self.mirror._put(session_digest(tenant, session_id), chosen)
+        return chosen
 
     async def close(self) -> None:
         await self._redis.aclose()

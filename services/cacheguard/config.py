@@ -6,21 +6,20 @@ import argparse
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 from services.cacheguard.normalize import NORMALIZATIONS
+from services.common import auth
+from services.common.limits import GRPC_CHANNEL_OPTIONS, GRPC_MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-# Long prompts travel as token lists or long chat histories: lift gRPC's 4 MiB default (as the gateway).
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+# Long prompts travel as token lists or long chat histories: the shared limits (services/common/limits.py).
+MAX_MESSAGE_BYTES = GRPC_MAX_MESSAGE_BYTES
+CHANNEL_OPTIONS = GRPC_CHANNEL_OPTIONS
 
 
 class ConfigError(ValueError):
@@ -52,6 +51,7 @@ class CacheGuardConfig:
     normalizations: tuple[str, ...] = NORMALIZATIONS  # see normalize.py; () turns them all off
     chat_template: str = ""  # path of a Jinja chat template replacing the model's own; "": the model's
     query_span: str = "turn"  # the ring's query: "turn" (the last user turn) or "question" (core.question_start)
+    internal_secret: str = field(default="", repr=False)  # required on calls in, sent on calls out (auth.py)
 
     def __post_init__(self) -> None:
         parse_addr(self.listen_addr, "listen_addr", allow_port_zero=True)
@@ -134,6 +134,7 @@ class CacheGuardConfig:
             normalizations=() if names == "none" else tuple(x.strip() for x in names.split(",") if x.strip()),
             chat_template=a.chat_template.strip(),
             query_span=a.query_span.strip(),
+            internal_secret=auth.secret_from_env(),
         )
 
 

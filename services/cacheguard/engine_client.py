@@ -17,6 +17,7 @@ from typing import NamedTuple
 import grpc
 
 from services.cacheguard.config import CHANNEL_OPTIONS
+from services.common import auth
 from services.common.protos import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -51,12 +52,12 @@ class Replica(NamedTuple):
 class EnginePool:
     """Channels to every engine replica; create it inside the event loop that uses it."""
 
-    def __init__(self, addrs: Sequence[str], connect_timeout_s: float) -> None:
+    def __init__(self, addrs: Sequence[str], connect_timeout_s: float, secret: str | None = None) -> None:
         assert addrs, "at least one engine address"
         self.connect_timeout_s = connect_timeout_s
         self.replicas: tuple[Replica, ...] = tuple(
             Replica(addr, channel, engine_pb2_grpc.EngineStub(channel))
-            for addr, channel in ((a, grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)) for a in addrs)
+            for addr, channel in ((a, auth.aio_channel(a, CHANNEL_OPTIONS, secret)) for a in addrs)
         )
 
     def connect(self) -> None:
@@ -122,10 +123,11 @@ class EnginePool:
         return int(stats.running_sequences + stats.waiting_sequences)
 
     async def generate(
-        self, replica: Replica, request: engine_pb2.GenerateRequest
+        self, replica: Replica, request: engine_pb2.GenerateRequest, timeout_s: float | None = None
     ) -> AsyncIterator[engine_pb2.GenerateEvent]:
-        """The engine's event stream; closing or cancelling the iterator cancels the engine call."""
-        call = replica.stub.Generate(request)
+        """The engine's event stream; closing or cancelling the iterator cancels the engine call.
+        `timeout_s`: the caller's remaining deadline (the gateway's per-request deadline goes on)."""
+        call = replica.stub.Generate(request, timeout=timeout_s)
         try:
             async for event in call:
                 yield event

@@ -31,6 +31,8 @@ from services.cacheguard.engine_client import (
 from services.cacheguard.renderer import RenderError, chat_message, tool_call, tool_definition
 from services.cacheguard.router import Route, Router
 from services.cacheguard.sessions import PrefixReport
+from services.common import auth, health
+from services.common.limits import cut_details
 from services.common.protos import cacheguard_pb2, cacheguard_pb2_grpc, engine_pb2
 from services.common.tokenizer import Tokenizer
 
@@ -148,7 +150,7 @@ class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
                     return
                 _log_request(request_id, prepared, route)
                 try:
-                    async for event in self._relay(route, engine_request, prepared.report):
+                    async for event in self._relay(route, engine_request, prepared.report, context.time_remaining()):
                         yield event
                     return
                 except _RetryElsewhere as exc:
@@ -159,10 +161,14 @@ class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
         except Exception as exc:
             code, details = grpc_status(exc)
             logger.info("request %s: %s %s", request_id, code.name, details)
-            await context.abort(code, details)
+            await context.abort(code, cut_details(details))
 
     async def _relay(
-        self, route: Route, engine_request: engine_pb2.GenerateRequest, report: PrefixReport
+        self,
+        route: Route,
+        engine_request: engine_pb2.GenerateRequest,
+        report: PrefixReport,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[cacheguard_pb2.GuardGenerateEvent]:
         """The engine's events as guard events; raises _RetryElsewhere when the replica was
         unavailable before its first event (nothing has reached the client yet)."""
@@ -170,7 +176,7 @@ class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
         finished = False
         started = False
         try:
-            async with aclosing(self._pool.generate(replica, engine_request)) as events:
+            async with aclosing(self._pool.generate(replica, engine_request, timeout_s)) as events:
                 async for event in events:
                     kind = event.WhichOneof("event")
                     if not started and kind == "error" and event.error.code == engine_pb2.ERROR_CODE_UNAVAILABLE:
@@ -210,7 +216,8 @@ class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
             num_tokens = await asyncio.to_thread(self._core.count_tokens, decode_request(request))
             return cacheguard_pb2.CountTokensResponse(num_tokens=num_tokens)
         except Exception as exc:
-            await context.abort(*grpc_status(exc))
+            code, details = grpc_status(exc)
+            await context.abort(code, cut_details(details))
             raise  # not reached: abort raises
 
     async def GetModelInfo(  # noqa: N802 - gRPC method name
@@ -237,6 +244,7 @@ class GuardServer:
         self._server: grpc.aio.Server | None = None
         self._pool: EnginePool | None = None
         self._affinity: Affinity | None = None
+        self._redis_probe: health.RedisProbe | None = None
 
     @property
     def addr(self) -> str:
@@ -247,15 +255,21 @@ class GuardServer:
     async def start(self) -> None:
         """Bind and start serving; raises OSError when the address cannot be bound."""
         cfg = self.config
-        self._pool = EnginePool(cfg.engine_addrs, cfg.engine_connect_timeout_s)
+        self._pool = EnginePool(cfg.engine_addrs, cfg.engine_connect_timeout_s, cfg.internal_secret)
         self._pool.connect()
         if cfg.redis_url:
             self._affinity = RedisAffinity(cfg.redis_url, cfg.catalog_prefix, cfg.session_ttl_s)
         else:
             self._affinity = LocalAffinity(cfg.session_ttl_s)
         servicer = CacheGuardServicer(self.core, self._pool, Router(self._pool, self._affinity))
-        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self._server = grpc.aio.server(
+            options=CHANNEL_OPTIONS, interceptors=auth.aio_server_interceptors(cfg.internal_secret)
+        )
         cacheguard_pb2_grpc.add_CacheGuardServicer_to_server(servicer, self._server)
+        health_servicer = await health.add_aio_health(self._server)
+        if cfg.redis_url:  # kvmem.redis: SERVING while redis answers (the gateway's /health says degraded)
+            setter = health.aio_redis_status_setter(health_servicer, asyncio.get_running_loop())
+            self._redis_probe = health.RedisProbe(cfg.redis_url, setter)
         try:
             self.port = self._server.add_insecure_port(cfg.listen_addr)
         except RuntimeError:
@@ -272,6 +286,9 @@ class GuardServer:
         await self._close_clients()
 
     async def _close_clients(self) -> None:
+        if self._redis_probe is not None:
+            await asyncio.to_thread(self._redis_probe.close)
+            self._redis_probe = None
         if self._pool is not None:
             await self._pool.close()
         if self._affinity is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 
 def setup(service: str) -> None:
@@ -13,3 +14,11 @@ def setup(service: str) -> None:
         level=level,
         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
     )
+
+
+_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]*@")
+
+
+def redact_url(url: str) -> str:
+    """A URL with its password replaced by *** (redis://:secret@host -> redis://:***@host), for logs."""
+    return _URL_PASSWORD.sub(r"\1***@", url)

@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 
-from services.common import logs
+from services.common import auth, logs
 from services.engine.builder import build_engine
 from services.engine.config import ConfigError, EngineConfig
 from services.engine.server import serve
@@ -19,11 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup("engine")
     try:
         config = EngineConfig.from_args(argv)
+        auth.configure(config.internal_secret)  # the kvstore clients send it
         engine, info = build_engine(config)
     except (ConfigError, FileNotFoundError) as exc:
         logger.error("refusing to start: %s", exc)
         return 2
-    server = serve(engine, info, config.listen_addr)
+    server = serve(engine, info, config.listen_addr, secret=config.internal_secret)
     logger.info(
         "engine ready on %s: model %s, context %d, pool %d tokens (%d pages of %d), %s %s",
         config.listen_addr,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.logs import redact_url
 from services.common.model_files import default_model_id, resolve_model_path
 from services.common.tokenizer import load_tokenizer
 from services.engine.config import ConfigError, EngineConfig
@@ -186,6 +187,6 @@ def _write_through(config: EngineConfig) -> WriteThrough | None:
     if not config.has_host_store:
         logger.warning("no kvstore configured: finished pages have no host copy")
         return None
-    where = f"the kvstore replicas in {config.redis_url}" if config.redis_url else config.kvstore_addrs[0]
+    where = f"the kvstore replicas in {redact_url(config.redis_url)}" if config.redis_url else config.kvstore_addrs[0]
     logger.info("writing finished pages through to %s", where)
     return WriteThrough(_store_client(config), config.kv_format_name, config.write_through_queue)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from services.common import auth
 from services.common.model_files import DEFAULT_MODEL
 from services.engine.kv_formats import KVFormatError, KVSpec, parse_spec
 
@@ -39,6 +40,7 @@ class EngineConfig:
     max_waiting: int = 256  # queued requests before RESOURCE_EXHAUSTED
     kvstore_addrs: tuple[str, ...] = ()  # write-through targets; empty: no host copy
     redis_url: str = ""  # with it, pages go to every kvstore replica registered there (consistent hashing)
+    internal_secret: str = field(default="", repr=False)  # required on calls in, sent to the kvstores (auth.py)
     write_through_queue: int = 256  # pages waiting to be written before new ones are dropped
     replica_id: str = ""
     num_threads: int = 0  # torch CPU threads; 0: torch's default
@@ -323,6 +325,7 @@ class EngineConfig:
             kvstore_addrs=tuple(x.strip() for x in a.kvstore.split(",") if x.strip()),
             replica_id=a.replica_id,
             redis_url=a.redis_url,
+            internal_secret=auth.secret_from_env(),
             num_threads=a.num_threads,
             host_kv_mib=a.host_kv_mib,
             prefill_policy=a.prefill_policy,

@@ -10,6 +10,8 @@ from concurrent import futures
 
 import grpc
 
+from services.common import auth, health
+from services.common.limits import GRPC_CHANNEL_OPTIONS, cut_details
 from services.common.protos import engine_pb2 as pb
 from services.common.protos import engine_pb2_grpc as pb_grpc
 from services.engine.builder import ModelInfo
@@ -95,7 +97,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                 query_start=request.query_start if request.HasField("query_start") else None,
             )
         except (InvalidRequestError, ContextLengthError, OverloadedError) as exc:
-            context.abort(_status_of(exc), str(exc))
+            context.abort(_status_of(exc), cut_details(str(exc)))
         context.add_callback(lambda: self.engine.abort(seq))
         while True:
             try:
@@ -163,10 +165,15 @@ class EngineServicer(pb_grpc.EngineServicer):
         )
 
 
-def serve(engine: Engine, info: ModelInfo, listen_addr: str, max_workers: int = 64) -> grpc.Server:
-    """Start the gRPC server (returns once it listens)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-rpc"))
+def serve(engine: Engine, info: ModelInfo, listen_addr: str, max_workers: int = 64, secret: str = "") -> grpc.Server:
+    """Start the gRPC server (returns once it listens); with a secret, every call but health checks needs it."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-rpc"),
+        options=GRPC_CHANNEL_OPTIONS,
+        interceptors=auth.server_interceptors(secret),
+    )
     pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, info), server)
+    health.add_health(server)
     if server.add_insecure_port(listen_addr) == 0:
         raise OSError(f"cannot listen on {listen_addr}")
     server.start()

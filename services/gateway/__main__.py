@@ -9,7 +9,7 @@ import sys
 
 import uvicorn
 
-from services.common import logs
+from services.common import auth, logs
 from services.gateway.app import create_app
 from services.gateway.config import ConfigError, GatewayConfig
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         logger.error("bad configuration: %s", exc)
         return 2
+    auth.configure(config.internal_secret)
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(config),

@@ -28,8 +28,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.common.protos import cacheguard_pb2
-from services.gateway import convert, planning
+from services.gateway import convert, edge, planning
 from services.gateway.config import GatewayConfig
+from services.gateway.edge import BodyLimitMiddleware, RequestIdMiddleware
 from services.gateway.errors import (
     GatewayError,
     internal_error,
@@ -87,6 +88,7 @@ class AuthMiddleware:
                 else "Incorrect API key provided."
             )
             err = GatewayError(401, "invalid_request_error", message, None, "invalid_api_key")
+            err.request_id = scope.get("state", {}).get("request_id")
             await _error_response(err)(scope, receive, send)
             return
         scope.setdefault("state", {})["tenant"] = tenant
@@ -97,7 +99,8 @@ class AuthMiddleware:
 
 
 def _error_response(err: GatewayError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+    headers = err.headers() | ({"x-request-id": err.request_id} if err.request_id else {})
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def _json(model: BaseModel, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -244,12 +247,16 @@ class _Generation:
                 if include_usage:
                     yield _sse(self.builder.usage_chunk(event.done))
             except GatewayError as err:
+                logger.warning("request %s: stream ends with error %s %s", self.builder.id, err.status, err.message)
                 self.metrics.stream_errors.labels(self.route, err.type).inc()
+                err.request_id = self.builder.id
                 yield _sse(err.body())
             except Exception:
                 logger.exception("request %s: error while streaming", self.builder.id)
                 self.metrics.stream_errors.labels(self.route, "server_error").inc()
-                yield _sse(internal_error().body())
+                err = internal_error()
+                err.request_id = self.builder.id
+                yield _sse(err.body())
             yield "data: [DONE]\n\n"
 
 
@@ -314,6 +321,7 @@ async def _planned(
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     """POST /v1/chat/completions."""
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    edge.set_request_id(request, response_id)
     greq = convert.chat_request(
         body, request_id=response_id, session_id=_session_id(request), tenant=request.state.tenant
     )
@@ -326,6 +334,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
 async def completions(request: Request, body: CompletionRequest) -> Response:
     """POST /v1/completions."""
     response_id = f"cmpl-{uuid.uuid4().hex}"
+    edge.set_request_id(request, response_id)
     greq = convert.completion_request(
         body, request_id=response_id, session_id=_session_id(request), tenant=request.state.tenant
     )
@@ -351,16 +360,6 @@ async def get_model(request: Request, model_id: str) -> JSONResponse:
     return _json(convert.model_card(info))
 
 
-async def health(request: Request) -> JSONResponse:
-    """GET /health: 200 only when the guard answers GetModelInfo now."""
-    config: GatewayConfig = request.app.state.config
-    try:
-        await _guard(request).model_info(max_age_s=0, timeout_s=config.health_timeout_s)
-    except GatewayError as err:
-        return JSONResponse({"status": "unavailable", "reason": err.message}, status_code=503)
-    return JSONResponse({"status": "ok"})
-
-
 async def metrics(request: Request) -> Response:
     """GET /metrics: Prometheus text format."""
     registry = request.app.state.metrics.registry
@@ -372,12 +371,14 @@ async def metrics(request: Request) -> Response:
 
 async def _on_gateway_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GatewayError)
+    exc.request_id = exc.request_id or edge.request_id_of(request)
     return _error_response(exc)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     err = map_validation_errors(exc.errors())
+    err.request_id = edge.request_id_of(request)
     content_type = request.headers.get("content-type", "")
     if err.param is None and content_type and "json" not in content_type:
         err.message += f" Send it with 'Content-Type: application/json' (got {content_type!r})."
@@ -390,12 +391,17 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
         message, code = f"Unknown request URL: {request.method} {request.url.path}.", "unknown_url"
     else:
         message, code = str(exc.detail), None
-    return _error_response(GatewayError(exc.status_code, "invalid_request_error", message, None, code))
+    err = GatewayError(exc.status_code, "invalid_request_error", message, None, code)
+    err.request_id = edge.request_id_of(request)
+    return _error_response(err)
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _error_response(internal_error())
+    request_id = edge.request_id_of(request)
+    logger.exception("request %s: unhandled error on %s %s", request_id, request.method, request.url.path, exc_info=exc)
+    err = internal_error()
+    err.request_id = request_id
+    return _error_response(err)
 
 
 # ---------------------------------------------------------------- app
@@ -413,6 +419,7 @@ def create_app(config: GatewayConfig, guard_client: GuardClient | None = None) -
                 config.cacheguard_addr,
                 request_timeout_s=config.request_timeout_s,
                 model_info_ttl_s=config.model_info_ttl_s,
+                secret=config.internal_secret,
             )
         try:
             yield
@@ -426,7 +433,9 @@ def create_app(config: GatewayConfig, guard_client: GuardClient | None = None) -
     app.state.guard = guard_client
     app.state.metrics = GatewayMetrics()
     app.add_middleware(AuthMiddleware, config=config)
-    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)  # outermost: sees 401s too
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)  # sees 401s and 413s too
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries x-request-id
     handlers: list[tuple[Any, Callable[[Request, Exception], Awaitable[JSONResponse]]]] = [
         (GatewayError, _on_gateway_error),
         (RequestValidationError, _on_validation_error),
@@ -439,6 +448,7 @@ def create_app(config: GatewayConfig, guard_client: GuardClient | None = None) -
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/health", edge.health, methods=["GET"])
+    app.add_api_route("/ready", edge.ready, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     return app

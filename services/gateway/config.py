@@ -6,8 +6,9 @@ import argparse
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.common import auth
 from services.gateway.planner.plan import OVER_POOL_POLICIES, PlannerSettings
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # gRPC deadline of one Generate call
     model_info_ttl_s: float = 5.0  # how long a GetModelInfo answer is reused
     health_timeout_s: float = 2.0  # deadline of the GetModelInfo call behind /health
+    max_body_bytes: int = 32 << 20  # a request body over this is a 413 naming the limit
+    internal_secret: str = field(default="", repr=False)  # sent on every gRPC call to the guard (auth.py)
     # segment planner (DESIGN.md §5): what happens to a prompt over the device pool
     over_pool_policy: str = "shard"  # shard, sparse, exact, refuse; a request's kvmem.over_pool_policy wins
     planner_max_calls: int = 32  # model calls per request; a request's kvmem.max_calls wins
@@ -87,6 +90,8 @@ class GatewayConfig:
         for name in ("request_timeout_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.model_info_ttl_s < 0:
             raise ConfigError(f"model_info_ttl_s must be >= 0, got {self.model_info_ttl_s}")
         if self.over_pool_policy not in OVER_POOL_POLICIES:
@@ -151,6 +156,12 @@ class GatewayConfig:
             default=_env_float("KVMEM_GATEWAY_HEALTH_TIMEOUT_S", cls.health_timeout_s),
         )
         p.add_argument(
+            "--max-body-bytes",
+            type=int,
+            default=_env_int("KVMEM_GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes),
+            help="request bodies over this many bytes are refused with a 413",
+        )
+        p.add_argument(
             "--over-pool-policy",
             default=env.get("KVMEM_OVER_POOL_POLICY", cls.over_pool_policy),
             help="what to do with a prompt over the device pool: shard, sparse, exact or refuse",
@@ -182,6 +193,8 @@ class GatewayConfig:
             request_timeout_s=a.request_timeout_s,
             model_info_ttl_s=a.model_info_ttl_s,
             health_timeout_s=a.health_timeout_s,
+            max_body_bytes=a.max_body_bytes,
+            internal_secret=auth.secret_from_env(),
             over_pool_policy=a.over_pool_policy,
             planner_max_calls=a.planner_max_calls,
             planner_map_concurrency=a.planner_map_concurrency,

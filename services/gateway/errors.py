@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from services.common.limits import cut_details
 from services.common.protos import engine_pb2
 
 logger = logging.getLogger(__name__)
@@ -33,14 +34,24 @@ class GatewayError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        self.request_id: str | None = None  # set where the request is known (edge.py, the routes)
 
     def body(self) -> dict[str, Any]:
-        """The OpenAI error body: {"error": {message, type, param, code}}."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The OpenAI error body: {"error": {message, type, param, code}}, plus the request id when known
+        (the same id as the x-request-id header and the server's log lines)."""
+        error: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        if self.request_id:
+            error["request_id"] = self.request_id
+        return {"error": error}
+
+    @property
+    def retryable(self) -> bool:
+        """Whether trying the same request again may succeed (what Retry-After says)."""
+        return self.status in (429, 503)
 
     def headers(self) -> dict[str, str]:
         """Extra response headers (retry hint on overload/unavailable, auth scheme on 401)."""
-        if self.status in (429, 503):
+        if self.retryable:
             return {"Retry-After": "1"}
         if self.status == 401:
             return {"WWW-Authenticate": "Bearer"}
@@ -92,12 +103,27 @@ _ENGINE_TO_GRPC: dict[int, grpc.StatusCode] = {
 }
 
 
+# gRPC's own text when a message is over a channel's limit (RESOURCE_EXHAUSTED, but no overload: never a 429)
+_MESSAGE_TOO_LARGE = ("Received message larger than max", "Sent message larger than max")
+
+
 def map_grpc_error(code: grpc.StatusCode | None, details: str | None) -> GatewayError:
     """The one mapping of a gRPC status (or an engine stream error) to the client's HTTP error.
 
     4xx errors carry the status details (the guard/engine wrote them for the client); 5xx errors
-    carry a generic message and the details go to the log only.
+    carry a generic message and the details go to the log only. A message over a gRPC size limit is a
+    413 naming the limit, never a retryable 429.
     """
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and (details or "").startswith(_MESSAGE_TOO_LARGE):
+        logger.warning("internal message over a gRPC size limit: %s", details)
+        return GatewayError(
+            413,
+            "invalid_request_error",
+            "The request is larger than an internal message may be (the gRPC message size limit).",
+            None,
+            "request_too_large",
+        )
+    details = cut_details(details) if details else details
     status, type_, err_code, default = _GRPC_TABLE.get(code, _INTERNAL) if code else _INTERNAL
     if status >= 500:
         logger.warning("cache guard error %s: %s", code.name if code else None, details)

@@ -8,18 +8,14 @@ import time
 from collections.abc import AsyncGenerator
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import auth, health
+from services.common.limits import GRPC_CHANNEL_OPTIONS
 from services.common.protos import cacheguard_pb2, cacheguard_pb2_grpc, engine_pb2
 from services.gateway.errors import map_grpc_error
 
 logger = logging.getLogger(__name__)
-
-# Large prompts go to the guard as token lists or long chat histories: lift the 4 MiB default.
-_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-]
 
 
 class GuardClient:
@@ -28,12 +24,20 @@ class GuardClient:
     Create it inside the event loop that will use it (grpc.aio channels belong to one loop).
     """
 
-    def __init__(self, addr: str, *, request_timeout_s: float = 600.0, model_info_ttl_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        addr: str,
+        *,
+        request_timeout_s: float = 600.0,
+        model_info_ttl_s: float = 5.0,
+        secret: str | None = None,
+    ) -> None:
         self.addr = addr
         self._request_timeout_s = request_timeout_s
         self._model_info_ttl_s = model_info_ttl_s
-        self._channel = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+        self._channel = auth.aio_channel(addr, GRPC_CHANNEL_OPTIONS, secret)
         self._stub = cacheguard_pb2_grpc.CacheGuardStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._model_info: engine_pb2.GetModelInfoResponse | None = None
         self._model_info_at = 0.0
         self._model_info_lock = asyncio.Lock()
@@ -50,6 +54,7 @@ class GuardClient:
                 ended = event.WhichOneof("event") != "chunk"
                 yield event
         except grpc.aio.AioRpcError as exc:
+            logger.warning("request %s: guard call failed: %s %s", req.request_id, exc.code().name, exc.details())
             raise map_grpc_error(exc.code(), exc.details()) from None
         finally:
             if not call.done():
@@ -79,6 +84,14 @@ class GuardClient:
                 raise map_grpc_error(exc.code(), exc.details()) from None
             self._model_info, self._model_info_at = info, time.monotonic()
             return info
+
+    async def redis_up(self, timeout_s: float = 2.0) -> bool | None:
+        """Whether the guard reaches redis (its `kvmem.redis` health); None when it does not say."""
+        try:
+            resp = await self._health.Check(health_pb2.HealthCheckRequest(service=health.REDIS), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return None  # no health service, no redis configured (NOT_FOUND), or the guard is down
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
     def cached_model_id(self) -> str | None:
         """The last known model id, without a call (None before the first GetModelInfo)."""

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 logger = logging.getLogger(__name__)
 
 INT32_MAX = 2**31 - 1
+MAX_STOP_STRINGS = 16  # the engine's limit (services/engine/sampling.py), checked here first: a 400 naming it
+MAX_STOP_BYTES = 1024  # one stop string, UTF-8 bytes
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -176,6 +178,11 @@ class _SamplingRequest(_Request):
         items = [value] if isinstance(value, str) else value or []
         if any(s == "" for s in items):
             raise ValueError("stop strings must be non-empty")
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
+        longest = max((len(s.encode()) for s in items), default=0)
+        if longest > MAX_STOP_BYTES:
+            raise ValueError(f"a stop string may be at most {MAX_STOP_BYTES} bytes, got one of {longest}")
         return value
 
     @field_validator("stop_token_ids")

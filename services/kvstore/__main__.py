@@ -7,7 +7,8 @@ import signal
 import sys
 import threading
 
-from services.common import logs
+from services.common import auth, logs
+from services.common.logs import redact_url
 from services.kvstore.config import ConfigError, KVStoreConfig
 
 logger = logging.getLogger("services.kvstore")
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         logger.error("bad configuration: %s", e)
         return 2
+    auth.configure(config.internal_secret)
     from services.kvstore.server import serve  # after config: grpc import is the slow part
 
     stop = threading.Event()
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         config.replica_id,
         config.arena_path,
         config.host_kv_mib,
-        config.redis_url,
+        redact_url(config.redis_url),
     )
     while not stop.wait(1.0):
         pass

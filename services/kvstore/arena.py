@@ -4,6 +4,11 @@ The file is fully allocated at creation (posix_fallocate), so a too-small tmpfs 
 start-up. Layout: a HEADER_BYTES header at offset 0 (magic, version, data size, a random token, replica id),
 then `capacity` bytes of page slots. Offsets handed out are file offsets, 4 KiB aligned.
 
+Every arena file is named `kvmem-arena-<replica id>` and held under an flock while its store lives (the
+kernel drops the lock when the process dies, even by SIGKILL). A store replaces its own stale file at start
+and `sweep_stale_arenas` removes the unlocked files of dead stores (other replica ids) from the directory,
+so a crashed store's arena does not outlive it past the next start of any store (or the launcher's sweep).
+
 Allocator: a slot's size class is its byte size rounded up to SLOT_ALIGN. New slots are cut from a
 bump pointer; freed slots go to their class's free list (reused last-freed-first). A freed slot
 that ends at the bump pointer is returned to the bump region instead (repeatedly), so when every
@@ -21,6 +26,7 @@ import mmap
 import os
 import secrets
 import struct
+import time
 from collections import Counter
 from typing import NamedTuple
 
@@ -288,3 +294,43 @@ def _allocate(fd: int, path: str, file_bytes: int) -> None:
         raise ArenaError(
             f"cannot back arena {path}: need {file_bytes} bytes, {st.f_bavail * st.f_frsize} bytes free"
         ) from None
+
+
+ARENA_PREFIX = "kvmem-arena-"
+SWEEP_MIN_AGE_S = 10.0  # a younger unlocked file may be a store between create and flock: left alone
+
+
+def remove_if_stale(path: str, min_age_s: float = 0.0) -> bool:
+    """Unlink the arena file at `path` when no living store holds its lock (and it is at least min_age_s
+    old); True when it was removed."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if time.time() - st.st_mtime < min_age_s:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a living store holds it
+        try:
+            if os.stat(path).st_ino != st.st_ino:
+                return False  # replaced meanwhile
+        except FileNotFoundError:
+            return False
+        os.unlink(path)
+        logger.warning("arena %s: removed (its store is gone)", path)
+        return True
+    finally:
+        os.close(fd)
+
+
+def sweep_stale_arenas(arena_dir: str, min_age_s: float = SWEEP_MIN_AGE_S) -> list[str]:
+    """Remove every `kvmem-arena-*` file in arena_dir that no living store holds; returns the removed paths."""
+    try:
+        names = sorted(n for n in os.listdir(arena_dir) if n.startswith(ARENA_PREFIX))
+    except FileNotFoundError:
+        return []
+    return [p for p in (os.path.join(arena_dir, n) for n in names) if remove_if_stale(p, min_age_s)]

@@ -6,6 +6,9 @@ Keys (prefix "kvmem:" by default):
   {prefix}replicas:heartbeat       hash  {replica_id: unix time of the last heartbeat}
   {prefix}replica:{id}:pages       set   hash hex of every page this replica registered
 A page entry is deleted only by the replica it names (another replica may have re-registered it).
+Redis may come and go: each heartbeat notices when redis lost this replica's membership (a restarted
+redis) or had been unreachable, and then publishes every page the store holds again (`pages_source`),
+so the catalog heals without a store restart.
 Page updates are queued by the store and written in order by one writer thread (batched, off the
 put path), so an entry appears a few milliseconds after its commit. They are best-effort: a failure
 is logged and counted, never raised into a put (a missing entry is a cache miss; a stale one is
@@ -18,10 +21,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from services.kvstore.store import PageLocation
 
@@ -61,7 +66,14 @@ class CatalogReader:
     def __init__(self, redis_url: str, prefix: str = "kvmem:", stale_after_s: float = 6.0) -> None:
         self.prefix = prefix
         self.stale_after_s = stale_after_s
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        # One retry on a fresh connection: after a redis restart every pooled connection is dead once.
+        self._redis = redis.Redis.from_url(
+            redis_url,
+            socket_timeout=2.0,
+            socket_connect_timeout=2.0,
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[redis.ConnectionError],
+        )
 
     def page_key(self, page_hash: bytes) -> str:
         return f"{self.prefix}page:{page_hash.hex()}"
@@ -143,6 +155,9 @@ class Catalog(CatalogReader):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
+        self._registered = False
+        self.num_republished = 0
+        self.pages_source: Callable[[], Sequence[PageLocation]] | None = None  # every page held (PageStore)
         self._queue: queue.Queue[tuple[list[PageLocation], list[bytes]] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._writer_loop, name="kvstore-catalog", daemon=True)
         self._writer.start()
@@ -160,6 +175,7 @@ class Catalog(CatalogReader):
         if num_stale:
             logger.warning("catalog: removed %d entries left by an earlier run of %s", num_stale, self.replica_id)
         self._beat()
+        self._registered = True
         self._thread = threading.Thread(target=self._heartbeat_loop, name="kvstore-heartbeat", daemon=True)
         self._thread.start()
         logger.info("catalog: registered replica %s at %s", self.replica_id, self.address)
@@ -184,16 +200,32 @@ class Catalog(CatalogReader):
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self._beat()
+                was_failing = self._failing
+                lost = self._beat()
                 self._note_ok()
+                if lost or was_failing:
+                    self.republish("redis lost this replica (restarted?)" if lost else "redis is reachable again")
             except redis.RedisError as e:
                 self._note_error("heartbeat", e)
 
-    def _beat(self) -> None:
+    def _beat(self) -> bool:
+        """Announce this replica; True when redis had lost its membership (after register: redis restarted)."""
         pipe = self._redis.pipeline(transaction=False)
+        pipe.hexists(self.replicas_key, self.replica_id)
         pipe.hset(self.replicas_key, self.replica_id, self.address)
         pipe.hset(self.heartbeat_key, self.replica_id, repr(time.time()))
-        pipe.execute()
+        existed = pipe.execute()[0]
+        return self._registered and not existed
+
+    def republish(self, why: str) -> None:
+        """Queue an entry for every page the store holds (after redis lost or missed them)."""
+        if self.pages_source is None:
+            return
+        locations = list(self.pages_source())
+        self.num_republished += 1
+        logger.warning("catalog: %s; publishing %d page entries again", why, len(locations))
+        for i in range(0, len(locations), _BATCH):
+            self.update(locations[i : i + _BATCH], [])
 
     # ---- pages ----------------------------------------------------------------------------------
 

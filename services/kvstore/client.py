@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from services.common import auth
 from services.common.protos import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.mapping import ArenaMapping, Mapping, SharedMemoryUnavailable, StoreInfo, map_arena
 from services.kvstore.pages import (
@@ -101,9 +102,8 @@ class KVStoreClient:
         self.address = address
         self.timeout_s = timeout_s
         self._force_shared = shared_memory
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)],
+        self._channel = auth.channel(
+            address, [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
         )
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self._lock = threading.Lock()

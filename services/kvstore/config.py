@@ -7,7 +7,9 @@ import logging
 import os
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.common import auth
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class KVStoreConfig:
     cold_after_s: float = 120.0  # compress pages not read for this long; 0: no cold tier
     pin_ttl_s: float = 30.0  # an owner's pins lapse when it does not renew them within this
     zstd_level: int = 1
+    internal_secret: str = field(default="", repr=False)  # required on every call (auth.py); "": no check
 
     def __post_init__(self) -> None:
         split_address(self.listen_addr)
@@ -148,4 +151,5 @@ class KVStoreConfig:
             cold_after_s=a.cold_after_s,
             pin_ttl_s=a.pin_ttl_s,
             zstd_level=a.zstd_level,
+            internal_secret=auth.secret_from_env(),
         )

@@ -11,8 +11,9 @@ from typing import Any, TypeVar
 
 import grpc
 
+from services.common import auth, health
 from services.common.protos import kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.arena import Arena
+from services.kvstore.arena import Arena, sweep_stale_arenas
 from services.kvstore.catalog import Catalog
 from services.kvstore.codec import PageCodec
 from services.kvstore.config import KVStoreConfig
@@ -308,6 +309,7 @@ class KVStoreService:
         catalog: Catalog,
         port: int,
         maintenance: Maintenance,
+        redis_probe: health.RedisProbe | None = None,
     ):
         self.config = config
         self.server = server
@@ -315,6 +317,7 @@ class KVStoreService:
         self.catalog = catalog
         self.port = port
         self.maintenance = maintenance
+        self.redis_probe = redis_probe
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return bool(self.server.wait_for_termination(timeout))
@@ -323,6 +326,8 @@ class KVStoreService:
         """Stop serving, unregister from redis (with every page entry), unlink the arena."""
         self.server.stop(grace).wait()
         self.maintenance.stop()
+        if self.redis_probe is not None:
+            self.redis_probe.close()
         self.catalog.unregister()
         self.catalog.close()
         self.store.arena.close()
@@ -330,6 +335,7 @@ class KVStoreService:
 
 def serve(config: KVStoreConfig) -> KVStoreService:
     """Create the arena, start the gRPC server on config.listen_addr and register in redis."""
+    sweep_stale_arenas(config.arena_dir)
     arena = Arena(config.arena_path, config.arena_bytes, config.replica_id)
     catalog = Catalog(
         config.redis_url, config.replica_id, config.advertise_addr, config.catalog_prefix, config.heartbeat_s
@@ -342,6 +348,7 @@ def serve(config: KVStoreConfig) -> KVStoreService:
             cold_after_s=config.cold_after_s or None,
             codec=PageCodec(config.zstd_level),
         )
+        catalog.pages_source = lambda: store.lookup(store.page_hashes())
         max_message = min(config.arena_bytes + (1 << 20), _MAX_GRPC_MESSAGE)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="kvstore-rpc"),
@@ -349,8 +356,10 @@ def serve(config: KVStoreConfig) -> KVStoreService:
                 ("grpc.max_receive_message_length", max_message),
                 ("grpc.max_send_message_length", max_message),
             ],
+            interceptors=auth.server_interceptors(config.internal_secret),
         )
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store), server)
+        health_servicer = health.add_health(server)
         port = server.add_insecure_port(config.listen_addr)
         if port == 0:
             raise OSError(f"cannot listen on {config.listen_addr}")
@@ -364,4 +373,5 @@ def serve(config: KVStoreConfig) -> KVStoreService:
         catalog.close()
         arena.close()
         raise
-    return KVStoreService(config, server, store, catalog, port, Maintenance(store, config.maintenance_s))
+    probe = health.RedisProbe(config.redis_url, health.redis_status_setter(health_servicer))
+    return KVStoreService(config, server, store, catalog, port, Maintenance(store, config.maintenance_s), probe)

@@ -129,3 +129,29 @@ def test_redis_down_routes_without_affinity() -> None:
 def test_digest_keeps_tenant_and_session_apart(tenant: str, session: str) -> None:
     assert session_digest(tenant, session) != session_digest("abc", "")
     assert len(session_digest(tenant, session)) == 32
+
+
+def test_redis_affinity_is_rebuilt_from_the_mirror_after_redis_lost_it(redis_url: str) -> None:
+    async def scenario() -> None:
+        table = RedisAffinity(redis_url, prefix(), ttl_s=60)
+        raw = redis.Redis.from_url(redis_url)
+        assert await table.claim("t", "s", "engine-a") == "engine-a"
+        raw.delete(table.key("t", "s"))  # redis restarted: the entry is gone
+        assert await table.get("t", "s") == "engine-a"  # from the mirror, written back
+        assert raw.get(table.key("t", "s")) == b"engine-a" and table.num_rebuilt == 1
+        await table.close()
+
+    run(scenario())
+
+
+def test_redis_affinity_routes_from_the_mirror_while_redis_is_down() -> None:
+    async def scenario() -> None:
+        table = RedisAffinity(f"redis://127.0.0.1:{free_port()}/0", prefix(), ttl_s=60)  # nothing listens
+        assert await table.claim("t", "s", "engine-a") == "engine-a"
+        assert await table.get("t", "s") == "engine-a"
+        assert await table.move("t", "s", "engine-a", "engine-b") == "engine-b"
+        assert await table.get("t", "s") == "engine-b"
+        assert table.num_errors == 4
+        await table.close()
+
+    run(scenario())

@@ -18,7 +18,7 @@ def test_kvstore_service_can_be_scaled() -> None:
     env = store["environment"]
     assert env["KVMEM_REPLICA_ID"] == ""  # derived from the container's hostname
     assert env["KVMEM_KVSTORE_ADDR"].startswith("0.0.0.0:")
-    assert env["KVMEM_REDIS_URL"].startswith("redis://redis:")
+    assert env["KVMEM_REDIS_URL"].startswith("redis://:${KVMEM_REDIS_PASSWORD}@redis:")  # the password from .env
 
 
 def test_replica_identity_comes_from_the_host(tmp_path) -> None:

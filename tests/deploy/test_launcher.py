@@ -33,3 +33,31 @@ def test_zero_engines_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         LaunchConfig.from_args(["--engines", "0"])
     assert "--engines must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_restart_backoff_doubles_while_a_service_dies_young_and_resets() -> None:
+    from deploy.launcher import Backoff
+
+    b = Backoff(0.5, 4.0, young_s=30)
+    assert [b.delay(1.0) for _ in range(5)] == [0.5, 1.0, 2.0, 4.0, 4.0]
+    assert b.delay(31.0) == 0.5  # it had lived long: start over
+    assert b.delay(1.0) == 1.0
+
+
+def test_every_service_gets_the_secret_and_supervision_is_on_by_default() -> None:
+    cfg = LaunchConfig.from_args([])
+    assert cfg.supervise and not LaunchConfig.from_args(["--no-supervise"]).supervise
+    specs = service_specs(cfg, "redis://:pw@r:1/0", {"kvstore0": 1, "engine": 2, "cacheguard": 3}, "s3cret")
+    assert {s.name: s.env["KVMEM_INTERNAL_SECRET"] for s in specs} == dict.fromkeys(
+        ["kvstore", "engine", "cacheguard", "gateway"], "s3cret"
+    )
+    assert all(s.env.get("KVMEM_REDIS_URL", "redis://:pw@r:1/0") == "redis://:pw@r:1/0" for s in specs)
+    assert "s3cret" not in repr(cfg) and "s3cret" not in repr(LaunchConfig(internal_secret="s3cret"))
+
+
+def test_secrets_env_file_has_both_secrets() -> None:
+    from deploy.secrets import env_file
+
+    lines = dict(line.split("=", 1) for line in env_file().splitlines())
+    assert set(lines) == {"KVMEM_INTERNAL_SECRET", "KVMEM_REDIS_PASSWORD"}
+    assert all(len(v) >= 32 for v in lines.values()) and env_file() != env_file()

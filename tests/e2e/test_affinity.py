@@ -23,7 +23,13 @@ NUM_SESSIONS = 4
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     cfg = LaunchConfig(
-        port=free_port(), num_engines=2, host_kv_mib=256, max_context=2048, kv_capacity=4096, ready_timeout_s=300
+        port=free_port(),
+        num_engines=2,
+        host_kv_mib=256,
+        max_context=2048,
+        kv_capacity=4096,
+        ready_timeout_s=300,
+        supervise=False,  # this test follows the guard moving sessions off a dead replica, which stays dead
     )
     s = Stack(cfg, echo=False)  # its own redis, so the table below holds only this module's sessions
     s.start()

@@ -113,7 +113,11 @@ async def test_chat_stream_midstream_error(client: httpx.AsyncClient) -> None:
     assert r.status_code == 200
     payloads = sse_payloads(r.text)
     assert payloads[-1] == "[DONE]"
-    assert payloads[-2] == {"error": {"message": GENERIC_500, "type": "server_error", "param": None, "code": None}}
+    request_id = r.headers["x-request-id"]
+    assert request_id == payloads[0]["id"]  # the response id names the request in header, body and logs
+    assert payloads[-2] == {
+        "error": {"message": GENERIC_500, "type": "server_error", "param": None, "code": None, "request_id": request_id}
+    }
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in payloads[:-2])
     assert text == "Hello"
     assert "secret engine detail" not in r.text
@@ -310,4 +314,8 @@ async def test_unexpected_exception_is_generic_500(fake_guard_server: FakeGuardS
         r = await client.post("/v1/chat/completions", json=chat_body("hi"))
     await guard.close()
     assert r.status_code == 500
-    assert r.json() == {"error": {"message": GENERIC_500, "type": "server_error", "param": None, "code": None}}
+    request_id = r.headers["x-request-id"]
+    assert request_id.startswith("chatcmpl-")
+    assert r.json() == {
+        "error": {"message": GENERIC_500, "type": "server_error", "param": None, "code": None, "request_id": request_id}
+    }

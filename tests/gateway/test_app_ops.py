@@ -86,7 +86,9 @@ async def test_auth_required_on_v1(auth_client: httpx.AsyncClient, fake: FakeGua
         "type": "invalid_request_error",
         "param": None,
         "code": "invalid_api_key",
+        "request_id": r.headers["x-request-id"],
     }
+    assert r.headers["x-request-id"].startswith("req_")
     r = await auth_client.get("/v1/models", headers={"Authorization": "Bearer sk-wrong"})
     assert r.status_code == 401 and r.json()["error"]["message"] == "Incorrect API key provided."
     assert fake.requests == []

@@ -1,0 +1,127 @@
+"""What heals in the kvstore: stale arena files of dead stores are swept, the catalog is published again
+after redis lost it, and the gRPC server refuses calls without the internal secret."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import redis
+
+from services.common import auth, health
+from services.common.protos import kvstore_pb2, kvstore_pb2_grpc
+from services.kvstore.arena import Arena, remove_if_stale, sweep_stale_arenas
+from services.kvstore.catalog import Catalog
+from services.kvstore.pages import PageLocation, PageMeta
+from tests.conftest import REPO_ROOT
+
+MIB = 1 << 20
+
+
+def _old(path: Path) -> None:
+    past = time.time() - 60
+    os.utime(path, (past, past))
+
+
+def test_sweep_removes_only_arenas_without_a_living_store(tmp_path: Path) -> None:
+    live = Arena(str(tmp_path / "kvmem-arena-live"), MIB, "live")
+    dead = tmp_path / "kvmem-arena-dead"
+    dead.write_bytes(b"\0" * 4096)  # a store killed with SIGKILL leaves its file, unlocked
+    young = tmp_path / "kvmem-arena-young"
+    young.write_bytes(b"\0" * 4096)  # unlocked but just created: maybe a store between create and flock
+    other = tmp_path / "unrelated"
+    other.write_bytes(b"x")
+    for p in (Path(live.path), dead, other):
+        _old(p)
+    assert sweep_stale_arenas(str(tmp_path)) == [str(dead)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kvmem-arena-live", "kvmem-arena-young", "unrelated"]
+    assert not remove_if_stale(live.path)  # held
+    live.close()
+    assert not Path(live.path).exists()
+
+
+def test_a_killed_store_leaves_a_file_that_the_next_start_sweeps(tmp_path: Path) -> None:
+    path = tmp_path / "kvmem-arena-killed"
+    holder = subprocess.Popen(  # holds the lock like a store, then dies by SIGKILL
+        [sys.executable, "-c", f"import fcntl,os,time; fd=os.open({str(path)!r}, os.O_RDWR|os.O_CREAT); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    assert not remove_if_stale(str(path))
+    holder.kill()
+    holder.wait()
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the kernel released the dead owner's lock
+    os.close(fd)
+    assert remove_if_stale(str(path)) and not path.exists()
+
+
+def _location(i: int, replica: str) -> PageLocation:
+    h = bytes([i]) * 32
+    return PageLocation(True, replica, 4096 * (i + 1), PageMeta(h, "bf16", 64, 4096), False)
+
+
+def test_catalog_publishes_its_pages_again_after_redis_lost_them(redis_url: str) -> None:
+    prefix = f"kvmem-test-{uuid.uuid4().hex[:8]}:"
+    pages = [_location(i, "r1") for i in range(3)]
+    catalog = Catalog(redis_url, "r1", "127.0.0.1:1", prefix, heartbeat_s=0.1)
+    catalog.pages_source = lambda: pages
+    table = redis.Redis.from_url(redis_url)
+    try:
+        catalog.register()
+        catalog.update(pages, [])
+        assert catalog.flush()
+        assert len(list(table.scan_iter(f"{prefix}page:*"))) == 3
+        for key in table.scan_iter(f"{prefix}*"):  # what a restarted redis holds: nothing
+            table.delete(key)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(list(table.scan_iter(f"{prefix}page:*"))) < 3:
+            time.sleep(0.05)
+        assert len(list(table.scan_iter(f"{prefix}page:*"))) == 3
+        assert table.hget(f"{prefix}replicas", "r1") == b"127.0.0.1:1"
+        assert catalog.num_republished == 1
+        assert catalog.entry(pages[0].meta.page_hash) is not None
+    finally:
+        catalog.unregister()
+        catalog.close()
+
+
+def test_store_refuses_calls_without_the_secret(redis_url: str, tmp_path: Path) -> None:
+    from tests.conftest import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, auth.SECRET_ENV: "store-secret"}
+    argv = [sys.executable, "-m", "services.kvstore", "--listen-addr", addr, "--host-kv-mib", "8",
+            "--arena-dir", str(tmp_path), "--replica-id", "auth-test", "--redis-url", redis_url,
+            "--catalog-prefix", f"kvmem-test-{uuid.uuid4().hex[:8]}:"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        while " ready on " not in (line := proc.stderr.readline()):
+            assert line, "kvstore exited"
+        for secret, code in (("", grpc.StatusCode.UNAUTHENTICATED), ("nope", grpc.StatusCode.UNAUTHENTICATED)):
+            with auth.channel(addr, secret=secret) as ch:
+                try:
+                    kvstore_pb2_grpc.KVStoreStub(ch).GetInfo(kvstore_pb2.GetInfoRequest(), timeout=10)
+                    got = grpc.StatusCode.OK
+                except grpc.RpcError as exc:
+                    got = exc.code()
+            assert got == code
+        with auth.channel(addr, secret="store-secret") as ch:
+            assert kvstore_pb2_grpc.KVStoreStub(ch).GetInfo(kvstore_pb2.GetInfoRequest(), timeout=10).replica_id
+        assert health.check(addr) == "SERVING"
+        deadline = time.monotonic() + 5  # kvmem.redis is set by the store's first redis ping
+        while health.check(addr, health.REDIS) != "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert health.check(addr, health.REDIS) == "SERVING"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    assert not (tmp_path / "kvmem-arena-auth-test").exists()
