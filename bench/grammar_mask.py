@@ -40,13 +40,20 @@ DOC = {"name": "Ada Lovelace", "age": 36, "tags": ["a", "c", "b"], "address": {"
        "score": 0.75}  # fmt: skip
 
 
-def _hf_tokenizer():  # noqa: ANN202
+def _hf_tokenizer(tokenizer_json: str = ""):  # noqa: ANN202
+    from tokenizers import Tokenizer as FastTokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from services.common.model_files import resolve_model_path
-    from services.common.tokenizer import load_tokenizer
+    from services.common.tokenizer import Tokenizer, TokenizerInfo
 
-    tok = load_tokenizer(resolve_model_path("embedded:smollm2"))
+    if tokenizer_json:  # a machine without the model package: SmolLM2's tokenizer saved as JSON
+        info = TokenizerInfo(None, None, "<|im_end|>", None, (2,), False)
+        tok = Tokenizer(FastTokenizer.from_file(tokenizer_json), info)
+    else:
+        from services.common.model_files import resolve_model_path
+        from services.common.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(resolve_model_path("embedded:smollm2"))
     return tok, PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token=tok.info.eos_token)
 
 
@@ -158,10 +165,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--schemas", type=int, default=200)
+    ap.add_argument("--tokenizer-json", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(args.device)
-    tok, hf = _hf_tokenizer()
+    tok, hf = _hf_tokenizer(args.tokenizer_json)
     vocab = tok.vocab_size
     tokens = tok.encode(json.dumps(DOC))
     print(f"device={device} vocab={vocab} tokens/doc={len(tokens)} torch={torch.__version__}")

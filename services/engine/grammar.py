@@ -40,6 +40,14 @@ class GrammarError(InvalidRequestError):
 class GrammarSpec:
     kind: str  # one of KINDS
     text: str = ""  # the JSON schema (json_schema) or the EBNF grammar (ebnf); empty for json_object
+    prefix: str = ""  # json_schema: prefix + value + suffix, 1..max_repeats times joined by separator
+    suffix: str = ""
+    separator: str = ""
+    max_repeats: int = 1
+
+    @property
+    def framed(self) -> bool:
+        return bool(self.prefix or self.suffix or self.max_repeats > 1)
 
 
 class GrammarMatcher:
@@ -96,6 +104,26 @@ class GrammarCompiler:
         """A fresh matcher at the start of `spec`; raises GrammarError when it does not compile."""
         return GrammarMatcher(self._xgr.GrammarMatcher(self._compile(spec)), self.vocab_size)
 
+    def _framed(self, spec: GrammarSpec) -> Any:
+        """prefix value suffix (separator prefix value suffix)* up to max_repeats, as one xgrammar Grammar."""
+        g = self._xgr.Grammar
+
+        def literal(text: str) -> Any:
+            return g.from_ebnf("root ::= " + json.dumps(text))
+
+        parts = [literal(spec.prefix)] if spec.prefix else []
+        parts.append(g.from_json_schema(spec.text, any_whitespace=False))
+        if spec.suffix:
+            parts.append(literal(spec.suffix))
+        one = g.concat(*parts) if len(parts) > 1 else parts[0]
+        if not 1 <= spec.max_repeats <= 16:
+            raise GrammarError(f"max_repeats must be in [1, 16], got {spec.max_repeats}")
+        options, seq = [one], [one]
+        for _ in range(spec.max_repeats - 1):
+            seq = [*seq, *([literal(spec.separator)] if spec.separator else []), one]
+            options.append(g.concat(*seq))
+        return g.union(*options) if len(options) > 1 else one
+
     def _compile(self, spec: GrammarSpec) -> Any:
         if spec.kind not in KINDS:
             raise GrammarError(f"grammar kind must be one of {', '.join(KINDS)}, got {spec.kind!r}")
@@ -107,6 +135,8 @@ class GrammarCompiler:
                     schema = json.loads(spec.text)
                     if not isinstance(schema, dict):
                         raise GrammarError("a JSON schema must be a JSON object")
+                    if spec.framed:
+                        return self._compiler.compile_grammar(self._framed(spec))
                     return self._compiler.compile_json_schema(spec.text, any_whitespace=False)
                 return self._compiler.compile_grammar(spec.text)
         except GrammarError:

@@ -51,8 +51,12 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
         logprobs=p.logprobs,
         top_logprobs=p.top_logprobs,
-        grammar=GrammarSpec(p.grammar.kind, p.grammar.text) if p.HasField("grammar") else None,
+        grammar=_grammar(p.grammar) if p.HasField("grammar") else None,
     )
+
+
+def _grammar(g: pb.Grammar) -> GrammarSpec:
+    return GrammarSpec(g.kind, g.text, g.prefix, g.suffix, g.separator, max(1, g.max_repeats))
 
 
 def _token_text(tokenizer: Tokenizer | None, token: int) -> tuple[str, bytes]:

@@ -73,6 +73,8 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # gRPC deadline of one Generate call
     model_info_ttl_s: float = 5.0  # how long a GetModelInfo answer is reused
     health_timeout_s: float = 2.0  # deadline of the GetModelInfo call behind /health
+    # names a request's `model` may use besides the served model's id ("*": any); others get 404 model_not_found
+    model_aliases: tuple[str, ...] = ()
     # segment planner (DESIGN.md §5): what happens to a prompt over the device pool
     over_pool_policy: str = "shard"  # shard, sparse, exact, refuse; a request's kvmem.over_pool_policy wins
     planner_max_calls: int = 32  # model calls per request; a request's kvmem.max_calls wins
@@ -173,8 +175,14 @@ class GatewayConfig:
             type=int,
             default=_env_int("KVMEM_PLANNER_MAP_MAX_TOKENS", cls.planner_map_max_tokens),
         )
+        p.add_argument(
+            "--model-aliases",
+            default=env.get("KVMEM_MODEL_ALIASES", ""),
+            help="comma list of model names accepted besides the served id ('*': any name)",
+        )
         a = p.parse_args(argv)
         return cls(
+            model_aliases=tuple(n.strip() for n in a.model_aliases.split(",") if n.strip()),
             host=a.host,
             port=a.port,
             cacheguard_addr=a.cacheguard_addr,

@@ -172,7 +172,7 @@ KEYS = "alice:sk-alice,sk-anon"
 
 
 def chat_body(content: str, **fields: Any) -> dict[str, Any]:
-    return {"model": "any-name", "messages": [{"role": "user", "content": content}], **fields}
+    return {"model": "fake-smollm2", "messages": [{"role": "user", "content": content}], **fields}
 
 
 def sse_payloads(text: str) -> list[Any]:
