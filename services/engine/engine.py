@@ -26,10 +26,10 @@ import torch
 from services.common.pagehash import page_hash, root_hash
 from services.common.tokenizer import Tokenizer
 from services.engine.detokenizer import Detokenizer
+from services.engine.grammar import GrammarCompiler, GrammarError, compiler_for
 from services.engine.kv_pool import KVPool
 from services.engine.model_runner import Launched, ModelRunner
 from services.engine.ring import PagesLostError, RingLimits, RingManager, SeqRing
-from services.engine.grammar import GrammarCompiler, GrammarError, compiler_for
 from services.engine.sampling import InvalidRequestError, Row, Sampled, SamplingParams, sample_batch
 from services.engine.scheduler import Scheduler, Work
 from services.engine.sequence import Chunk, Done, Failed, FinishReason, SeqStatus, Sequence

@@ -1,10 +1,13 @@
 """Constrained decoding: grammars (JSON object, JSON schema, EBNF) compiled by xgrammar into per-token masks.
 
-xgrammar was chosen over llguidance and outlines-core by bench/grammar_mask.py (bench/results/grammar_mask_*.txt):
-filling one sequence's mask of SmolLM2's 49,152 tokens took a median 9.6 us against llguidance's 204 us at batch
-1, and 247 us against 6,800 us for 32 sequences, on the same 2-core CPU in the same run; both compiled all 200
-random schemas of tests/engine/schema_gen.py. outlines-core builds a regex index per schema up front (seconds for
-nested schemas) and has no JSON-schema features beyond what its regex translation covers.
+xgrammar was chosen over llguidance by bench/grammar_mask.py (bench/results/grammar_mask_*.txt; SmolLM2's 49,152
+tokens, a nested schema's document walked token by token, mask fill + apply + advance per step). H200 host (16
+cores): batch 1, 107 us per token against llguidance's 225 us (fill 6.7 against 54 us); batch 32, 705 against 577 us
+(xgrammar's batch fill is slower there: 407 against 246 us, llguidance's executor spreads the 32 fills over the
+cores). The 2-core CPU: batch 1, fill 9.6 against 204 us; batch 32, 247 against 6,800 us. Both compiled all 200
+random schemas of tests/engine/schema_gen.py. xgrammar is the faster at the batch sizes constrained requests come in
+(one agent, a few concurrent), and its JSON-schema and EBNF compilers cover the tool-call
+framing (`Grammar.concat` / `union`); outlines-core was not measured (a regex index per schema, built up front).
 
 A request's grammar becomes a `GrammarMatcher` on its Sequence (engine.submit): before each host-sampled token the
 sampler asks it for the bitmask of allowed tokens (`fill`), applies it to the logits row on the device

@@ -12,8 +12,8 @@ import grpc
 
 from services.common.protos import engine_pb2 as pb
 from services.common.protos import engine_pb2_grpc as pb_grpc
-from services.engine.builder import ModelInfo
 from services.common.tokenizer import Tokenizer
+from services.engine.builder import ModelInfo
 from services.engine.engine import ContextLengthError, Engine, OverloadedError
 from services.engine.grammar import GrammarSpec
 from services.engine.sampling import InvalidRequestError, Sampled, SamplingParams

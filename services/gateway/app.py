@@ -512,7 +512,6 @@ def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": ErrorBody, "description": _STATUS_TEXT[c]} for c in codes}
 
 
-
 def create_app(config: GatewayConfig, guard_client: GuardClient | None = None) -> FastAPI:
     """The gateway app. Without `guard_client`, one is made for config.cacheguard_addr at start-up
     (lifespan) and closed at shutdown; a given client stays owned by the caller."""

@@ -54,7 +54,7 @@ def request_tools(req: schemas.ChatCompletionRequest) -> list[tools.Tool]:
 
 
 def tool_mode(req: schemas.ChatCompletionRequest, fmt: str) -> str:
-    """"" (no tools, or tool_choice none: output is text), "auto" (parsed) or "forced" (constrained decoding);
+    """ "" (no tools, or tool_choice none: output is text), "auto" (parsed) or "forced" (constrained decoding);
     a model whose template renders no tool calls cannot take tools: a 400, never tools silently dropped."""
     if not req.tools or req.tool_choice == "none":
         return ""
@@ -525,7 +525,8 @@ class ChatChoices(MultiChoice):
                 if parsed.calls:
                     reason = "tool_calls"
                     message = schemas.AssistantMessage(content=parsed.content, tool_calls=[
-                        schemas.ToolCallOut(id=c.id, function=schemas.FunctionCallOut(name=c.name, arguments=c.arguments))
+                        schemas.ToolCallOut(
+                            id=c.id, function=schemas.FunctionCallOut(name=c.name, arguments=c.arguments))
                         for c in parsed.calls])  # fmt: skip
             logprobs = chat_logprobs(state.logprobs) if self.want_logprobs else None
             choices.append(schemas.ChatChoice(index=k, message=message, finish_reason=reason, logprobs=logprobs))

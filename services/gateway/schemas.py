@@ -286,7 +286,10 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
         lists = [v for v in value if isinstance(v, list)] if isinstance(value, list) and value else []
-        ids = [t for v in lists for t in v] if lists else [t for t in value if isinstance(t, int)] if isinstance(value, list) else []
+        if lists:
+            ids = [t for v in lists for t in v]
+        else:
+            ids = [t for t in value if isinstance(t, int)] if isinstance(value, list) else []
         if any(not 0 <= t <= INT32_MAX for t in ids):
             raise ValueError("prompt token ids must be >= 0")
         return value

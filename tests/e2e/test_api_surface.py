@@ -135,7 +135,8 @@ def test_a_call_cut_off_by_max_tokens_takes_the_typed_path(client: openai.OpenAI
     err = exc.value.body
     assert exc.value.code == "malformed_tool_call" and "cut off by max_tokens" in err["message"]
     assert err["kvmem"]["function"] == "get_weather"
-    assert err["kvmem"]["example"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "...", "unit": "C"}}\n</tool_call>'
+    example = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "...", "unit": "C"}}\n</tool_call>'
+    assert err["kvmem"]["example"] == example
     body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "temperature": 0,
             "max_tokens": 6, "stream": True}  # fmt: skip
     with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=120) as r:
@@ -186,7 +187,9 @@ def test_logprobs_chat_and_completions(client: openai.OpenAI) -> None:
     for item in content:
         assert len(item.top_logprobs) == 3 and item.logprob <= 0
         assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)  # greedy: the chosen is the most likely
-    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2)
+    c = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2
+    )
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens
     assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == 0

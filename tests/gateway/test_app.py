@@ -202,14 +202,14 @@ def test_map_grpc_error_without_details() -> None:
 
 
 async def test_completions_text_and_tokens(client: httpx.AsyncClient, fake: FakeGuard) -> None:
-    r = await client.post("/v1/completions", json={"model": "fake-smollm2", "prompt": "Once upon", "max_tokens": 4})
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": "Once upon", "max_tokens": 4})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["choices"] == [{"index": 0, "text": ANSWER, "finish_reason": "stop", "logprobs": None}]
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
     assert body["kvmem"]["prefix"]["common_prefix_tokens"] == 60
-    r = await client.post("/v1/completions", json={"model": "fake-smollm2", "prompt": [[1, 2, 3]]})
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": [[1, 2, 3]]})
     assert r.status_code == 200
     text_req, token_req = fake.requests
     assert text_req.prompt_text == "Once upon" and text_req.sampling.max_tokens == 4
@@ -219,7 +219,7 @@ async def test_completions_text_and_tokens(client: httpx.AsyncClient, fake: Fake
 async def test_completions_stream(client: httpx.AsyncClient) -> None:
     r = await client.post(
         "/v1/completions",
-        json={"model": "fake-smollm2", "prompt": ["hi"], "stream": True, "stream_options": {"include_usage": True}},
+        json={"model": "m", "prompt": ["hi"], "stream": True, "stream_options": {"include_usage": True}},
     )
     payloads = sse_payloads(r.text)
     chunks = payloads[:-1]
@@ -237,23 +237,23 @@ JSON = {"Content-Type": "application/json"}  # bodies sent as json.dumps writes 
 @pytest.mark.parametrize(
     ("body", "param", "message_part"),
     [
-        ({"model": "fake-smollm2"}, "messages", "Missing required parameter: 'messages'"),
+        ({"model": "m"}, "messages", "Missing required parameter: 'messages'"),
         (chat_body("hi", n=17), "n", "less than or equal to 16"),
         (chat_body("hi", temperature="0.5"), "temperature", "valid number"),
         (chat_body("hi", stream="yes"), "stream", "valid boolean"),
-        ({"model": "fake-smollm2", "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "valid string"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "valid string"),
         (chat_body("hi", logit_bias={"1": 101}), "logit_bias", "outside [-100, 100]"),
         (chat_body("hi", logit_bias={"abc": 1}), "logit_bias", "not a token id"),
         (chat_body("hi", presence_penalty=2.5), "presence_penalty", "less than or equal to 2"),
         (chat_body("hi", response_format={"type": "json_schema"}), "response_format", "needs json_schema.schema"),
         (chat_body("hi", tool_choice="required"), "tool_choice", "needs tools"),
         (chat_body("hi", logprobs=False, top_logprobs=2), "top_logprobs", "needs logprobs"),
-        ({"model": "fake-smollm2", "messages": []}, "messages", "at least 1 item"),
+        ({"model": "m", "messages": []}, "messages", "at least 1 item"),
         # a lone surrogate escape is valid JSON but not Unicode text (it was a 500 building the guard call)
-        ({"model": "fake-smollm2", "messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content", "surrogate"),
+        ({"model": "m", "messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content", "surrogate"),
         (chat_body("hi", stop=["\udc00"]), "stop", "surrogate"),
-        ({"model": "fake-smollm2", "messages": [{"role": "user", "content": None}]}, "messages[0]", "needs 'content'"),
-        ({"model": "fake-smollm2", "messages": [{"role": "assistant"}]}, "messages[0]", "needs 'content'"),
+        ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0]", "needs 'content'"),
+        ({"model": "m", "messages": [{"role": "assistant"}]}, "messages[0]", "needs 'content'"),
     ],
 )
 async def test_bad_chat_input_is_400(
@@ -269,10 +269,10 @@ async def test_bad_chat_input_is_400(
 
 async def test_bad_completions_input_is_400(client: httpx.AsyncClient) -> None:
     for body, param in [
-        ({"model": "fake-smollm2", "prompt": ["a", ""]}, "prompt"),
-        ({"model": "fake-smollm2", "prompt": "a", "echo": True}, "echo"),
-        ({"model": "fake-smollm2", "prompt": [-1]}, "prompt"),
-        ({"model": "fake-smollm2", "prompt": "\ud800"}, "prompt"),
+        ({"model": "m", "prompt": ["a", ""]}, "prompt"),
+        ({"model": "m", "prompt": "a", "echo": True}, "echo"),
+        ({"model": "m", "prompt": [-1]}, "prompt"),
+        ({"model": "m", "prompt": "\ud800"}, "prompt"),
     ]:
         r = await client.post("/v1/completions", content=json.dumps(body), headers=JSON)
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), body

@@ -100,7 +100,7 @@ async def test_auth_key_names_tenant(auth_client: httpx.AsyncClient, fake: FakeG
     )
     assert r.status_code == 200
     r = await auth_client.post(
-        "/v1/completions", json={"model": "fake-smollm2", "prompt": "x"}, headers={"Authorization": "bearer sk-anon"}
+        "/v1/completions", json={"model": "m", "prompt": "x"}, headers={"Authorization": "bearer sk-anon"}
     )
     assert r.status_code == 200
     assert [req.tenant for req in fake.requests] == ["alice", key_tenant("sk-anon")]
@@ -157,7 +157,7 @@ async def test_metrics_count_prefix_reports_normalisations_and_routing(client: h
 async def test_normalize_header_turns_the_guard_normalisations_off(client: httpx.AsyncClient, fake: FakeGuard) -> None:
     await client.post("/v1/chat/completions", json=chat_body("hi"))
     await client.post("/v1/chat/completions", json=chat_body("hi"), headers={"X-KVMem-Normalize": "off"})
-    await client.post("/v1/completions", json={"model": "fake-smollm2", "prompt": "hi"}, headers={"X-KVMem-Normalize": "OFF"})
+    await client.post("/v1/completions", json={"model": "m", "prompt": "hi"}, headers={"X-KVMem-Normalize": "OFF"})
     await client.post("/v1/chat/completions", json=chat_body("hi"), headers={"X-KVMem-Normalize": "on"})
     assert [r.normalizations_off for r in fake.requests] == [False, True, True, False]
     r = await client.post("/v1/chat/completions", json=chat_body("hi"), headers={"X-KVMem-Normalize": "maybe"})

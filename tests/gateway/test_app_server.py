@@ -69,7 +69,7 @@ def test_openai_sdk(server_url: str, fake: FakeGuard) -> None:
 
 def test_curl_style_request(server_url: str) -> None:
     """A plain HTTP client, as curl would send it (raw JSON bytes, bearer header)."""
-    body = b'{"model": "fake-smollm2", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
     headers = {"Authorization": "Bearer sk-alice", "Content-Type": "application/json"}
     with httpx.Client(base_url=server_url) as http:
         r = http.post("/v1/chat/completions", content=body, headers=headers)

@@ -13,7 +13,7 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 
 def _chat(**fields: Any) -> ChatCompletionRequest:
-    body = {"model": "fake-smollm2", "messages": [{"role": "user", "content": "hi"}], **fields}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
     return ChatCompletionRequest.model_validate(body)
 
 
@@ -119,7 +119,7 @@ def test_tool_call_arguments_object_is_serialized() -> None:
     ],
 )
 def test_completion_prompt_forms(prompt: Any, kind: str, value: Any) -> None:
-    body = CompletionRequest.model_validate({"model": "fake-smollm2", "prompt": prompt, "temperature": 0.5})
+    body = CompletionRequest.model_validate({"model": "m", "prompt": prompt, "temperature": 0.5})
     req = convert.completion_request(body, request_id="r", session_id="", tenant="")
     assert req.WhichOneof("input") == kind
     got = req.prompt_text if kind == "prompt_text" else list(req.prompt_tokens.token_ids)

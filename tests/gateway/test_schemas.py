@@ -20,7 +20,7 @@ def _error(model: type[ChatCompletionRequest] | type[CompletionRequest], body: d
 
 
 def test_minimal_chat_and_defaults() -> None:
-    req = ChatCompletionRequest.model_validate({"model": "fake-smollm2", "messages": USER})
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": USER})
     assert req.stream is False and req.include_usage is False
     assert (req.temperature, req.top_p, req.top_k, req.seed, req.max_new_tokens) == (None, None, None, None, None)
     assert req.stop_list == []
@@ -28,7 +28,7 @@ def test_minimal_chat_and_defaults() -> None:
 
 def test_unknown_fields_are_ignored() -> None:
     req = ChatCompletionRequest.model_validate(
-        {"model": "fake-smollm2", "messages": [{"role": "user", "content": "hi", "audio": None}], "store": True, "foo": 1}
+        {"model": "m", "messages": [{"role": "user", "content": "hi", "audio": None}], "store": True, "foo": 1}
     )
     assert req.messages[0].content == "hi"
     assert not hasattr(req, "foo")
@@ -37,7 +37,7 @@ def test_unknown_fields_are_ignored() -> None:
 def test_accepted_values() -> None:
     req = ChatCompletionRequest.model_validate(
         {
-            "model": "fake-smollm2",
+            "model": "m",
             "messages": USER,
             "temperature": 1,  # an int is a number
             "n": 1,
@@ -53,13 +53,13 @@ def test_accepted_values() -> None:
     )
     assert req.temperature == 1.0 and req.include_usage
     assert not ChatCompletionRequest.model_validate(
-        {"model": "fake-smollm2", "messages": USER, "stream_options": {"include_usage": True}}
+        {"model": "m", "messages": USER, "stream_options": {"include_usage": True}}
     ).include_usage  # usage chunks only exist in streams
 
 
 def test_text_parts_are_joined() -> None:
     req = ChatCompletionRequest.model_validate(
-        {"model": "fake-smollm2", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b"}]}]}
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b"}]}]}
     )
     assert req.messages[0].content == "ab"
 
@@ -68,73 +68,81 @@ def test_text_parts_are_joined() -> None:
     ("body", "param", "message"),
     [
         ({"messages": USER}, "model", "Missing required parameter: 'model'."),
-        ({"model": "fake-smollm2"}, "messages", "Missing required parameter: 'messages'."),
-        ({"model": "fake-smollm2", "messages": USER, "n": 17}, "n", "Invalid value for 'n': Input should be less than or equal to 16"),
-        ({"model": "fake-smollm2", "messages": USER, "n": 0}, "n", "Invalid value for 'n': Input should be greater than or equal to 1"),
+        ({"model": "m"}, "messages", "Missing required parameter: 'messages'."),
+        (
+            {"model": "m", "messages": USER, "n": 17},
+            "n",
+            "Invalid value for 'n': Input should be less than or equal to 16",
+        ),
+        (
+            {"model": "m", "messages": USER, "n": 0},
+            "n",
+            "Invalid value for 'n': Input should be greater than or equal to 1",
+        ),
         ({"model": 3, "messages": USER}, "model", "Invalid value for 'model': Input should be a valid string"),
         (
-            {"model": "fake-smollm2", "messages": USER, "max_tokens": "10"},
+            {"model": "m", "messages": USER, "max_tokens": "10"},
             "max_tokens",
             "Invalid value for 'max_tokens': Input should be a valid integer",
         ),
         (
-            {"model": "fake-smollm2", "messages": USER, "max_tokens": 0},
+            {"model": "m", "messages": USER, "max_tokens": 0},
             "max_tokens",
             "Invalid value for 'max_tokens': Input should be greater than or equal to 1",
         ),
         (
-            {"model": "fake-smollm2", "messages": USER, "temperature": 3},
+            {"model": "m", "messages": USER, "temperature": 3},
             "temperature",
             "Invalid value for 'temperature': Input should be less than or equal to 2",
         ),
         (
-            {"model": "fake-smollm2", "messages": USER, "stop": ["a", 1]},
+            {"model": "m", "messages": USER, "stop": ["a", 1]},
             "stop[1]",
             "Invalid value for 'stop[1]': Input should be a valid string",
         ),
         (
-            {"model": "fake-smollm2", "messages": USER, "stop": ""},
+            {"model": "m", "messages": USER, "stop": ""},
             "stop",
             "Invalid value for 'stop': stop strings must be non-empty",
         ),
         (
-            {"model": "fake-smollm2", "messages": [{"role": "robot", "content": "x"}]},
+            {"model": "m", "messages": [{"role": "robot", "content": "x"}]},
             "messages[0].role",
             "Invalid value for 'messages[0].role': "
             "Input should be 'system', 'developer', 'user', 'assistant' or 'tool'",
         ),
         (
-            {"model": "fake-smollm2", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content",
             "Invalid value for 'messages[0].content': content parts of type 'image_url' are not supported; only 'text'",
         ),
         (
-            {"model": "fake-smollm2", "messages": USER, "logit_bias": {"5": -101}},
+            {"model": "m", "messages": USER, "logit_bias": {"5": -101}},
             "logit_bias",
             "Invalid value for 'logit_bias': logit_bias['5'] = -101.0 is outside [-100, 100]",
         ),
         (
-            {"model": "fake-smollm2", "messages": USER, "logit_bias": {"5": "big"}},
+            {"model": "m", "messages": USER, "logit_bias": {"5": "big"}},
             "logit_bias.5",
             "Invalid value for 'logit_bias.5': Input should be a valid number",
         ),
         (
-            {"model": "fake-smollm2", "messages": USER, "frequency_penalty": -2.5},
+            {"model": "m", "messages": USER, "frequency_penalty": -2.5},
             "frequency_penalty",
             "Invalid value for 'frequency_penalty': Input should be greater than or equal to -2",
         ),
         (
-            {"model": "fake-smollm2", "messages": USER, "top_logprobs": 3},
+            {"model": "m", "messages": USER, "top_logprobs": 3},
             "top_logprobs",
             "Invalid value for 'top_logprobs': top_logprobs needs logprobs: true",
         ),
         (
-            {"model": "fake-smollm2", "messages": USER, "response_format": {"type": "json_schema"}},
+            {"model": "m", "messages": USER, "response_format": {"type": "json_schema"}},
             "response_format",
             "Invalid value for 'response_format': type 'json_schema' needs json_schema.schema",
         ),
         (
-            {"model": "fake-smollm2", "messages": USER, "stream_options": {"include_usage": "yes"}},
+            {"model": "m", "messages": USER, "stream_options": {"include_usage": "yes"}},
             "stream_options.include_usage",
             "Invalid value for 'stream_options.include_usage': Input should be a valid boolean",
         ),
@@ -158,7 +166,7 @@ def test_chat_400s_name_the_field(body: dict[str, Any], param: str, message: str
     ],
 )
 def test_bad_prompts(prompt: Any, message: str) -> None:
-    err = _error(CompletionRequest, {"model": "fake-smollm2", "prompt": prompt})
+    err = _error(CompletionRequest, {"model": "m", "prompt": prompt})
     assert err.param == "prompt"
     assert err.message.endswith(message)
 
@@ -173,13 +181,13 @@ def test_bad_prompts(prompt: Any, message: str) -> None:
     ],
 )
 def test_completion_refused_fields(field: str, value: Any, message: str) -> None:
-    err = _error(CompletionRequest, {"model": "fake-smollm2", "prompt": "p", field: value})
+    err = _error(CompletionRequest, {"model": "m", "prompt": "p", field: value})
     assert (err.param, err.message) == (field, f"Invalid value for '{field}': {message}")
 
 
 def test_completion_accepts_false_and_one() -> None:
     req = CompletionRequest.model_validate(
-        {"model": "fake-smollm2", "prompt": "p", "echo": False, "best_of": 1, "max_tokens": 3, "logprobs": None}
+        {"model": "m", "prompt": "p", "echo": False, "best_of": 1, "max_tokens": 3, "logprobs": None}
     )
     assert req.max_new_tokens == 3
 

@@ -40,7 +40,10 @@ def test_hermes_single_parallel_and_text_before() -> None:
 
 
 def test_qwen3_xml_body() -> None:
-    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
     assert calls(text) == [("get_weather", {"city": "Paris", "days": 3})]
 
 
@@ -48,17 +51,33 @@ def test_qwen3_xml_body() -> None:
     ("text", "truncated", "reason", "function"),
     [
         ("<tool_call>\n<parameter=city>\nParis\n</parameter>\n</tool_call>", False, "no <function=NAME> tag", ""),
-        ("<tool_call>\n<function=get_weather>\n<parameter city>Paris</parameter>\n</function>\n</tool_call>", False,
-         "<parameter=KEY>...</parameter> tags are invalid", "get_weather"),
-        ("<tool_call>\n<function=get_weather>\n<parameter=city>Paris\n</function>\n</tool_call>", False,
-         "<parameter=KEY>...</parameter> tags are invalid", "get_weather"),
+        (
+            "<tool_call>\n<function=get_weather>\n<parameter city>Paris</parameter>\n</function>\n</tool_call>",
+            False,
+            "<parameter=KEY>...</parameter> tags are invalid",
+            "get_weather",
+        ),
+        (
+            "<tool_call>\n<function=get_weather>\n<parameter=city>Paris\n</function>\n</tool_call>",
+            False,
+            "<parameter=KEY>...</parameter> tags are invalid",
+            "get_weather",
+        ),
         ('<tool_call>\n{"name": "get_weather", "arguments": {"ci', True, "cut off by max_tokens", "get_weather"),
         ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}', False, "not closed", "get_weather"),
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>', False, "not valid JSON",
-         "get_weather"),
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>',
+            False,
+            "not valid JSON",
+            "get_weather",
+        ),
         ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', False, "not a tool here", "rm_rf"),
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"days": 2}}\n</tool_call>', False,
-         "'city' is a required property", "get_weather"),
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"days": 2}}\n</tool_call>',
+            False,
+            "'city' is a required property",
+            "get_weather",
+        ),
         ('<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>', False, 'no "name"', ""),
     ],
 )
