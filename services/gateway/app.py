@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
@@ -507,6 +508,19 @@ _STATUS_TEXT = {
 }
 
 
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document without the 422 "Validation Error" it adds to every route with parameters: a request
+    that fails validation is a 400 here (the OpenAI error body); 422 is only the malformed tool call."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for path in schema["paths"].values():
+            for op in path.values():
+                if op.get("responses", {}).get("422", {}).get("description") == "Validation Error":
+                    del op["responses"]["422"]
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI `responses` of a route: each status it really returns, with the OpenAI error body."""
     return {c: {"model": ErrorBody, "description": _STATUS_TEXT[c]} for c in codes}
@@ -567,6 +581,7 @@ def create_app(config: GatewayConfig, guard_client: GuardClient | None = None) -
         "/v1/models/{model_id:path}", get_model, methods=["GET"], response_model=ModelCard,
         responses=_responses(401, 404, 503),
     )  # fmt: skip
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     return app

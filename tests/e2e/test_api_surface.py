@@ -89,7 +89,7 @@ def test_named_tool_choice_is_a_call_whose_arguments_match_the_schema(client: op
 def test_required_calls_stream_as_deltas_name_first(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0.8, seed=5,
-        max_tokens=120, stream=True,
+        max_tokens=80, stream=True,
     )  # fmt: skip
     deltas = [c.choices[0] for c in stream if c.choices]
     pieces: dict[int, list] = {}
@@ -113,7 +113,7 @@ def test_tool_choice_none_and_auto(client: openai.OpenAI) -> None:
     )
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
     try:
-        auto = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=60)
+        auto = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=40)
     except openai.UnprocessableEntityError as exc:  # the guard caught a broken shell: typed, with an example
         assert exc.code == "malformed_tool_call"
         return
