@@ -67,6 +67,7 @@ def main() -> None:
     valid = finished = truncated = 0
     failures: list[str] = []
     timing: dict[str, list[float]] = {"constrained": [0, 0], "greedy": [0, 0], "sampled": [0, 0]}
+    t_start = time.perf_counter()
     try:
         for start in range(0, a.count, a.batch):
             ids = list(range(start, min(start + a.batch, a.count)))
@@ -97,6 +98,8 @@ def main() -> None:
                     valid += 1
                 except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
                     failures.append(f"schema {i}: {type(exc).__name__}: {str(exc)[:120]} :: {text[:200]!r}")
+            print(f"schemas {ids[0]}-{ids[-1]}: finished={finished} valid={valid} cut={truncated} "
+                  f"failed={len(failures)} ({time.perf_counter() - t_start:.0f} s)", flush=True)  # fmt: skip
     finally:
         engine.stop()
     print(f"model={info.model_id} device={a.device} schemas={a.count} batch={a.batch} max_tokens={a.max_tokens}")

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -319,13 +320,14 @@ class Engine:
 
     def _postprocess(self, launched: Launched) -> None:
         works = launched.works
+        tokens: Iterator[list[int | Sampled]]
         if launched.tokens is not None:  # chosen on the device (PENDING in the outputs): read them
-            tokens = iter(self.runner.tokens(launched))
+            tokens = iter(list[int | Sampled](t) for t in self.runner.tokens(launched))
         else:
             sampling = [w.seq for w in works if w.samples]
             rows = [Row(s.params, s.generator, s.prompt_ids, s.output_ids, s.matcher) for s in sampling]
             sampled = sample_batch(launched.logits, rows)
-            tokens = iter([t] for t in sampled)
+            tokens = iter([t] for t in sampled)  # one token per sampling work
         for w, page_scores in zip(works, launched.scores, strict=True):
             seq = w.seq
             chosen = next(tokens) if w.samples or launched.tokens is not None else []
