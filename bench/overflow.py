@@ -171,11 +171,12 @@ def judge(case: Case, answer: str, plan: dict[str, Any]) -> str:
 def run_config(stack: Stack, label: str, policy: str, cases: list[Case], max_tokens: int) -> list[Outcome]:
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=1200)
     outcomes = []
+    served = client.models.list().data[0].id  # another name is a 404 model_not_found
     for case in cases:
         t0 = time.perf_counter()
         try:
             r = client.chat.completions.create(
-                model="any",
+                model=served,
                 messages=case.messages,  # type: ignore[arg-type]
                 temperature=0,
                 max_tokens=max_tokens,

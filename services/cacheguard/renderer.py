@@ -57,6 +57,19 @@ FALLBACK_TEMPLATE = (
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+def tool_call_format(template: str | None, renders_tools: bool) -> str:
+    """The tool-call format a chat template teaches (services/gateway/tools.py reads it): "hermes" for
+    `<tool_call>` blocks (Hermes, Qwen, deploy/templates/smollm2-agent.jinja), "llama3" for Llama 3's JSON calls
+    (`<|python_tag|>` / "parameters"), "" when the template renders no tools (or has none of these markers)."""
+    if not renders_tools or not template:
+        return ""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3"
+    return ""
+
+
 class RenderError(ValueError):
     """The chat template failed on this input (or does not compile); a client error (INVALID_ARGUMENT)."""
 
@@ -165,6 +178,7 @@ class ChatRenderer:
         if not self.has_template:
             logger.warning("model has no chat template: using the plain fallback format")
         self.support = self._probe()
+        self.tool_call_format = tool_call_format(tokenizer_info.chat_template, self.support.tools)
         if not self.support.tools:
             logger.warning("the chat template does not render tools: tool definitions will not reach the model")
 

@@ -225,7 +225,10 @@ class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
     ) -> engine_pb2.GetModelInfoResponse:
         try:
             _, info = await self._pool.model_info()
-            return info
+            out = engine_pb2.GetModelInfoResponse()
+            out.CopyFrom(info)
+            out.tool_call_format = self._core.renderer.tool_call_format  # the guard renders the template
+            return out
         except Exception as exc:
             await context.abort(*grpc_status(exc))
             raise  # not reached: abort raises

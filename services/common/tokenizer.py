@@ -35,6 +35,11 @@ class Tokenizer:
         self.info = info
 
     @property
+    def backend(self) -> _FastTokenizer:
+        """The `tokenizers` object (grammar libraries build their token tables from it)."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         return int(self._backend.get_vocab_size(with_added_tokens=True))
 

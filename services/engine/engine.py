@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,10 +27,11 @@ import torch
 from services.common.pagehash import page_hash, root_hash
 from services.common.tokenizer import Tokenizer
 from services.engine.detokenizer import Detokenizer
+from services.engine.grammar import GrammarCompiler, GrammarError, compiler_for
 from services.engine.kv_pool import KVPool
 from services.engine.model_runner import Launched, ModelRunner
 from services.engine.ring import PagesLostError, RingLimits, RingManager, SeqRing
-from services.engine.sampling import InvalidRequestError, SamplingParams, sample_rows
+from services.engine.sampling import InvalidRequestError, Row, Sampled, SamplingParams, sample_batch
 from services.engine.scheduler import Scheduler, Work
 from services.engine.sequence import Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
 from services.engine.slots import SlotAllocator
@@ -158,6 +160,9 @@ class Engine:
         if query_start is not None and not 0 <= query_start < len(prompt_ids):
             raise InvalidRequestError(f"query_start {query_start} is outside the prompt [0, {len(prompt_ids)})")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
+        matcher = self._grammar_compiler().matcher(params.grammar) if params.grammar is not None else None
+        if matcher is not None and params.ignore_eos:
+            raise InvalidRequestError("a grammar ends the answer with end-of-sequence: ignore_eos cannot be set")
         seq = Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -169,6 +174,7 @@ class Engine:
             generator=params.make_generator(self.pool.device),
             prefill_policy=policy,
             query_start=query_start if query_start is not None else -1,
+            matcher=matcher,
         )
         with self._lock:
             queued = len(self._incoming) + len(self.scheduler.waiting)
@@ -178,6 +184,13 @@ class Engine:
             self.stats.requests_total += 1
             self._lock.notify()
         return seq
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built at the first constrained request (seconds: it reads the vocabulary), shared by the process."""
+        try:
+            return compiler_for(self.tokenizer, self.limits.vocab_size)
+        except ImportError as exc:
+            raise GrammarError(f"constrained decoding is not installed on this engine ({exc})") from None
 
     def abort(self, seq: Sequence) -> None:
         """Stop a request (client went away); its slots are released at the next step."""
@@ -307,12 +320,14 @@ class Engine:
 
     def _postprocess(self, launched: Launched) -> None:
         works = launched.works
+        tokens: Iterator[list[int | Sampled]]
         if launched.tokens is not None:  # chosen on the device (PENDING in the outputs): read them
-            tokens = iter(self.runner.tokens(launched))
+            tokens = iter(list[int | Sampled](t) for t in self.runner.tokens(launched))
         else:
             sampling = [w.seq for w in works if w.samples]
-            sampled = sample_rows(launched.logits, [s.params for s in sampling], [s.generator for s in sampling])
-            tokens = iter([t] for t in sampled)
+            rows = [Row(s.params, s.generator, s.prompt_ids, s.output_ids, s.matcher) for s in sampling]
+            sampled = sample_batch(launched.logits, rows)
+            tokens = iter([t] for t in sampled)  # one token per sampling work
         for w, page_scores in zip(works, launched.scores, strict=True):
             seq = w.seq
             chosen = next(tokens) if w.samples or launched.tokens is not None else []
@@ -331,7 +346,7 @@ class Engine:
                 if launched.tokens is None:
                     seq.num_computed = computed
                 self._publish_pages(seq, computed)
-                self._append(seq, token)
+                self._append(seq, token if isinstance(token, int) else token.token, token)
                 if seq.is_finished:
                     break  # a stop mid-burst: the tokens after it are dropped
 
@@ -368,8 +383,13 @@ class Engine:
         seq.ring = SeqRing(summaries=summaries, policy=seq.prefill_policy, query_start=query_start)
         self.ring.set_query(seq.ring, len(seq.prompt_ids))
 
-    def _append(self, seq: Sequence, token: int) -> None:
-        """The next output token (the first PENDING one when a burst is being read): stream it, stop on it."""
+    def _append(self, seq: Sequence, token: int, sampled: Sampled | int | None = None) -> None:
+        """The next output token (the first PENDING one when a burst is being read): stream it, stop on it; a
+        grammar advances by it."""
+        if seq.matcher is not None and not seq.matcher.accept(token):  # the mask allowed it: never expected
+            logger.error("%s: token %d is outside its grammar", seq.request_id, token)
+            self._fail(seq, "internal", "the answer left its grammar")
+            return
         if seq.num_pending:
             seq.fill_pending(token)
         else:
@@ -390,7 +410,8 @@ class Engine:
         if reason is None and (known >= seq.max_tokens or len(seq.prompt_ids) + known >= self.limits.max_context):
             reason = FinishReason.LENGTH
             text += seq.detokenizer.flush()
-        seq.events.put(Chunk([token], text))
+        logprobs = (sampled,) if isinstance(sampled, Sampled) and sampled.logprob is not None else ()
+        seq.events.put(Chunk([token], text, logprobs))
         if reason is not None:
             self._finish(seq, reason)
 

@@ -1,10 +1,25 @@
-"""Sampling parameters (validated) and the sampler: logit bias, temperature, top-k, top-p, seeds."""
+"""Sampling parameters (validated) and the sampler: logit bias, penalties, grammar masks, temperature, top-k,
+top-p, seeds, log-probabilities.
+
+The processed logits of a row are: the model's logits + logit_bias, then the repetition penalty (HF/CTRL: a
+positive logit of a token seen in prompt or output is divided by it, a negative one multiplied), then
+OpenAI's presence and frequency penalties over the output (logit - count * frequency - (count > 0) * presence),
+then the grammar's mask (disallowed tokens -inf). Greedy takes their argmax; sampling divides them by the
+temperature and applies top-k and top-p. Log-probabilities are the log-softmax of the processed logits
+(before temperature): a constrained request's alternatives are only tokens its grammar allows.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from services.engine.grammar import GrammarMatcher, GrammarSpec
+
+MAX_TOP_LOGPROBS = 20
 
 
 class InvalidRequestError(ValueError):
@@ -22,6 +37,28 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: dict[int, float] = field(default_factory=dict)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    grammar: GrammarSpec | None = None
+
+    @property
+    def device_greedy(self) -> bool:
+        """The token is the plain argmax of the model's logits: the device may choose it (decode bursts)."""
+        return self.temperature == 0.0 and not self.needs_processing and not self.logprobs
+
+    @property
+    def needs_processing(self) -> bool:
+        """The logits are changed before choosing (bias, penalties, grammar)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.grammar is not None
+        )
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first parameter out of range."""
@@ -41,6 +78,15 @@ class SamplingParams:
         for tid, bias in self.logit_bias.items():
             if not -100.0 <= bias <= 100.0:
                 raise InvalidRequestError(f"logit_bias[{tid}] = {bias} is outside [-100, 100]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs")
 
     def make_generator(self, device: torch.device) -> torch.Generator | None:
         """A private RNG for this request when sampling (seeded when `seed` is set), else None."""
@@ -54,12 +100,47 @@ class SamplingParams:
         return gen
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [V] float32 -> one token id."""
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=logits.device)
-        bias = torch.tensor(list(params.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+class Row(NamedTuple):
+    """One sampling row of a step: its parameters and what the logits processors read."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int] = []
+    output_ids: list[int] = []  # known output tokens (no PENDING)
+    matcher: GrammarMatcher | None = None
+
+
+class Sampled(NamedTuple):
+    token: int
+    logprob: float | None = None  # when params.logprobs
+    top: list[tuple[int, float]] = []  # params.top_logprobs most likely (token, logprob), most likely first
+
+
+def process(logits: torch.Tensor, row: Row, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [V] float32 -> the processed logits of the module docstring (bitmask: the row's grammar mask)."""
+    p = row.params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=logits.device)
+        bias = torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
         logits = logits.index_add(0, ids, bias)
+    if p.repetition_penalty != 1.0 and (row.prompt_ids or row.output_ids):
+        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), device=logits.device)
+        values = logits[seen]
+        values = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        logits = logits.index_copy(0, seen, values)
+    if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+        counts = torch.bincount(torch.tensor(row.output_ids, device=logits.device), minlength=logits.shape[0])
+        counts = counts[: logits.shape[0]].to(logits.dtype)
+        logits = logits - counts * p.frequency_penalty - (counts > 0).to(logits.dtype) * p.presence_penalty
+    if bitmask is not None:
+        from services.engine.grammar import apply_token_bitmask
+
+        logits = apply_token_bitmask(logits.unsqueeze(0), bitmask.unsqueeze(0))[0]
+    return logits
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Processed logits [V] float32 -> one token id (greedy, or temperature, top-k, top-p)."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
@@ -70,6 +151,11 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if params.top_p < 1.0:
         probs = _top_p(probs, params.top_p)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits: [V] float32 -> one token id (no penalties' history, no grammar)."""
+    return choose(process(logits, Row(params, generator)), params, generator)
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -84,19 +170,47 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
-    """logits: [M, V] float32, one row per sampling sequence -> M token ids.
+    """logits: [M, V] float32, one row per sampling sequence -> M token ids (rows without history or grammar)."""
+    return [s.token for s in sample_batch(logits, [Row(p, g) for p, g in zip(params, generators, strict=True)])]
 
-    Greedy rows without a logit bias take one argmax over all of them and one device-to-host copy
-    (the step's only sync); the other rows go through sample_one.
+
+def sample_batch(logits: torch.Tensor, rows: list[Row]) -> list[Sampled]:
+    """logits: [M, V] float32, one row per sampling sequence -> M tokens (with log-probabilities when asked).
+
+    Greedy rows that need no processing and no logprobs take one argmax over all of them and one device-to-host
+    copy (the step's only sync); the grammar rows' masks are filled on the host in one batch; the other rows go
+    through process and choose one by one.
     """
-    plain = [i for i, p in enumerate(params) if p.temperature == 0.0 and not p.logit_bias]
-    out = [0] * len(params)
+    plain = [i for i, r in enumerate(rows) if r.params.device_greedy]
+    out: list[Sampled] = [Sampled(0)] * len(rows)
     if plain:
-        rows = logits if len(plain) == len(params) else logits[torch.tensor(plain, device=logits.device)]
-        for i, token in zip(plain, torch.argmax(rows, dim=-1).tolist(), strict=True):
-            out[i] = int(token)
+        picked = logits if len(plain) == len(rows) else logits[torch.tensor(plain, device=logits.device)]
+        for i, token in zip(plain, torch.argmax(picked, dim=-1).tolist(), strict=True):
+            out[i] = Sampled(int(token))
+    constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    masks: dict[int, torch.Tensor] = {}
+    if constrained:
+        from services.engine.grammar import bitmask_words
+
+        bitmask = torch.zeros(len(constrained), bitmask_words(logits.shape[1]), dtype=torch.int32)
+        for k, i in enumerate(constrained):
+            matcher = rows[i].matcher
+            assert matcher is not None
+            matcher.fill(bitmask, k)
+        masks = {i: bitmask[k] for k, i in enumerate(constrained)}
     plain_set = set(plain)
-    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if i not in plain_set:
-            out[i] = sample_one(logits[i], p, gen)
+    for i, row in enumerate(rows):
+        if i in plain_set:
+            continue
+        processed = process(logits[i], row, masks.get(i))
+        token = choose(processed, row.params, row.generator)
+        if not row.params.logprobs:
+            out[i] = Sampled(token)
+            continue
+        logp = torch.log_softmax(processed, dim=-1)
+        top: list[tuple[int, float]] = []
+        if row.params.top_logprobs:
+            values, ids = torch.topk(logp, row.params.top_logprobs)
+            top = [(int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        out[i] = Sampled(token, float(logp[token]), top)
     return out

@@ -182,7 +182,7 @@ class Scheduler:
             seq, params = w.seq, w.seq.params
             if w.num_new != 1 or w.score_only or seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
                 return None
-            if params.temperature != 0.0 or params.logit_bias or len(seq.output_ids) >= seq.max_tokens:
+            if not params.device_greedy or len(seq.output_ids) >= seq.max_tokens:
                 return None
             if seq.ring is not None and seq.ring.policy == "exact":
                 return None
@@ -285,7 +285,7 @@ class Scheduler:
         steps = self.decode_burst
         for w in works:
             seq, params = w.seq, w.seq.params
-            if w.num_new != 1 or not w.samples or params.temperature != 0.0 or params.logit_bias:
+            if w.num_new != 1 or not w.samples or not params.device_greedy:
                 return works
             steps = min(steps, size - w.start % size, seq.max_tokens - len(seq.output_ids))
             if w.score_tokens:  # a re-selection scores this step's query: a burst of one (tokens on the device)

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from services.engine.detokenizer import Detokenizer
-from services.engine.sampling import SamplingParams
+from services.engine.sampling import Sampled, SamplingParams
 
 if TYPE_CHECKING:
+    from services.engine.grammar import GrammarMatcher
     from services.engine.ring import SeqRing
 
 
@@ -33,6 +34,7 @@ class FinishReason(enum.Enum):
 class Chunk(NamedTuple):
     token_ids: list[int]
     text: str
+    logprobs: tuple[Sampled, ...] = ()  # one per token when the request asked for logprobs
 
 
 class Done(NamedTuple):
@@ -80,6 +82,7 @@ class Sequence:
     generator: torch.Generator | None
     prefill_policy: str = "sparse"  # for the part of the context that outgrows the ring budget
     query_start: int = -1  # token index of the query (last user turn); -1: unknown
+    matcher: GrammarMatcher | None = None  # its grammar's state (constrained decoding), advanced by each token
     output_ids: list[int] = field(default_factory=list)  # the last num_pending are PENDING
     num_pending: int = 0  # output tokens of a decode burst in flight (engine.py: overlapped bursts)
     status: SeqStatus = SeqStatus.WAITING

@@ -14,9 +14,11 @@ from services.common import auth, health
 from services.common.limits import GRPC_CHANNEL_OPTIONS, cut_details
 from services.common.protos import engine_pb2 as pb
 from services.common.protos import engine_pb2_grpc as pb_grpc
+from services.common.tokenizer import Tokenizer
 from services.engine.builder import ModelInfo
 from services.engine.engine import ContextLengthError, Engine, OverloadedError
-from services.engine.sampling import InvalidRequestError, SamplingParams
+from services.engine.grammar import GrammarSpec
+from services.engine.sampling import InvalidRequestError, Sampled, SamplingParams
 from services.engine.sequence import Chunk, Done, Event, Failed, FinishReason
 
 logger = logging.getLogger(__name__)
@@ -46,12 +48,40 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(p.stop_token_ids),
         logit_bias=dict(p.logit_bias),
         ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        grammar=_grammar(p.grammar) if p.HasField("grammar") else None,
     )
 
 
-def event_to_proto(ev: Event) -> pb.GenerateEvent:
+def _grammar(g: pb.Grammar) -> GrammarSpec:
+    return GrammarSpec(g.kind, g.text, g.prefix, g.suffix, g.separator, max(1, g.max_repeats))
+
+
+def _token_text(tokenizer: Tokenizer | None, token: int) -> tuple[str, bytes]:
+    if tokenizer is None:
+        return "", b""
+    text = tokenizer.decode([token])
+    return text, text.encode("utf-8", errors="replace")
+
+
+def logprob_to_proto(s: Sampled, tokenizer: Tokenizer | None) -> pb.TokenLogprob:
+    """A chosen token's log-probability and its alternatives, each with its text."""
+    text, raw = _token_text(tokenizer, s.token)
+    top = []
+    for token, logprob in s.top:
+        t, b = _token_text(tokenizer, token)
+        top.append(pb.TopLogprob(token_id=token, token=t, token_bytes=b, logprob=logprob))
+    return pb.TokenLogprob(token_id=s.token, token=text, token_bytes=raw, logprob=s.logprob or 0.0, top=top)
+
+
+def event_to_proto(ev: Event, tokenizer: Tokenizer | None = None) -> pb.GenerateEvent:
     if isinstance(ev, Chunk):
-        return pb.GenerateEvent(chunk=pb.TokenChunk(token_ids=ev.token_ids, text=ev.text))
+        logprobs = [logprob_to_proto(s, tokenizer) for s in ev.logprobs]
+        return pb.GenerateEvent(chunk=pb.TokenChunk(token_ids=ev.token_ids, text=ev.text, logprobs=logprobs))
     if isinstance(ev, Done):
         usage = pb.Usage(
             prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens
@@ -106,7 +136,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                 if not context.is_active():
                     return
                 continue
-            yield event_to_proto(ev)
+            yield event_to_proto(ev, self.engine.tokenizer)
             if not isinstance(ev, Chunk):
                 return
 

@@ -15,19 +15,20 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.common.protos import cacheguard_pb2
+from services.common.protos import cacheguard_pb2, engine_pb2
 from services.gateway import convert, edge, planning
 from services.gateway.config import GatewayConfig
 from services.gateway.edge import BodyLimitMiddleware, RequestIdMiddleware
@@ -42,7 +43,15 @@ from services.gateway.guard_client import GuardClient
 from services.gateway.metrics import CLIENT_CLOSED, GatewayMetrics, MetricsMiddleware, route_label
 from services.gateway.planner.plan import Level, PlanRequest
 from services.gateway.planner.planner import Planner
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelList
+from services.gateway.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorBody,
+    ModelCard,
+    ModelList,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -135,14 +144,6 @@ def _session_id(request: Request) -> str:
     return session_id
 
 
-async def _served_model(guard: GuardClient, asked: str) -> str:
-    """The id of the model that will answer (any requested name is accepted)."""
-    try:
-        return (await guard.model_info()).model_id or asked
-    except GatewayError:
-        return asked  # Generate will report the outage itself
-
-
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Run `work`; if the client disconnects first, cancel it (and so the guard call) and return None."""
     task = asyncio.ensure_future(work)
@@ -183,22 +184,40 @@ class _SSEResponse(StreamingResponse):
 
 
 class _Generation:
-    """One Generate call seen from a route: event order checks, metrics, response building."""
+    """The Generate calls of one request (one per choice: n per prompt, batched prompts) seen from a route: event
+    order checks, metrics, response building. The first call runs ahead: once its first token is out its prompt's
+    pages are in the prefix cache, and the other calls start then and share them (n > 1)."""
 
     def __init__(
-        self, request: Request, builder: convert.ResponseBuilder, events: GuardEvents, metrics: GatewayMetrics
+        self,
+        request: Request,
+        builder: convert.ChatBuilder | convert.CompletionBuilder,
+        greqs: list[cacheguard_pb2.GuardGenerateRequest],
+        guard: GuardClient,
+        metrics: GatewayMetrics,
     ) -> None:
         self.request = request
         self.builder = builder
-        self.events = events
+        self.greqs = greqs
+        self.guard = guard
+        self.streams: list[GuardEvents] = [guard.generate(greqs[0])]
         self.metrics = metrics
         self.route = route_label(request.url.path)
         self.started: float = request.state.started if hasattr(request.state, "started") else time.perf_counter()
         self.first_token_seen = False
 
-    async def next_event(self) -> cacheguard_pb2.GuardGenerateEvent:
+    async def _start_rest(self) -> list[cacheguard_pb2.GuardGenerateEvent]:
+        """Start the other choices' calls (after the first one's first event) and take their first events."""
+        self.streams += [self.guard.generate(g) for g in self.greqs[1:]]
+        return list(await asyncio.gather(*(self.next_event(k) for k in range(1, len(self.streams)))))
+
+    async def aclose(self) -> None:
+        for s in self.streams:
+            await s.aclose()
+
+    async def next_event(self, k: int = 0) -> cacheguard_pb2.GuardGenerateEvent:
         """The next event; a stream error event or a stream ending without `done` raises GatewayError."""
-        event = await anext(self.events, None)
+        event = await anext(self.streams[k], None)
         if event is None:
             logger.error("request %s: guard stream ended without done", self.builder.id)
             raise internal_error()
@@ -212,75 +231,121 @@ class _Generation:
             self.metrics.record_done(event.done)
         return event
 
+    async def _collect_one(self, k: int, event: cacheguard_pb2.GuardGenerateEvent) -> cacheguard_pb2.GuardDone:
+        while event.WhichOneof("event") != "done":
+            self.builder.choice_delta(k, event.chunk)
+            event = await self.next_event(k)
+        return event.done
+
     async def collect(self) -> JSONResponse:
-        """Non-streamed answer: the whole text, usage and kvmem in one response."""
-        texts: list[str] = []
-        async with aclosing(self.events):
-            while (event := await self.next_event()).WhichOneof("event") != "done":
-                texts.append(event.chunk.text)
-        headers = {"X-Request-Id": self.builder.id, "X-Session-Id": event.done.prefix.session_id}
-        return _json(self.builder.whole("".join(texts), event.done), headers)
+        """Non-streamed answer: every choice's text, usage and kvmem in one response."""
+        try:
+            first = await self.next_event(0)
+            firsts = [first, *(await self._start_rest())]
+            dones = await asyncio.gather(*(self._collect_one(k, e) for k, e in enumerate(firsts)))
+        finally:
+            await self.aclose()
+        headers = {"X-Request-Id": self.builder.id, "X-Session-Id": dones[0].prefix.session_id}
+        return _json(self.builder.whole_choices(list(dones)), headers)
 
     async def stream(self, include_usage: bool) -> StreamingResponse:
-        """Streamed answer. Waits for the first event so that errors found before generation
+        """Streamed answer. Waits for every choice's first event so that errors found before generation
         (context length, overload) still get their HTTP status; later errors become SSE error events."""
         try:
-            first = await self.next_event()
+            first = await self.next_event(0)
+            firsts = [first, *(await self._start_rest())]
         except BaseException:
-            await self.events.aclose()
+            await self.aclose()
             raise
         headers = {"X-Request-Id": self.builder.id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        body = self._sse_body(first, include_usage)
+        body = self._sse_body(firsts, include_usage)
         return _SSEResponse(body, media_type="text/event-stream", headers=headers)
 
-    async def _sse_body(self, event: cacheguard_pb2.GuardGenerateEvent, include_usage: bool) -> AsyncIterator[str]:
-        async with aclosing(self.events):
-            try:
-                opening = self.builder.opening()
+    async def _pump(self, k: int, event: cacheguard_pb2.GuardGenerateEvent, out: asyncio.Queue[Any]) -> None:
+        """Choice k's events into `out` as (k, event), ending with (k, done) or (k, the error raised)."""
+        try:
+            while True:
+                await out.put((k, event))
+                if event.WhichOneof("event") == "done":
+                    return
+                event = await self.next_event(k)
+        except Exception as exc:  # noqa: BLE001 - handed to the body, which reports it
+            await out.put((k, exc))
+
+    async def _sse_body(
+        self, firsts: list[cacheguard_pb2.GuardGenerateEvent], include_usage: bool
+    ) -> AsyncIterator[str]:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        pumps = [asyncio.ensure_future(self._pump(k, e, queue)) for k, e in enumerate(firsts)]
+        dones: dict[int, cacheguard_pb2.GuardDone] = {}
+        try:
+            for k in range(len(firsts)):
+                opening = self.builder.choice_opening(k)
                 if opening is not None:
                     yield _sse(opening)
-                while event.WhichOneof("event") == "chunk":
-                    if event.chunk.text:
-                        yield _sse(self.builder.delta(event.chunk.text))
-                    event = await self.next_event()
-                yield _sse(self.builder.closing(event.done))
-                if include_usage:
-                    yield _sse(self.builder.usage_chunk(event.done))
-            except GatewayError as err:
-                logger.warning("request %s: stream ends with error %s %s", self.builder.id, err.status, err.message)
-                self.metrics.stream_errors.labels(self.route, err.type).inc()
-                err.request_id = self.builder.id
-                yield _sse(err.body())
-            except Exception:
-                logger.exception("request %s: error while streaming", self.builder.id)
-                self.metrics.stream_errors.labels(self.route, "server_error").inc()
-                err = internal_error()
-                err.request_id = self.builder.id
-                yield _sse(err.body())
-            yield "data: [DONE]\n\n"
+            while len(dones) < len(firsts):
+                k, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.WhichOneof("event") == "chunk":
+                    for chunk in self.builder.choice_delta(k, item.chunk):
+                        yield _sse(chunk)
+                    continue
+                dones[k] = item.done
+                for chunk in self.builder.choice_closing(k, item.done):
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse(self.builder.usage_multi([dones[k] for k in range(len(firsts))]))
+        except GatewayError as err:
+            logger.warning("request %s: stream ends with error %s %s", self.builder.id, err.status, err.message)
+            self.metrics.stream_errors.labels(self.route, err.type).inc()
+            err.request_id = self.builder.id
+            yield _sse(err.body())
+        except Exception:
+            logger.exception("request %s: error while streaming", self.builder.id)
+            self.metrics.stream_errors.labels(self.route, "server_error").inc()
+            err = internal_error()
+            err.request_id = self.builder.id
+            yield _sse(err.body())
+        finally:
+            for p in pumps:
+                p.cancel()
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+        yield "data: [DONE]\n\n"
 
 
 async def _generate(
     request: Request,
-    greq: cacheguard_pb2.GuardGenerateRequest,
-    builder: convert.ResponseBuilder,
+    greqs: list[cacheguard_pb2.GuardGenerateRequest],
+    builder: convert.ChatBuilder | convert.CompletionBuilder,
     *,
     stream: bool,
     include_usage: bool,
     plan: PlanRequest,
 ) -> Response:
     guard = _guard(request)
-    greq.normalizations_off = _normalizations_off(request)
+    greq = greqs[0]
+    for g in greqs:
+        g.normalizations_off = _normalizations_off(request)
     # The segment planner picks the level: L1 goes on below as one call; L2/L2z/L3 are planned answers.
     planned = await _until_disconnect(request, planning.decide(guard, request.app.state.config, greq, plan))
     if planned is None:
         return Response(status_code=CLIENT_CLOSED)
     planner, decision = planned
     if decision.level is not Level.L1:
+        special = len(greqs) > 1 or builder.want_logprobs or greq.sampling.HasField("grammar")  # tools: the planner
+        if special:
+            raise invalid_request(
+                "This prompt is over the device pool and is answered by the segment planner, which gives one "
+                "free-text choice: n > 1, batched prompts, logprobs, tools and response_format need a prompt "
+                "that fits the pool.", None, "over_pool_unsupported",
+            )  # fmt: skip
         return await _planned(request, planner, decision, builder, greq, stream=stream, include_usage=include_usage)
-    greq.prefill_policy = convert.prefill_policy(decision.prefill_policy)
+    for g in greqs:
+        g.prefill_policy = convert.prefill_policy(decision.prefill_policy)
     builder.plan = decision.report
-    gen = _Generation(request, builder, guard.generate(greq), request.app.state.metrics)
+    gen = _Generation(request, builder, greqs, guard, request.app.state.metrics)
     logger.info("request %s: tenant=%r session=%r stream=%s", greq.request_id, greq.tenant, greq.session_id, stream)
     response = await _until_disconnect(request, gen.stream(include_usage) if stream else gen.collect())
     return response if response is not None else Response(status_code=CLIENT_CLOSED)
@@ -318,30 +383,61 @@ async def _planned(
 # ---------------------------------------------------------------- routes
 
 
+def _check_model(request: Request, asked: str, info: engine_pb2.GetModelInfoResponse | None) -> str:
+    """The served model's id; a request for another model is a 404 model_not_found (as OpenAI and vLLM answer),
+    unless the name is one of the configured aliases (GatewayConfig.model_aliases)."""
+    if info is None:
+        return asked  # Generate will report the outage itself
+    aliases = request.app.state.config.model_aliases
+    if asked != info.model_id and asked not in aliases and "*" not in aliases:
+        raise GatewayError(
+            404, "invalid_request_error", f"The model '{asked}' does not exist", "model", "model_not_found"
+        )
+    return info.model_id or asked
+
+
+async def _model_info(guard: GuardClient) -> engine_pb2.GetModelInfoResponse | None:
+    try:
+        return await guard.model_info()
+    except GatewayError:
+        return None
+
+
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     """POST /v1/chat/completions."""
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     edge.set_request_id(request, response_id)
+    info = await _model_info(_guard(request))
+    model = _check_model(request, body.model, info)
+    fmt = info.tool_call_format if info is not None else ""
     greq = convert.chat_request(
-        body, request_id=response_id, session_id=_session_id(request), tenant=request.state.tenant
+        body, request_id=response_id, session_id=_session_id(request), tenant=request.state.tenant, tool_format=fmt
     )
-    model = await _served_model(_guard(request), body.model)
     builder = convert.ChatBuilder(response_id, int(time.time()), model)
+    n = body.n or 1
+    builder.setup(n, n, bool(body.logprobs), convert.tool_mode(body, fmt), convert.request_tools(body), fmt)
     plan = convert.plan_request(body, request.app.state.config.planner)
-    return await _generate(request, greq, builder, stream=body.stream, include_usage=body.include_usage, plan=plan)
+    greqs = convert.choice_requests([greq], n)
+    return await _generate(request, greqs, builder, stream=body.stream, include_usage=body.include_usage, plan=plan)
 
 
 async def completions(request: Request, body: CompletionRequest) -> Response:
-    """POST /v1/completions."""
+    """POST /v1/completions: one prompt or a batch, n choices each (choice index = prompt * n + j)."""
     response_id = f"cmpl-{uuid.uuid4().hex}"
     edge.set_request_id(request, response_id)
-    greq = convert.completion_request(
-        body, request_id=response_id, session_id=_session_id(request), tenant=request.state.tenant
-    )
-    model = await _served_model(_guard(request), body.model)
+    model = _check_model(request, body.model, await _model_info(_guard(request)))
+    session, tenant = _session_id(request), request.state.tenant
+    prompts = [
+        convert.completion_request(body, request_id=f"{response_id}-p{i}" if len(body.prompts) > 1 else response_id,
+                                   session_id=session, tenant=tenant, prompt_index=i)
+        for i in range(len(body.prompts))
+    ]  # fmt: skip
+    n = body.n or 1
     builder = convert.CompletionBuilder(response_id, int(time.time()), model)
+    builder.setup(len(prompts) * n, n, body.logprobs is not None)
     plan = convert.plan_request(body, request.app.state.config.planner)
-    return await _generate(request, greq, builder, stream=body.stream, include_usage=body.include_usage, plan=plan)
+    greqs = convert.choice_requests(prompts, n)
+    return await _generate(request, greqs, builder, stream=body.stream, include_usage=body.include_usage, plan=plan)
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -406,6 +502,36 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 # ---------------------------------------------------------------- app
 
+_STATUS_TEXT = {
+    400: "invalid request (invalid_request_error; code context_length_exceeded, tools_not_supported, ...)",
+    401: "missing or wrong API key (invalid_api_key)",
+    404: "unknown model (model_not_found)",
+    413: "request body over the gateway's limit (request_too_large)",
+    422: "the model answered with a malformed tool call (malformed_tool_call)",
+    429: "overloaded",
+    499: "the client closed the connection (no body)",
+    500: "server error",
+    503: "the model backend is unavailable or starting",
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document without the 422 "Validation Error" it adds to every route with parameters: a request
+    that fails validation is a 400 here (the OpenAI error body); 422 is only the malformed tool call."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for path in schema["paths"].values():
+            for op in path.values():
+                if op.get("responses", {}).get("422", {}).get("description") == "Validation Error":
+                    del op["responses"]["422"]
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` of a route: each status it really returns, with the OpenAI error body."""
+    return {c: {"model": ErrorBody, "description": _STATUS_TEXT[c]} for c in codes}
+
 
 def create_app(config: GatewayConfig, guard_client: GuardClient | None = None) -> FastAPI:
     """The gateway app. Without `guard_client`, one is made for config.cacheguard_addr at start-up
@@ -428,7 +554,11 @@ def create_app(config: GatewayConfig, guard_client: GuardClient | None = None) -
                 app.state.guard = None
                 await owned.close()
 
-    app = FastAPI(title="KVMem gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="KVMem gateway",
+        summary="OpenAI-compatible chat and completions in front of the KVMem cache guard",
+        lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+    )  # fmt: skip
     app.state.config = config
     app.state.guard = guard_client
     app.state.metrics = GatewayMetrics()
@@ -444,10 +574,24 @@ def create_app(config: GatewayConfig, guard_client: GuardClient | None = None) -
     ]
     for exc_type, handler in handlers:
         app.add_exception_handler(exc_type, handler)
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/models", list_models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+    gen_errors = _responses(400, 401, 404, 413, 422, 429, 499, 500, 503)
+    sse = {"text/event-stream": {"schema": {"type": "string", "description": "SSE chunks when stream is true"}}}
+    app.add_api_route(
+        "/v1/chat/completions", chat_completions, methods=["POST"], response_model=ChatCompletion,
+        responses={200: {"content": sse}, **gen_errors},
+    )  # fmt: skip
+    app.add_api_route(
+        "/v1/completions", completions, methods=["POST"], response_model=Completion,
+        responses={200: {"content": sse}, **_responses(400, 401, 404, 413, 429, 499, 500, 503)},
+    )  # fmt: skip
+    app.add_api_route(
+        "/v1/models", list_models, methods=["GET"], response_model=ModelList, responses=_responses(401, 503)
+    )
+    app.add_api_route(
+        "/v1/models/{model_id:path}", get_model, methods=["GET"], response_model=ModelCard,
+        responses=_responses(401, 404, 503),
+    )  # fmt: skip
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_api_route("/health", edge.health, methods=["GET"])
     app.add_api_route("/ready", edge.ready, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])

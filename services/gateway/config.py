@@ -76,6 +76,8 @@ class GatewayConfig:
     health_timeout_s: float = 2.0  # deadline of the GetModelInfo call behind /health
     max_body_bytes: int = 32 << 20  # a request body over this is a 413 naming the limit
     internal_secret: str = field(default="", repr=False)  # sent on every gRPC call to the guard (auth.py)
+    # names a request's `model` may use besides the served model's id ("*": any); others get 404 model_not_found
+    model_aliases: tuple[str, ...] = ()
     # segment planner (DESIGN.md §5): what happens to a prompt over the device pool
     over_pool_policy: str = "shard"  # shard, sparse, exact, refuse; a request's kvmem.over_pool_policy wins
     planner_max_calls: int = 32  # model calls per request; a request's kvmem.max_calls wins
@@ -184,8 +186,14 @@ class GatewayConfig:
             type=int,
             default=_env_int("KVMEM_PLANNER_MAP_MAX_TOKENS", cls.planner_map_max_tokens),
         )
+        p.add_argument(
+            "--model-aliases",
+            default=env.get("KVMEM_MODEL_ALIASES", ""),
+            help="comma list of model names accepted besides the served id ('*': any name)",
+        )
         a = p.parse_args(argv)
         return cls(
+            model_aliases=tuple(n.strip() for n in a.model_aliases.split(",") if n.strip()),
             host=a.host,
             port=a.port,
             cacheguard_addr=a.cacheguard_addr,

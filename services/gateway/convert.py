@@ -11,8 +11,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from services.common.protos import cacheguard_pb2, engine_pb2
-from services.gateway import schemas
-from services.gateway.errors import invalid_request
+from services.gateway import schemas, tools
+from services.gateway.errors import GatewayError, invalid_request
 from services.gateway.planner.plan import Level, PlannedAnswer, PlannerSettings, PlanReport, PlanRequest, Progress
 from services.gateway.planner.task import Message
 
@@ -49,8 +49,47 @@ def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return parsed
 
 
+def request_tools(req: schemas.ChatCompletionRequest) -> list[tools.Tool]:
+    return [tools.Tool(t.function.name, t.function.parameters or {}) for t in req.tools or []]
+
+
+def tool_mode(req: schemas.ChatCompletionRequest, fmt: str) -> str:
+    """ "" (no tools, or tool_choice none: output is text), "auto" (parsed) or "forced" (constrained decoding);
+    a model whose template renders no tool calls cannot take tools: a 400, never tools silently dropped."""
+    if not req.tools or req.tool_choice == "none":
+        return ""
+    if fmt not in tools.FORMATS:
+        raise invalid_request(
+            "This model's chat template renders no tool calls (use a template that does, e.g. the cache guard's "
+            "--chat-template deploy/templates/smollm2-agent.jinja).",
+            "tools",
+            "tools_not_supported",
+        )
+    return "forced" if req.forces_tool_call else "auto"
+
+
+def grammar_of(req: schemas.ChatCompletionRequest, fmt: str) -> engine_pb2.Grammar | None:
+    """The engine grammar of response_format json_object / json_schema, or of a forced tool call."""
+    if req.forces_tool_call and tool_mode(req, fmt) == "forced":
+        chosen = request_tools(req)
+        if isinstance(req.tool_choice, schemas.ToolChoiceNamed):
+            chosen = [t for t in chosen if t.name == req.tool_choice.function.name]
+        g = tools.forced_grammar(chosen, fmt, req.parallel_tool_calls is not False and len(chosen) >= 1)
+        return engine_pb2.Grammar(
+            kind="json_schema", text=json.dumps(g.schema), prefix=g.prefix, suffix=g.suffix,
+            separator=g.separator, max_repeats=g.max_calls,
+        )  # fmt: skip
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return engine_pb2.Grammar(kind="json_object")
+    assert rf.json_schema is not None and rf.json_schema.schema_ is not None
+    return engine_pb2.Grammar(kind="json_schema", text=json.dumps(rf.json_schema.schema_))
+
+
 def sampling_params(
-    req: schemas.ChatCompletionRequest | schemas.CompletionRequest,
+    req: schemas.ChatCompletionRequest | schemas.CompletionRequest, tool_format: str = ""
 ) -> engine_pb2.SamplingParams:
     """Sampling fields of a request; unset optional fields stay unset (the engine's defaults apply)."""
     params = engine_pb2.SamplingParams(
@@ -60,7 +99,20 @@ def sampling_params(
         stop_token_ids=req.stop_token_ids or [],
         logit_bias=parse_logit_bias(req.logit_bias),
         ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
     )
+    if req.repetition_penalty is not None:
+        params.repetition_penalty = req.repetition_penalty
+    if isinstance(req, schemas.ChatCompletionRequest):
+        params.logprobs = bool(req.logprobs)
+        params.top_logprobs = req.top_logprobs or 0
+        grammar = grammar_of(req, tool_format)
+        if grammar is not None:
+            params.grammar.CopyFrom(grammar)
+    elif req.logprobs is not None:
+        params.logprobs = True
+        params.top_logprobs = req.logprobs
     if req.temperature is not None:
         params.temperature = req.temperature
     if req.top_p is not None:
@@ -99,7 +151,7 @@ def chat_input(req: schemas.ChatCompletionRequest) -> cacheguard_pb2.ChatInput:
 
 
 def chat_request(
-    req: schemas.ChatCompletionRequest, *, request_id: str, session_id: str, tenant: str
+    req: schemas.ChatCompletionRequest, *, request_id: str, session_id: str, tenant: str, tool_format: str = ""
 ) -> cacheguard_pb2.GuardGenerateRequest:
     """A chat completions request as a GuardGenerateRequest with ChatInput."""
     return cacheguard_pb2.GuardGenerateRequest(
@@ -107,21 +159,40 @@ def chat_request(
         session_id=session_id,
         tenant=tenant,
         chat=chat_input(req),
-        sampling=sampling_params(req),
+        sampling=sampling_params(req, tool_format),
     )
 
 
 def completion_request(
-    req: schemas.CompletionRequest, *, request_id: str, session_id: str, tenant: str
+    req: schemas.CompletionRequest, *, request_id: str, session_id: str, tenant: str, prompt_index: int = 0
 ) -> cacheguard_pb2.GuardGenerateRequest:
-    """A completions request: a prompt string -> prompt_text, a token list -> prompt_tokens."""
+    """A completions request (its `prompt_index`-th prompt): a string -> prompt_text, a token list -> prompt_tokens."""
     out = cacheguard_pb2.GuardGenerateRequest(
         request_id=request_id, session_id=session_id, tenant=tenant, sampling=sampling_params(req)
     )
-    if isinstance(req.prompt, str):
-        out.prompt_text = req.prompt
+    prompt = req.prompts[prompt_index]
+    if isinstance(prompt, str):
+        out.prompt_text = prompt
     else:
-        out.prompt_tokens.token_ids.extend(req.prompt)
+        out.prompt_tokens.token_ids.extend(prompt)
+    return out
+
+
+def choice_requests(
+    greqs: list[cacheguard_pb2.GuardGenerateRequest], n: int
+) -> list[cacheguard_pb2.GuardGenerateRequest]:
+    """n copies of each prompt's request, choice index prompt * n + j; a seeded request's copies get seeds
+    seed + j (the same seed would give n equal samples)."""
+    out = []
+    for greq in greqs:
+        for j in range(n):
+            copy = cacheguard_pb2.GuardGenerateRequest()
+            copy.CopyFrom(greq)
+            if n > 1:
+                copy.request_id = f"{greq.request_id}-{j}"
+                if copy.sampling.HasField("seed"):
+                    copy.sampling.seed = (copy.sampling.seed + j) & UINT64_MASK
+            out.append(copy)
     return out
 
 
@@ -145,9 +216,10 @@ def plan_request(
         )
         messages = tuple(Message(m.role if m.role != "developer" else "system", m.content or "") for m in req.messages)
         return PlanRequest(messages=messages, **common)
-    if isinstance(req.prompt, str):
-        return PlanRequest(prompt_text=req.prompt, **common)
-    return PlanRequest(num_prompt_token_ids=len(req.prompt), **common)
+    prompt = req.prompts[0]
+    if isinstance(prompt, str):
+        return PlanRequest(prompt_text=prompt, **common)
+    return PlanRequest(num_prompt_token_ids=len(prompt), **common)
 
 
 def count_request(greq: cacheguard_pb2.GuardGenerateRequest) -> cacheguard_pb2.CountTokensRequest:
@@ -270,6 +342,246 @@ def model_card(info: engine_pb2.GetModelInfoResponse) -> schemas.ModelCard:
     )
 
 
+# ---------------------------------------------------------------- choices (n, batched prompts, tools, logprobs)
+
+
+class ToolCallError(GatewayError):
+    """The answer was a broken tool-call shell (tools.MalformedToolCall): a 422 whose body also names the function
+    the model meant and shows a correct call of it (under `kvmem`), never the shell as text or as a call."""
+
+    def __init__(self, exc: tools.MalformedToolCall) -> None:
+        message = f"The model answered with a malformed tool call: {exc.reason}."
+        if exc.example:
+            message += f" A correct call looks like: {exc.example}"
+        super().__init__(422, "invalid_response_error", message, "tools", "malformed_tool_call")
+        self.function = exc.function
+        self.example = exc.example
+        self.reason = exc.reason
+        self.raw = exc.raw
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"]["kvmem"] = {
+            "function": self.function, "reason": self.reason, "example": self.example, "output": self.raw,
+        }  # fmt: skip
+        return body
+
+
+def _bytes(b: bytes) -> list[int]:
+    return list(b)
+
+
+def chat_logprobs(items: list[engine_pb2.TokenLogprob]) -> schemas.ChoiceLogprobs:
+    return schemas.ChoiceLogprobs(
+        content=[
+            schemas.TokenLogprob(
+                token=i.token, logprob=i.logprob, bytes=_bytes(i.token_bytes),
+                top_logprobs=[schemas.TopLogprob(token=t.token, logprob=t.logprob, bytes=_bytes(t.token_bytes))
+                              for t in i.top],
+            )
+            for i in items
+        ]
+    )  # fmt: skip
+
+
+def completion_logprobs(items: list[engine_pb2.TokenLogprob], offset: int = 0) -> schemas.CompletionLogprobs:
+    offsets, at = [], offset
+    for i in items:
+        offsets.append(at)
+        at += len(i.token)
+    return schemas.CompletionLogprobs(
+        tokens=[i.token for i in items],
+        token_logprobs=[i.logprob for i in items],
+        top_logprobs=[{t.token: t.logprob for t in i.top} for i in items],
+        text_offset=offsets,
+    )
+
+
+@dataclasses.dataclass
+class ChoiceState:
+    """One choice being built: its text, logprobs and (tools) its stream parser."""
+
+    parts: list[str] = dataclasses.field(default_factory=list)
+    logprobs: list[engine_pb2.TokenLogprob] = dataclasses.field(default_factory=list)
+    parser: tools.StreamParser | None = None
+    sent_chars: int = 0  # completions: text offset of the next token
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _sum_usage(dones: list[cacheguard_pb2.GuardDone], n: int) -> schemas.Usage:
+    """Prompts counted once (the first choice of each prompt), completions over all choices."""
+    firsts = [d.engine_done.usage for k, d in enumerate(dones) if k % n == 0]
+    prompt = sum(u.prompt_tokens for u in firsts)
+    completion = sum(d.engine_done.usage.completion_tokens for d in dones)
+    return schemas.Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=sum(u.cached_tokens for u in firsts)),
+    )  # fmt: skip
+
+
+class MultiChoice:
+    """The per-choice side of a builder (mixed into ChatBuilder and CompletionBuilder)."""
+
+    n = 1  # choices per prompt
+    want_logprobs = False
+    tool_mode = ""  # "", "auto", "forced" (convert.tool_mode)
+    tools: list[tools.Tool] = []
+    tool_format = ""
+    choices: list[ChoiceState]
+
+    def setup(self, num_choices: int, n: int, want_logprobs: bool, tool_mode: str = "",
+              tool_list: list[tools.Tool] | None = None, tool_format: str = "") -> None:  # fmt: skip
+        self.n, self.want_logprobs = n, want_logprobs
+        self.tool_mode, self.tools, self.tool_format = tool_mode, tool_list or [], tool_format
+        self.choices = [
+            ChoiceState(parser=tools.StreamParser(self.tools, tool_format) if tool_mode else None)
+            for _ in range(num_choices)
+        ]
+
+
+class ChatChoices(MultiChoice):
+    """chat.completion(.chunk) objects of several choices, with tool calls and logprobs."""
+
+    id: str
+    created: int
+    model: str
+    plan: PlanReport | None
+
+    def _choice_chunk(self, k: int, delta: schemas.Delta, reason: str | None = None,
+                      kvmem: schemas.KvmemInfo | None = None,
+                      logprobs: schemas.ChoiceLogprobs | None = None) -> BaseModel:  # fmt: skip
+        choice = schemas.ChunkChoice(index=k, delta=delta, finish_reason=reason, logprobs=logprobs)
+        return schemas.ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[choice], kvmem=kvmem
+        )
+
+    def choice_opening(self, k: int) -> BaseModel:
+        return self._choice_chunk(k, schemas.Delta(role="assistant", content=""))
+
+    def _events(self, k: int, events: list[tools.StreamEvent]) -> list[schemas.Delta]:
+        deltas = []
+        for ev in events:
+            if ev.index < 0:
+                if ev.content:
+                    deltas.append(schemas.Delta(content=ev.content))
+                continue
+            fn = schemas.FunctionDelta(name=ev.name, arguments="") if ev.name else schemas.FunctionDelta(
+                arguments=ev.arguments)  # fmt: skip
+            deltas.append(schemas.Delta(tool_calls=[schemas.ToolCallDelta(
+                index=ev.index, id=ev.id or None, type="function" if ev.id else None, function=fn)]))  # fmt: skip
+        return deltas
+
+    def choice_delta(self, k: int, chunk: engine_pb2.TokenChunk) -> list[BaseModel]:
+        state = self.choices[k]
+        state.parts.append(chunk.text)
+        lp = list(chunk.logprobs) if self.want_logprobs else []
+        state.logprobs.extend(lp)
+        if state.parser is not None:
+            deltas = self._events(k, state.parser.feed(chunk.text))
+        else:
+            deltas = [schemas.Delta(content=chunk.text)] if chunk.text else []
+        if lp and not deltas:
+            deltas = [schemas.Delta()]
+        out = []
+        for i, d in enumerate(deltas):
+            out.append(self._choice_chunk(k, d, logprobs=chat_logprobs(lp) if lp and i == 0 else None))
+        return out
+
+    def choice_closing(self, k: int, done: cacheguard_pb2.GuardDone) -> list[BaseModel]:
+        """The last chunks of choice k; raises ToolCallError for a malformed tool-call shell."""
+        state = self.choices[k]
+        reason = finish_reason(done.engine_done.finish_reason)
+        out: list[BaseModel] = []
+        if state.parser is not None:
+            try:
+                parsed, events = state.parser.finish(truncated=reason == "length")
+            except tools.MalformedToolCall as exc:
+                raise ToolCallError(exc) from None
+            out = [self._choice_chunk(k, d) for d in self._events(k, events)]
+            if parsed.calls:
+                reason = "tool_calls"
+        out.append(self._choice_chunk(k, schemas.Delta(), reason, kvmem=kvmem_info(done, self.plan)))
+        return out
+
+    def usage_multi(self, dones: list[cacheguard_pb2.GuardDone]) -> BaseModel:
+        return schemas.ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[], usage=_sum_usage(dones, self.n)
+        )
+
+    def whole_choices(self, dones: list[cacheguard_pb2.GuardDone]) -> BaseModel:
+        """The non-streamed chat.completion of every choice; raises ToolCallError for a malformed shell."""
+        choices = []
+        for k, (state, done) in enumerate(zip(self.choices, dones, strict=True)):
+            reason = finish_reason(done.engine_done.finish_reason)
+            message = schemas.AssistantMessage(content=state.text)
+            if self.tool_mode:
+                try:
+                    parsed = tools.parse(state.text, self.tools, self.tool_format, truncated=reason == "length")
+                except tools.MalformedToolCall as exc:
+                    raise ToolCallError(exc) from None
+                if parsed.calls:
+                    reason = "tool_calls"
+                    message = schemas.AssistantMessage(content=parsed.content, tool_calls=[
+                        schemas.ToolCallOut(
+                            id=c.id, function=schemas.FunctionCallOut(name=c.name, arguments=c.arguments))
+                        for c in parsed.calls])  # fmt: skip
+            logprobs = chat_logprobs(state.logprobs) if self.want_logprobs else None
+            choices.append(schemas.ChatChoice(index=k, message=message, finish_reason=reason, logprobs=logprobs))
+        return schemas.ChatCompletion(
+            id=self.id, created=self.created, model=self.model, choices=choices,
+            usage=_sum_usage(dones, self.n), kvmem=kvmem_info(dones[0], self.plan),
+        )  # fmt: skip
+
+
+class CompletionChoices(MultiChoice):
+    """text_completion objects of several choices (n per prompt, batched prompts), with logprobs."""
+
+    id: str
+    created: int
+    model: str
+    plan: PlanReport | None
+
+    def _completion_of(self, choices: list[schemas.CompletionChoice], usage: schemas.Usage | None = None,
+                       kvmem: schemas.KvmemInfo | None = None) -> BaseModel:  # fmt: skip
+        return schemas.Completion(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage, kvmem=kvmem
+        )
+
+    def choice_opening(self, k: int) -> BaseModel | None:
+        return None
+
+    def choice_delta(self, k: int, chunk: engine_pb2.TokenChunk) -> list[BaseModel]:
+        state = self.choices[k]
+        state.parts.append(chunk.text)
+        lp = list(chunk.logprobs) if self.want_logprobs else []
+        state.logprobs.extend(lp)
+        if not chunk.text and not lp:
+            return []
+        logprobs = completion_logprobs(lp, state.sent_chars) if lp else None
+        state.sent_chars += sum(len(i.token) for i in lp)
+        return [self._completion_of([schemas.CompletionChoice(index=k, text=chunk.text, logprobs=logprobs)])]
+
+    def choice_closing(self, k: int, done: cacheguard_pb2.GuardDone) -> list[BaseModel]:
+        choice = schemas.CompletionChoice(index=k, text="", finish_reason=finish_reason(done.engine_done.finish_reason))
+        return [self._completion_of([choice], kvmem=kvmem_info(done, self.plan))]
+
+    def usage_multi(self, dones: list[cacheguard_pb2.GuardDone]) -> BaseModel:
+        return self._completion_of([], usage=_sum_usage(dones, self.n))
+
+    def whole_choices(self, dones: list[cacheguard_pb2.GuardDone]) -> BaseModel:
+        choices = [
+            schemas.CompletionChoice(
+                index=k, text=state.text, finish_reason=finish_reason(done.engine_done.finish_reason),
+                logprobs=completion_logprobs(state.logprobs) if self.want_logprobs else None,
+            )
+            for k, (state, done) in enumerate(zip(self.choices, dones, strict=True))
+        ]  # fmt: skip
+        return self._completion_of(choices, usage=_sum_usage(dones, self.n), kvmem=kvmem_info(dones[0], self.plan))
+
+
 class ResponseBuilder:
     """Builds the response objects of one request; ChatBuilder and CompletionBuilder fill in the shapes."""
 
@@ -313,7 +625,7 @@ class ResponseBuilder:
         raise NotImplementedError
 
 
-class ChatBuilder(ResponseBuilder):
+class ChatBuilder(ChatChoices, ResponseBuilder):
     """chat.completion and chat.completion.chunk objects."""
 
     chunk_object = "chat.completion.chunk"
@@ -360,7 +672,7 @@ class ChatBuilder(ResponseBuilder):
         )
 
 
-class CompletionBuilder(ResponseBuilder):
+class CompletionBuilder(CompletionChoices, ResponseBuilder):
     """text_completion objects (streamed chunks have the same shape)."""
 
     chunk_object = "text_completion"

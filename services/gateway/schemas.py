@@ -11,7 +11,7 @@ import logging
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +116,31 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(default="response", max_length=64)
+    description: str = ""
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type 'json_schema' needs json_schema.schema")
+        return self
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class ToolChoiceNamed(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class KvmemOptions(_Request):
@@ -136,7 +159,7 @@ class _SamplingRequest(_Request):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # extension; -1 and 0: off
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=16)
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
@@ -145,32 +168,11 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: bool | int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)  # extension (vLLM's)
     ignore_eos: bool = False  # extension
     kvmem: KvmemOptions | None = None  # extension
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"n={value} is not supported; only n=1")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _zero_penalty(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError(f"a non-zero penalty ({value}) is not supported; only 0")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
 
     @field_validator("stop")
     @classmethod
@@ -213,14 +215,48 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, value: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [t.function.name for t in value or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools hold two functions of the same name")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if value not in (None, "none", "auto") and not tools:  # "auto" without tools: nothing to call
+            raise ValueError("tool_choice needs tools")
+        if isinstance(value, ToolChoiceNamed) and value.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"tool_choice names function {value.function.name!r}, which is not in tools")
+        return value
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, value: ResponseFormat | None) -> ResponseFormat | None:
-        if value is not None and value.type != "text":
-            raise ValueError(f"response_format type {value.type!r} is not supported; only 'text'")
+    def _not_with_forced_call(cls, value: ResponseFormat | None, info: ValidationInfo) -> ResponseFormat | None:
+        choice = info.data.get("tool_choice")
+        if value is not None and value.type != "text" and (choice == "required" or isinstance(choice, ToolChoiceNamed)):
+            raise ValueError("response_format and a forced tool call (tool_choice required/named) exclude each other")
         return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, ToolChoiceNamed)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -228,8 +264,12 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
+MAX_PROMPTS = 32  # prompts in one batched /v1/completions request
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]  # a list of one string / one token list is unwrapped here
+    prompt: str | list[int] | list[str] | list[list[int]]  # a list of one string / one token list is unwrapped here
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # top alternatives per token (OpenAI's completions form)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -238,21 +278,36 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
         if isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
-            if len(value) != 1:
-                raise ValueError(f"a batch of {len(value)} prompts is not supported; send one prompt")
-            return value[0]
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"a batch of {len(value)} prompts; at most {MAX_PROMPTS}")
+            if any(isinstance(v, list) and not v for v in value) or any(v == "" for v in value):
+                raise ValueError("prompt must not hold an empty prompt")
+            return value[0] if len(value) == 1 else value
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
         return value
 
     @field_validator("prompt")
     @classmethod
-    def _token_ids(cls, value: str | list[int]) -> str | list[int]:
+    def _token_ids(cls, value: Any) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and any(not 0 <= t <= INT32_MAX for t in value):
+        lists = [v for v in value if isinstance(v, list)] if isinstance(value, list) and value else []
+        if lists:
+            ids = [t for v in lists for t in v]
+        else:
+            ids = [t for t in value if isinstance(t, int)] if isinstance(value, list) else []
+        if any(not 0 <= t <= INT32_MAX for t in ids):
             raise ValueError("prompt token ids must be >= 0")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (one, or a batch)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
     @field_validator("echo")
     @classmethod
@@ -366,16 +421,60 @@ class KvmemInfo(_Response):
     moved_from: str = ""  # the engine replica the session left (routing "moved")
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Response):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
 
 
 class ChatChoice(_Response):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(_Response):
@@ -388,20 +487,35 @@ class ChatCompletion(_Response):
     kvmem: KvmemInfo
 
 
-class Delta(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
+class _DropNone(_Response):
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionDelta(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_DropNone):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
+class Delta(_DropNone):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(_Response):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(_OptionalExtras):
@@ -418,7 +532,7 @@ class CompletionChoice(_Response):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(_OptionalExtras):

@@ -36,7 +36,7 @@ from services.gateway.guard_client import GuardClient
 
 PIECES = ["Hello", ", ", "world", "!"]
 ANSWER = "".join(PIECES)
-MODEL_ID = "fake-smollm2"
+MODEL_ID = "m"  # the served id: requests name it (another name is a 404 model_not_found)
 
 
 def _chunk(text: str, token_id: int) -> cacheguard_pb2.GuardGenerateEvent:
@@ -172,7 +172,7 @@ KEYS = "alice:sk-alice,sk-anon"
 
 
 def chat_body(content: str, **fields: Any) -> dict[str, Any]:
-    return {"model": "any-name", "messages": [{"role": "user", "content": content}], **fields}
+    return {"model": "m", "messages": [{"role": "user", "content": content}], **fields}
 
 
 def sse_payloads(text: str) -> list[Any]:

@@ -242,14 +242,16 @@ JSON = {"Content-Type": "application/json"}  # bodies sent as json.dumps writes 
     ("body", "param", "message_part"),
     [
         ({"model": "m"}, "messages", "Missing required parameter: 'messages'"),
-        (chat_body("hi", n=2), "n", "n=2 is not supported"),
+        (chat_body("hi", n=17), "n", "less than or equal to 16"),
         (chat_body("hi", temperature="0.5"), "temperature", "valid number"),
         (chat_body("hi", stream="yes"), "stream", "valid boolean"),
         ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "valid string"),
         (chat_body("hi", logit_bias={"1": 101}), "logit_bias", "outside [-100, 100]"),
         (chat_body("hi", logit_bias={"abc": 1}), "logit_bias", "not a token id"),
-        (chat_body("hi", presence_penalty=0.5), "presence_penalty", "not supported"),
-        (chat_body("hi", response_format={"type": "json_object"}), "response_format", "not supported"),
+        (chat_body("hi", presence_penalty=2.5), "presence_penalty", "less than or equal to 2"),
+        (chat_body("hi", response_format={"type": "json_schema"}), "response_format", "needs json_schema.schema"),
+        (chat_body("hi", tool_choice="required"), "tool_choice", "needs tools"),
+        (chat_body("hi", logprobs=False, top_logprobs=2), "top_logprobs", "needs logprobs"),
         ({"model": "m", "messages": []}, "messages", "at least 1 item"),
         # a lone surrogate escape is valid JSON but not Unicode text (it was a 500 building the guard call)
         ({"model": "m", "messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content", "surrogate"),
@@ -271,7 +273,7 @@ async def test_bad_chat_input_is_400(
 
 async def test_bad_completions_input_is_400(client: httpx.AsyncClient) -> None:
     for body, param in [
-        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": ["a", ""]}, "prompt"),
         ({"model": "m", "prompt": "a", "echo": True}, "echo"),
         ({"model": "m", "prompt": [-1]}, "prompt"),
         ({"model": "m", "prompt": "\ud800"}, "prompt"),

@@ -59,7 +59,7 @@ async def test_health_down_and_requests_503(free_tcp_port: int) -> None:
 async def test_metrics_text(client: httpx.AsyncClient) -> None:
     await client.post("/v1/chat/completions", json=chat_body("hi"))
     await client.post("/v1/chat/completions", json=chat_body("hi", stream=True))
-    await client.post("/v1/chat/completions", json=chat_body("hi", n=3))
+    await client.post("/v1/chat/completions", json=chat_body("hi", n=17))
     await client.post("/v1/chat/completions", json=chat_body("midstream-error", stream=True))
     text = (await client.get("/metrics")).text
     lines = set(text.splitlines())

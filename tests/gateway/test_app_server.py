@@ -49,7 +49,7 @@ def test_openai_sdk(server_url: str, fake: FakeGuard) -> None:
     assert completion.choices[0].text == ANSWER
 
     with pytest.raises(openai.BadRequestError) as bad:
-        sdk.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], n=2)
+        sdk.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], n=17)
     assert bad.value.code is None and bad.value.param == "n"
     with pytest.raises(openai.BadRequestError) as too_long:
         sdk.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "status:OUT_OF_RANGE"}])
@@ -69,7 +69,7 @@ def test_openai_sdk(server_url: str, fake: FakeGuard) -> None:
 
 def test_curl_style_request(server_url: str) -> None:
     """A plain HTTP client, as curl would send it (raw JSON bytes, bearer header)."""
-    body = b'{"model": "x", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
     headers = {"Authorization": "Bearer sk-alice", "Content-Type": "application/json"}
     with httpx.Client(base_url=server_url) as http:
         r = http.post("/v1/chat/completions", content=body, headers=headers)

@@ -86,7 +86,9 @@ class ToyGuard(cacheguard_pb2_grpc.CacheGuardServicer):
     async def GetModelInfo(  # noqa: N802
         self, request: engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.GetModelInfoResponse:
-        return engine_pb2.GetModelInfoResponse(model_id="toy", max_context=4 * POOL, kv_capacity=POOL, page_size=64)
+        return engine_pb2.GetModelInfoResponse(
+            model_id="toy", max_context=4 * POOL, kv_capacity=POOL, page_size=64, tool_call_format="hermes"
+        )
 
 
 @pytest.fixture(scope="module")

@@ -69,8 +69,16 @@ def test_text_parts_are_joined() -> None:
     [
         ({"messages": USER}, "model", "Missing required parameter: 'model'."),
         ({"model": "m"}, "messages", "Missing required parameter: 'messages'."),
-        ({"model": "m", "messages": USER, "n": 2}, "n", "Invalid value for 'n': n=2 is not supported; only n=1"),
-        ({"model": "m", "messages": USER, "n": 0}, "n", "Invalid value for 'n': n=0 is not supported; only n=1"),
+        (
+            {"model": "m", "messages": USER, "n": 17},
+            "n",
+            "Invalid value for 'n': Input should be less than or equal to 16",
+        ),
+        (
+            {"model": "m", "messages": USER, "n": 0},
+            "n",
+            "Invalid value for 'n': Input should be greater than or equal to 1",
+        ),
         ({"model": 3, "messages": USER}, "model", "Invalid value for 'model': Input should be a valid string"),
         (
             {"model": "m", "messages": USER, "max_tokens": "10"},
@@ -119,19 +127,19 @@ def test_text_parts_are_joined() -> None:
             "Invalid value for 'logit_bias.5': Input should be a valid number",
         ),
         (
-            {"model": "m", "messages": USER, "frequency_penalty": -1},
+            {"model": "m", "messages": USER, "frequency_penalty": -2.5},
             "frequency_penalty",
-            "Invalid value for 'frequency_penalty': a non-zero penalty (-1.0) is not supported; only 0",
+            "Invalid value for 'frequency_penalty': Input should be greater than or equal to -2",
         ),
         (
-            {"model": "m", "messages": USER, "logprobs": True},
-            "logprobs",
-            "Invalid value for 'logprobs': logprobs are not supported",
+            {"model": "m", "messages": USER, "top_logprobs": 3},
+            "top_logprobs",
+            "Invalid value for 'top_logprobs': top_logprobs needs logprobs: true",
         ),
         (
             {"model": "m", "messages": USER, "response_format": {"type": "json_schema"}},
             "response_format",
-            "Invalid value for 'response_format': response_format type 'json_schema' is not supported; only 'text'",
+            "Invalid value for 'response_format': type 'json_schema' needs json_schema.schema",
         ),
         (
             {"model": "m", "messages": USER, "stream_options": {"include_usage": "yes"}},
@@ -148,9 +156,10 @@ def test_chat_400s_name_the_field(body: dict[str, Any], param: str, message: str
 @pytest.mark.parametrize(
     ("prompt", "message"),
     [
-        (["a", "b"], "a batch of 2 prompts is not supported; send one prompt"),
+        (["a"] * 33, "a batch of 33 prompts; at most 32"),
+        (["a", ""], "prompt must not hold an empty prompt"),
         ([], "prompt must not be empty"),
-        ([[]], "prompt must not be empty"),
+        ([[]], "prompt must not hold an empty prompt"),
         ([3, -4], "prompt token ids must be >= 0"),
         ([2**31], "prompt token ids must be >= 0"),
         (None, "Input should be a valid string"),
@@ -168,10 +177,10 @@ def test_bad_prompts(prompt: Any, message: str) -> None:
         ("echo", True, "echo=true is not supported"),
         ("suffix", "x", "suffix is not supported"),
         ("best_of", 2, "best_of=2 is not supported; only 1"),
-        ("n", 4, "n=4 is not supported; only n=1"),
+        ("n", 17, "Input should be less than or equal to 16"),
     ],
 )
-def test_completion_unsupported_fields(field: str, value: Any, message: str) -> None:
+def test_completion_refused_fields(field: str, value: Any, message: str) -> None:
     err = _error(CompletionRequest, {"model": "m", "prompt": "p", field: value})
     assert (err.param, err.message) == (field, f"Invalid value for '{field}': {message}")
 
