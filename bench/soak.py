@@ -28,6 +28,8 @@ import psutil
 
 from deploy.launcher import LaunchConfig, Stack
 
+MODEL = "SmolLM2-135M-Instruct"  # the embedded model's id: the gateway answers 404 model_not_found to others
+
 logger = logging.getLogger("bench.soak")
 MIB = 1 << 20
 
@@ -43,7 +45,7 @@ class Tally:
 
 async def one_stream(http: httpx.AsyncClient, messages: list[dict[str, str]], session: str, max_tokens: int,
                      tally: Tally) -> str | None:  # fmt: skip
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     started = time.monotonic()
     text: list[str] = []
     first = None

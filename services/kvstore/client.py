@@ -98,12 +98,15 @@ def missing_error(page_hashes: Sequence[bytes], where: str) -> PageNotFoundError
 class KVStoreClient:
     """Client of one kvstore replica. Thread-safe."""
 
-    def __init__(self, address: str, shared_memory: bool | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, address: str, shared_memory: bool | None = None, timeout_s: float = 10.0, secret: str | None = None
+    ) -> None:
+        """`secret`: the internal secret its calls carry (None: this process's, auth.client_secret())."""
         self.address = address
         self.timeout_s = timeout_s
         self._force_shared = shared_memory
         self._channel = auth.channel(
-            address, [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+            address, [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)], secret=secret
         )
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self._lock = threading.Lock()

@@ -15,6 +15,8 @@ from deploy.launcher import LaunchConfig, Stack
 from services.cacheguard.affinity import session_digest
 from tests.conftest import free_port
 
+MODEL = "SmolLM2-135M-Instruct"  # the embedded model's id: the gateway answers 404 model_not_found to others
+
 PAGE_SIZE = 64
 QUESTIONS = [("What is the capital of France?", "Paris"), ("What is the capital of Italy?", "Rome")]
 NUM_SESSIONS = 4
@@ -44,7 +46,7 @@ def system_prompt(session: int) -> str:
 
 
 def ask(http: httpx.Client, session_id: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    body = {"model": "m", "messages": messages, "temperature": 0, "max_tokens": 12}
+    body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 12}
     r = http.post("/v1/chat/completions", json=body, headers={"X-Session-Id": session_id})
     r.raise_for_status()
     return dict(r.json())

@@ -12,7 +12,6 @@ import json
 import os
 from collections.abc import Iterator
 
-import grpc
 import httpx
 import jsonschema
 import openai
@@ -20,6 +19,7 @@ import pytest
 
 from bench.guard_replay import AGENT_TEMPLATE
 from deploy.launcher import LaunchConfig, Stack
+from services.common import auth
 from services.common.protos import engine_pb2 as pb
 from services.common.protos import engine_pb2_grpc as pb_grpc
 from tests.conftest import free_port
@@ -197,7 +197,7 @@ def test_logprobs_chat_and_completions(client: openai.OpenAI) -> None:
 
 def test_n_choices_share_the_prompt_pages(client: openai.OpenAI, stack: Stack) -> None:
     long_q = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper. " * 12}]
-    with grpc.insecure_channel(f"127.0.0.1:{stack.ports['engine']}") as channel:
+    with auth.channel(f"127.0.0.1:{stack.ports['engine']}", secret=stack.secret) as channel:
         engine = pb_grpc.EngineStub(channel)
         before = engine.GetStats(pb.GetStatsRequest()).cached_tokens_total
         r = client.chat.completions.create(model=MODEL, messages=long_q, n=3, temperature=0.9, seed=11, max_tokens=8)

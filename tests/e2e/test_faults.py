@@ -32,6 +32,8 @@ from services.common.protos import cacheguard_pb2_grpc, engine_pb2, engine_pb2_g
 from services.kvstore.arena import remove_if_stale
 from tests.conftest import free_port
 
+MODEL = "SmolLM2-135M-Instruct"  # the embedded model's id: the gateway answers 404 model_not_found to others
+
 NUM_STREAMS = 3
 RECOVER_S = 30.0  # a new request succeeds within this after the kill
 REPLACE_S = 60.0  # the dead process is replaced (a new pid that said ready) within this
@@ -55,7 +57,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def chat(stack: Stack, text: str, *, stream: bool, max_tokens: int, session: str = "") -> dict[str, Any]:
-    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "temperature": 0, "stream": stream, "ignore_eos": True}  # fmt: skip
     return {"json": body, "headers": {"X-Session-Id": session} if session else {}}
 
@@ -127,7 +129,7 @@ def recover(stack: Stack, killed_at: float) -> float:
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=20)
     while True:
         try:
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hi."}], max_tokens=4)
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4)
             return time.monotonic() - killed_at
         except (openai.APIError, httpx.HTTPError):
             if time.monotonic() - killed_at > RECOVER_S:
@@ -269,7 +271,7 @@ def test_stop_list_over_the_limit_is_a_400(stack: Stack) -> None:
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=30)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stop=["x" * 1024] * 17
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stop=["x" * 1024] * 17
         )
     assert "at most 16 stop strings, got 17" in info.value.message
     assert info.value.response.headers.get("retry-after") is None

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import httpx
 import openai
 import pytest
 import torch
 
 from deploy.launcher import Stack
+from services.common import auth
 from services.common.model_files import resolve_model_path
 from services.common.pagehash import chain_hashes
 from services.common.protos import engine_pb2 as pb
@@ -72,7 +72,7 @@ def test_greedy_decode_in_bursts_is_the_reference_up_to_its_stop(client: openai.
     ref = reference_greedy(model, prompt, 24)
     eos = next(i for i, t in enumerate(ref) if t in tokenizer.info.eos_token_ids)
     assert eos % 4 == 0  # token 1 comes from the prefill, token k + 1 from the burst step at offset k - 1
-    with grpc.insecure_channel(f"127.0.0.1:{stack.ports['engine']}") as channel:
+    with auth.channel(f"127.0.0.1:{stack.ports['engine']}", secret=stack.secret) as channel:
         engine = pb_grpc.EngineStub(channel)
         before = engine.GetStats(pb.GetStatsRequest()).overlapped_steps_total
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
@@ -184,7 +184,7 @@ def test_engine_pages_are_in_the_kvstore_by_hash(stack: Stack, client: openai.Op
     prompt = list(range(1000, 1000 + 200))  # 3 full pages of 64 + a partial one
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
     hashes = chain_hashes(prompt, 64, MODEL, "fp32", namespace="e2e")
-    with KVStoreClient(f"127.0.0.1:{stack.ports['kvstore0']}") as store:
+    with KVStoreClient(f"127.0.0.1:{stack.ports['kvstore0']}", secret=stack.secret) as store:
         deadline = time.monotonic() + 20  # write-through runs behind the answer
         while not all(loc.found for loc in store.lookup(hashes)) and time.monotonic() < deadline:
             time.sleep(0.2)
