@@ -188,10 +188,12 @@ class Attention(nn.Module):
         kernels = fused_kernels(qkv)
         if kernels is not None:  # one launch: the q/k norm (when the model has one) and RoPE
             sink = attn.kv_sink(self.layer_idx)  # the K/V rows written in that launch too
-            normed = self.q_norm is not None and self.k_norm is not None
+            q_norm, k_norm = self.q_norm, self.k_norm
+            normed = q_norm is not None and k_norm is not None
             qk = kernels.qk_norm_rope(
-                qkv, self.q_norm.weight if normed else None, self.k_norm.weight if normed else None,
-                rope.cos, rope.sin, self.q_norm.eps if normed else 0.0,
+                qkv, q_norm.weight if q_norm is not None and normed else None,
+                k_norm.weight if k_norm is not None and normed else None,
+                rope.cos, rope.sin, q_norm.eps if q_norm is not None and normed else 0.0,
                 self.num_heads, self.num_kv_heads, gemma=False, kv_sink=sink, positions=rope.positions,
             )  # fmt: skip
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

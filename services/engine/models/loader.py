@@ -90,7 +90,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Mo
 
 def _build(config: ModelConfig, source: TensorSource, device: torch.device, dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
-        classes = {"gemma3": Gemma3ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM}
+        classes: dict[str, type[CausalLM]] = {"gemma3": Gemma3ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM}
         model: CausalLM = classes.get(config.architecture, LlamaForCausalLM)(config)
     state = dict(_our_tensors(config, source))
     expected = {name: p.shape for name, p in model.named_parameters()}
