@@ -8,7 +8,12 @@ stack of the 27B's first 8 layers (6 linear + 2 full; the whole 27B and a second
 activations). Logits are compared on the last 256 positions: ours (bf16) and transformers' (bf16) each against
 transformers in float32 on the same weights, so "within bf16 rounding" reads as our error being no larger
 than transformers' own bf16 error. Speed: our engine (paged pool, StepAttention, fla-core kernels, eager decode
-steps: no CUDA graphs for recurrent models yet) against transformers' generate-style loop with its cache.
+steps: no CUDA graphs for recurrent models yet) against transformers' generate-style loop with its cache
+(sdpa attention, and fla-core's kernels too where `fla` is importable: its fastest eager path; a compiled
+static-cache peer is left out, its compile alone would exceed the run's time), and against the physical
+limits: decode reads the weights (less the embedding table), the 32K KV and the recurrent state once a token
+(bytes / 4.8 TB/s); prefill does 2 FLOPs a weight a token plus causal attention (FLOPs / 790 TFLOP/s, the
+measured bf16 matmul rate). The result file is rewritten after every part, so a run cut short keeps its parts.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -45,6 +51,8 @@ SHAPES["tiny"] = dict(
     linear_value_head_dim=16,
 )  # fmt: skip (a local smoke run)
 KEEP = 256
+HBM_BYTES_S = 4.8e12  # H200 HBM3e bandwidth, spec
+MATMUL_FLOP_S = 790e12  # bf16 8192^3 matmul measured on this machine kind (KINDS.md)
 
 
 def sync(dev: torch.device) -> None:
@@ -158,7 +166,8 @@ def speed_rows(shape: str, ctx: int, decode: int, dev: torch.device) -> list[dic
     runner = ModelRunner(ours, pool, dev, None, decode_runner=False, states=states)
     engine = Engine(limits, runner, _Words.make(cfg.vocab_size), None)
     prompt_len = ctx - decode
-    rows = []
+    limits_row = physical_limits(hf, ours, states, ctx, prompt_len)
+    rows: list[dict[str, Any]] = []
     for trial in range(2):  # the first warms up (Triton autotuning, allocator)
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(trial))
         params = SamplingParams(temperature=0.0, max_tokens=decode, ignore_eos=True)
@@ -202,10 +211,42 @@ def speed_rows(shape: str, ctx: int, decode: int, dev: torch.device) -> list[dic
                 "hf_prefill_tok_s": prompt_len / (h1 - h0), "hf_decode_tok_s": (decode - 1) / (h2 - h1),
                 "greedy_tokens_equal_leading": next((i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens,
                                                      strict=False)) if a != b), len(ours_tokens)),
-                "greedy_tokens_equal": same,
+                "greedy_tokens_equal": same, **limits_row,
+                "hf_attn": hf.config._attn_implementation, "hf_fla": fla_version(),
             })  # fmt: skip
     engine.stop()
     return rows
+
+
+def fla_version() -> str:
+    try:
+        import fla
+
+        return str(getattr(fla, "__version__", "?"))
+    except ImportError:
+        return ""
+
+
+def physical_limits(hf: Any, ours: Any, states: Any, ctx: int, prompt: int) -> dict[str, float]:
+    """Decode: bytes read a token / HBM bandwidth; prefill: FLOPs of `prompt` tokens / matmul rate."""
+    cfg = ours.config
+    params = {p.data_ptr(): p for p in hf.parameters()}.values()
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    embed = hf.get_input_embeddings().weight
+    tied = hf.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
+    decode_weight_bytes = weight_bytes - (0 if tied else embed.numel() * embed.element_size())
+    kv_bytes = len(cfg.kv_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * ctx
+    state_bytes = 2 * states.nbytes  # read and written back
+    decode_bytes = decode_weight_bytes + kv_bytes + state_bytes
+    matmul_params = decode_weight_bytes // 2  # bf16: every weight but the embedding table is a matmul weight
+    heads = hf.config.num_attention_heads
+    attn_flops = len(cfg.kv_layers) * 2 * heads * cfg.head_dim * prompt * prompt  # QK^T + PV, causal half
+    prefill_flops = 2 * matmul_params * prompt + attn_flops
+    return {
+        "weight_bytes": weight_bytes, "decode_bytes_per_token": decode_bytes,
+        "limit_decode_tok_s": HBM_BYTES_S / decode_bytes, "prefill_flops": prefill_flops,
+        "limit_prefill_s": prefill_flops / MATMUL_FLOP_S, "limit_prefill_tok_s": prompt * MATMUL_FLOP_S / prefill_flops,
+    }  # fmt: skip
 
 
 def kernel_rows(dev: torch.device) -> list[dict[str, Any]]:
@@ -250,6 +291,8 @@ def main() -> None:
     import transformers
 
     result["transformers"] = transformers.__version__
+    result["fla"] = fla_version()
+    result["commit"] = os.environ.get("KVMEM_COMMIT", "")
     for part, fn in (
         ("kernels", lambda: kernel_rows(dev)),
         ("9B", lambda: logits_rows(small, contexts, dev)),
@@ -266,10 +309,11 @@ def main() -> None:
             result[part] = f"FAILED: {type(exc).__name__}: {exc}"
         result[f"{part}_wall_s"] = time.perf_counter() - t0
         print(json.dumps({part: result[part]}, default=str), flush=True)  # noqa: T201 - a CLI's output
-        torch.cuda.empty_cache()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        if a.out:  # after every part: a run cut short keeps what it finished
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
