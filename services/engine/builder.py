@@ -110,7 +110,7 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
     )
     states = recurrent_states(model_config, config, device)
     runner = ModelRunner(
-        model, pool, device, host, decode_runner=states is None, cuda_graphs=config.cuda_graphs,
+        model, pool, device, host, cuda_graphs=config.cuda_graphs,
         max_batch=config.max_running, states=states,
     )  # fmt: skip
     engine = Engine(limits, runner, tokenizer, write_through)

@@ -37,6 +37,15 @@ memory pool. Without capture (CPU, `--no-cuda-graphs`) the very same function ru
 Batch rows beyond the real sequences repeat sequence 0 (same token, position, rows): they write
 the same K/V into the same row, so padding never touches another page.
 
+Recurrent models (qwen3_5, `states`): each batch row's state slot is one more static input
+(`state_slots` [B], copied a step like the others), and the step's RecurrentBatch is built on the
+buffers (one token a row, fresh where the position is 0, every state kept): the linear layers read and
+write their slots in place, so replays and the steps of a burst carry the state on. Padding rows repeat
+sequence 0's slot and write the same state into it. A state snapshot is taken when the host reads the
+step that ends on a snapshot boundary; the scheduler never continues past such a step on the device
+(scheduler.continue_decode), and a burst ends at a page end at the latest. Capturing these steps is off
+unless KVMEM_RECURRENT_GRAPHS=1 (not yet run on a GPU): the same step then runs eagerly.
+
 Per-step host work: a sequence's padded rows are rebuilt only when its page table (up to its last
 page) changed, and copied into a bucket's buffers only when that batch row held something else;
 otherwise a step copies 5 x B integers to the device, in one copy. A continued step (Work.on_device: the
@@ -62,6 +71,7 @@ from services.engine.kernels import triton_module
 from services.engine.kv_pool import KVPool
 from services.engine.local_ring import ring_read_set
 from services.engine.models.loader import CausalLM
+from services.engine.recurrent_state import RecurrentBatch, RecurrentStates
 from services.engine.scheduler import Work
 from services.engine.sequence import NOT_RESIDENT, Sequence
 from services.engine.transfers import to_host
@@ -129,6 +139,8 @@ class _Buffers:
     local_rows: dict[int, torch.Tensor]  # window -> [B, L]
     local_pos: dict[int, torch.Tensor]  # window -> [B, L]
     ring_base: torch.Tensor  # [B] first row of each sequence's local ring (local rings only)
+    state_slots: torch.Tensor  # [B] each row's recurrent-state slot (recurrent models; else zeros)
+    slot_staging: torch.Tensor  # [2, B] host copies of state_slots, used in turn with `staging`
     step: torch.Tensor  # [1] the step's index in its burst (where its argmax goes in burst_tokens)
     inputs: torch.Tensor  # [5, B] ids, positions, write_rows, ring_base and step (column 0) are its rows
     staging: torch.Tensor  # [2, 5, B] host copies of `inputs` (pinned on CUDA), used in turn
@@ -267,12 +279,22 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class DecodeGraphs:
     """Runs eligible decode steps on static buffers; captures one CUDA graph per (B, W) bucket when `capture`."""
 
-    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, max_batch: int, capture: bool) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        device: torch.device,
+        max_batch: int,
+        capture: bool,
+        states: RecurrentStates | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.max_batch = batch_bucket(max_batch)
-        self.capture = capture and device.type == "cuda"
+        self.states = states  # the linear layers' state slots (qwen3_5), else None
+        recurrent_ok = states is None or os.environ.get("KVMEM_RECURRENT_GRAPHS", "0") == "1"
+        self.capture = capture and device.type == "cuda" and recurrent_ok
         self.dtype = model.embed_tokens.weight.dtype
         size = pool.page_size
         # the largest read set: every slot of the pool (a ring sequence holds at most its budget)
@@ -295,7 +317,8 @@ class DecodeGraphs:
         self.kv_sinks = os.environ.get("KVMEM_KV_SINK", "1") != "0"
         # page scoring: every paged layer in one call, each layer's queries scaled by its attention scale over
         # the first one's (the bound is linear in q), the heads of all layers side by side
-        scales = [float(model.layers[layer].self_attn.scale) for layer in pool.paged_layers]  # type: ignore[union-attr, arg-type]
+        kv_layers = model.config.kv_layers  # pool layer i is model layer kv_layers[i] (qwen3_5: attention layers)
+        scales = [float(model.layers[kv_layers[layer]].self_attn.scale) for layer in pool.paged_layers]  # type: ignore[union-attr, arg-type]
         self._score_scale = scales[0] if scales else 1.0
         self._paged_index = torch.tensor(pool.paged_layers, dtype=torch.long, device=device)
         rel = [s / self._score_scale for s in scales]
@@ -400,7 +423,12 @@ class DecodeGraphs:
     def _forward(self, bufs: _Buffers) -> tuple[torch.Tensor, torch.Tensor]:
         """The step on the static buffers: the B tokens -> (logits [B, V] float32, their argmax [B])."""
         attn = _GraphAttention(self.pool, bufs, self.dtype, self.kv_sinks)
-        hidden = self.model(bufs.ids, bufs.positions, attn)  # [B, hidden]
+        if self.states is not None:
+            rows = [True] * bufs.batch
+            batch = RecurrentBatch(self.states, bufs.state_slots, [1] * bufs.batch, bufs.positions == 0, rows)
+            hidden = self.model(bufs.ids, bufs.positions, attn, batch)  # type: ignore[call-arg]
+        else:
+            hidden = self.model(bufs.ids, bufs.positions, attn)  # [B, hidden]
         logits, token = self.model.head(hidden, argmax=True)
         assert token is not None
         return logits, token
@@ -448,6 +476,8 @@ class DecodeGraphs:
                 local_pos={w: long(batch, n, fill=PAD_POS) for w, n in local.items()},
                 ring_base=inputs[3], step=inputs[4, :1], inputs=inputs,
                 staging=torch.zeros(2, 5, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
+                state_slots=long(batch),
+                slot_staging=torch.zeros(2, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
                 burst_tokens=long(size, batch),
                 queries=torch.zeros(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=dev),
                 owners=[None] * batch,
@@ -460,7 +490,7 @@ class DecodeGraphs:
         span = self.pool.local.span if self.pool.local is not None else 0
         on_device = works[0].on_device
         assert all(w.on_device == on_device for w in works), "continued and new steps in one batch"
-        half = bufs.staging[bufs.turn]
+        half, slot_half = bufs.staging[bufs.turn], bufs.slot_staging[bufs.turn]
         bufs.turn ^= 1
         staging = half.numpy()
         for i in range(bufs.batch):
@@ -470,6 +500,7 @@ class DecodeGraphs:
             slot = w.seq.page_table.slot_ids[pos // size]
             token = 0 if on_device else w.seq.token_at(pos)  # continued: the device's own (PENDING here)
             staging[:, i] = (token, pos, slot * size + pos % size, max(0, w.seq.local_ring) * span, 0)
+            slot_half[i] = max(0, w.seq.state_slot)
             if bufs.owners[i] != e.key:  # the rows depend on the key only
                 rows, kpos = self._padded(e, bufs.window)
                 bufs.rows[i].copy_(rows, non_blocking=True)
@@ -478,6 +509,8 @@ class DecodeGraphs:
                     bufs.local_rows[win][i].copy_(lrows, non_blocking=True)
                     bufs.local_pos[win][i].copy_(lpos, non_blocking=True)
                 bufs.owners[i] = e.key
+        if self.states is not None:
+            bufs.state_slots.copy_(slot_half, non_blocking=True)
         if not on_device:
             bufs.inputs.copy_(half, non_blocking=True)
             return

@@ -54,7 +54,7 @@ class ModelRunner:
         self.device = device
         self.host = host
         self.states = states  # the linear-attention layers' per-sequence states (qwen3_5), else None
-        self.decode = DecodeGraphs(model, pool, device, max_batch, cuda_graphs) if decode_runner else None
+        self.decode = DecodeGraphs(model, pool, device, max_batch, cuda_graphs, states) if decode_runner else None
 
     def accepts_burst(self, works: list[Work]) -> bool:
         """Can these works run as a decode burst (only the decode runner runs bursts)."""

@@ -173,8 +173,9 @@ class Scheduler:
         PENDING, for the same sequences, scheduled before those tokens are read (module docstring). None
         when the next step needs the host first: other sequences running or waiting, a work that is not a
         greedy decode, a sequence at its token limit, an exact ring (its steps may stream host pages), a
-        re-selection that takes effect at the next step (no prefetch steps), or room that only a preemption
-        would make."""
+        re-selection that takes effect at the next step (no prefetch steps), a step that ended on a recurrent
+        state boundary (its snapshot is taken when the host reads it, before the state moves on), or room that
+        only a preemption would make."""
         seqs = [w.seq for w in prev]
         if self.waiting or self.burst_ok is None or len(seqs) != len(self.running) or set(seqs) != set(self.running):
             return None
@@ -188,6 +189,8 @@ class Scheduler:
                 return None
             if w.score_tokens and (self.ring is None or self.ring.limits.prefetch_steps == 0):
                 return None  # its re-selection takes effect at the very next step: the host selects first
+            if self.states is not None and self.states.is_boundary(w.start + w.num_steps):
+                return None  # the state snapshot at this boundary is taken when the host reads the step
         for seq in seqs:
             try:
                 self._make_room_or_raise(seq, 1, preempt=False)

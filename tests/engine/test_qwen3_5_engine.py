@@ -62,6 +62,7 @@ def reference(model: Qwen3_5ForCausalLM, prompt: list[int], n: int) -> list[int]
 def make_engine(
     model: Qwen3_5ForCausalLM, tokenizer: Tokenizer, num_slots: int, store_address: str = "",
     ring: RingLimits | None = None, max_running: int = 4, default_policy: str = "sparse",
+    decode_runner: bool = False, decode_burst: int = 1,
 ) -> Engine:  # fmt: skip
     cfg = model.config
     assert cfg.linear is not None
@@ -77,8 +78,9 @@ def make_engine(
         max_context=512, page_size=PAGE, prefill_chunk=16, max_running=max_running, max_waiting=64,
         vocab_size=cfg.vocab_size, model_id="tiny-q35", kv_format="fp32", default_policy=default_policy, ring=ring,
         ring_chunk=8 if ring is not None else 0,  # within the ring's recent pages
+        decode_burst=decode_burst,
     )  # fmt: skip
-    runner = ModelRunner(model, pool, torch.device("cpu"), host, decode_runner=False, states=states)
+    runner = ModelRunner(model, pool, torch.device("cpu"), host, decode_runner=decode_runner, states=states)
     engine = Engine(limits, runner, tokenizer, write_through)
     made_engines.append(engine)
     if host is not None:
@@ -118,6 +120,43 @@ def test_turn_two_reuses_the_prefix_up_to_a_snapshot(model: Qwen3_5ForCausalLM, 
     assert cached == 32
     assert engine.scheduler.num_state_restores == 1
     assert got == reference(model, turn2, 6)  # the answer of a cold prefill
+
+
+def test_the_decode_runner_carries_the_states_through_bursts(
+    model: Qwen3_5ForCausalLM, smol_tokenizer: Tokenizer
+) -> None:
+    """The decode runner (static buffers; captured on CUDA with KVMEM_RECURRENT_GRAPHS=1, eager here) with bursts
+    of up to 3 steps and overlapped (continued) steps: batched answers equal the reference (a batch of 3 padded
+    to 4 rows repeats sequence 0's slot), and the snapshots taken at boundaries crossed while decoding are the
+    states there: turn 2 restores one and answers as a cold prefill."""
+    engine = make_engine(model, smol_tokenizer, num_slots=64, decode_runner=True, decode_burst=3)
+    prompts = [_prompt(n, 10 + i) for i, n in enumerate((13, 1, 22))]  # a one-token prompt: fresh in the runner
+    seqs = [engine.submit(f"r{i}", p, greedy(14)) for i, p in enumerate(prompts)]
+    run_until_done(engine, seqs)
+    answers = [drain(events_of(seq))[0] for seq in seqs]
+    assert answers == [reference(model, p, 14) for p in prompts]
+    decode = engine.runner.decode
+    assert decode is not None and decode.num_eager > 0
+    assert engine.stats.overlapped_steps_total > 0
+    states, cfg = engine.runner.states, model.config
+    assert states is not None and cfg.linear is not None
+    want = {}  # the state after each boundary of each sequence, from a one-sequence prefill of its tokens
+    for prompt, answer in zip(prompts, answers, strict=True):
+        tokens = prompt + answer[:-1]  # the last token is never fed
+        for end in range(8, len(tokens) + 1, 8):
+            ref = RecurrentStates(cfg.linear, 1, torch.device("cpu"), torch.float32, 8)
+            with torch.inference_mode():
+                model(torch.tensor(tokens[:end]), torch.arange(end), ContiguousKV(len(cfg.kv_layers)),
+                      ref.batch([0], [end], [True], [True]))  # fmt: skip
+            want[(len(prompt), end)] = ref.ssm[:, 0].clone()
+    snapshots = [states._snapshots[h][1] for h in states.snapshot_keys()]
+    assert len(snapshots) >= 6  # five of them at boundaries crossed while decoding
+    for snap in snapshots:  # each is the state at its boundary (not one a continued step moved on)
+        assert min(float((snap - ref).abs().max()) for ref in want.values()) < 1e-4
+    turn2 = prompts[0] + answers[0] + _prompt(5, 20)  # turn 1 computed 26 tokens: its last snapshot at 24 (decode)
+    got, cached = _ask(engine, "t2", turn2, 6)
+    assert cached == 24 and engine.scheduler.num_state_restores == 1
+    assert got == reference(model, turn2, 6)
 
 
 def test_second_engine_restores_state_from_the_store(
