@@ -208,7 +208,7 @@ class _Words:
         return Tokenizer(fast, TokenizerInfo(None, None, None, None, (), False))
 
 
-def speed_rows(shape: str, ctx: int, decode: int, dev: torch.device) -> list[dict[str, Any]]:
+def speed_rows(shape: str, ctx: int, decode: int, dev: torch.device, runner_kind: str = "step") -> list[dict[str, Any]]:
     from services.engine.engine import Engine, EngineLimits
     from services.engine.kv_pool import KVPool
     from services.engine.model_runner import ModelRunner
@@ -223,7 +223,9 @@ def speed_rows(shape: str, ctx: int, decode: int, dev: torch.device) -> list[dic
     states = RecurrentStates(cfg.linear, 2, dev, torch.bfloat16, chunk, 4)
     limits = EngineLimits(max_context=ctx + 2 * decode, page_size=page, prefill_chunk=chunk, max_running=2,
                           max_waiting=4, vocab_size=cfg.vocab_size, model_id="q35-9b", kv_format="bf16")  # fmt: skip
-    runner = ModelRunner(ours, pool, dev, None, decode_runner=False, states=states)
+    # "step": every decode step through StepAttention, eagerly; "graphs": the decode runner (static buffers,
+    # captured in CUDA graphs: KVMEM_RECURRENT_GRAPHS=1, set by main)
+    runner = ModelRunner(ours, pool, dev, None, decode_runner=runner_kind == "graphs", states=states)
     engine = Engine(limits, runner, _Words.make(cfg.vocab_size), None)
     prompt_len = ctx - decode
     limits_row = physical_limits(hf, ours, states, ctx, prompt_len)
@@ -272,7 +274,8 @@ def speed_rows(shape: str, ctx: int, decode: int, dev: torch.device) -> list[dic
                 "greedy_tokens_equal_leading": next((i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens,
                                                      strict=False)) if a != b), len(ours_tokens)),
                 "greedy_tokens_equal": same, **limits_row,
-                "hf_attn": hf.config._attn_implementation, "hf_fla": fla_version(),
+                "hf_attn": hf.config._attn_implementation, "hf_fla": fla_version(), "ours_runner": runner_kind,
+                "ours_captures": runner.decode.num_captures if runner.decode is not None else 0,
             })  # fmt: skip
     engine.stop()
     return rows
@@ -334,12 +337,15 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: kernels, 27B, 9B, speed")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--runner", default="step", choices=["step", "graphs"], help="our decode steps (speed)")
     parser.add_argument("--shapes", default="27B-8L,9B", help="the two logits shapes (tiny,tiny: a CPU smoke run)")
     a = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from services.engine.kernels import select_tier, use_tier
 
     skip = set(a.skip.split(",")) - {""}
+    if a.runner == "graphs":
+        os.environ["KVMEM_RECURRENT_GRAPHS"] = "1"  # read by DecodeGraphs (capture of recurrent steps)
     dev = torch.device(a.device)
     big, small = a.shapes.split(",")
     use_tier(select_tier(dev))
@@ -356,7 +362,7 @@ def main() -> None:
     for part, fn in (
         ("kernels", lambda: kernel_rows(dev)),
         ("9B", lambda: logits_rows(small, contexts, dev)),
-        ("speed", lambda: speed_rows(small, max(contexts), a.decode, dev)),
+        ("speed", lambda: speed_rows(small, max(contexts), a.decode, dev, a.runner)),
         ("27B", lambda: logits_rows(big, contexts, dev)),
     ):
         if part in skip:
