@@ -55,8 +55,11 @@ def words_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ring_stack(words_dir: Path, redis_url: str) -> Iterator[Stack]:
-    stack = _start(LaunchConfig(model=str(words_dir), port=free_port(), redis_url=redis_url, host_kv_mib=64,
+def ring_stack(words_dir: Path) -> Iterator[Stack]:
+    # its own redis (redis_url ""): on the session's, the chat stack's kvstore (alive until the module ends, with
+    # another internal secret) is registered too, pages spread over both, and those sent to it never get a host
+    # copy here (the ring's demotions then wait 30 s and answer 429)
+    stack = _start(LaunchConfig(model=str(words_dir), port=free_port(), redis_url="", host_kv_mib=64,
                                 max_context=2048, kv_capacity=512, ready_timeout_s=300))  # fmt: skip
     yield stack
     stack.stop()
