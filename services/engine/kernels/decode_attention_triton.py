@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from services.engine.kernels import attention_tiles as tiles
 from services.engine.kernels import pdl
 from services.engine.local_ring import ring_read_set
 
@@ -267,24 +268,8 @@ def _split_kernel(
             row = tl.load(rows_ptr + b * width + n, mask=in_w, other=0)  # with the positions, not after them
         if HAS_WINDOW:
             ok = ok & (pos > q_pos - window)
-        k = tl.load(k_ptr + row[:, None] * stride_kr + kv * stride_kh + d[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(v_ptr + row[:, None] * stride_vr + kv * stride_vh + d[None, :], mask=ok[:, None], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_G, BLOCK_N]
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep exp2 finite
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        k, v = tiles.load_kv(k_ptr, v_ptr, row, kv, stride_kr, stride_kh, stride_vr, stride_vh, d, ok, True)
+        m_i, l_i, acc = tiles.softmax_step(q, k, v, ok[None, :], m_i, l_i, acc, scale_log2, True, DOT_FP32)
     if DIRECT:
         o = acc / l_i[:, None]
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]

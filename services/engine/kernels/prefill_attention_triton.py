@@ -8,7 +8,9 @@ position t (StepAttention's SeqSpan.read_rows: the page table expanded), so noth
     grid (cdiv(n, BLOCK_M), Hq): program (mb, h) takes query rows [mb * BLOCK_M, (mb + 1) * BLOCK_M) of head h,
     walks key tiles of BLOCK_N positions from 0 to the last one its rows can see (online softmax in base 2,
     fp32 accumulators), the tiles left of its first row's position unmasked, the diagonal ones masked, and
-    writes the normalised output [n, Hq, D].
+    writes the normalised output [n, Hq, D]. Row blocks run last first (the longest key walks start
+    first: a shorter tail). The tile step (K/V rows read in place, online softmax) is
+    kernels/attention_tiles.py's, shared with the decode kernel.
 
 Query head h reads KV head h // G (transformers' repeat_kv order); the G programs of one KV head run side by
 side, so their K/V tiles come from L2 after the first. The torch reference is `prefill_attention_reference`
@@ -23,6 +25,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from services.engine.attention import grouped_sdpa, position_mask
+from services.engine.kernels import attention_tiles as tiles
 
 LOG2E = 1.4426950408889634
 _PLAIN = (torch.bfloat16, torch.float16)
@@ -71,6 +74,24 @@ def config(head_dim: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
+def _tile(  # type: ignore[no-untyped-def]
+    q, q_pos, start, last_pos, rows_ptr, k_ptr, v_ptr, kv, stride_kr, stride_kh, stride_vr, stride_vh, d,
+    m_i, l_i, acc, scale_log2, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """The key tile at positions [start, start + BLOCK_N): its pool rows, K/V and one online-softmax step.
+    MASKED (a diagonal tile): keys past `last_pos` are not read, and each row sees keys up to its position."""
+    kk = start + tl.arange(0, BLOCK_N)
+    k_ok = kk <= last_pos
+    if MASKED:
+        r = tl.load(rows_ptr + kk, mask=k_ok, other=0)
+    else:
+        r = tl.load(rows_ptr + kk)
+    k, v = tiles.load_kv(k_ptr, v_ptr, r, kv, stride_kr, stride_kh, stride_vr, stride_vh, d, k_ok, MASKED)
+    visible = (kk[None, :] <= q_pos[:, None]) & k_ok[None, :]
+    return tiles.softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, MASKED, DOT_FP32)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,  # [n, Hq, D]
     k_ptr,  # [R, Hkv, D]
@@ -94,7 +115,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    mb = tl.program_id(0)
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the last (longest) row blocks first: a shorter tail
     h = tl.program_id(1)
     kv = h // G
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -111,48 +132,11 @@ def _prefill_kernel(
     last_pos = tl.minimum(past + (mb + 1) * BLOCK_M, past + n_q) - 1
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # tiles before it are visible to every row
     for start in range(0, full_end, BLOCK_N):
-        kk = start + tl.arange(0, BLOCK_N)
-        r = tl.load(rows_ptr + kk)
-        k = tl.load(k_ptr + r[:, None] * stride_kr + kv * stride_kh + d[None, :])
-        v = tl.load(v_ptr + r[:, None] * stride_vr + kv * stride_vh + d[None, :])
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        m_i, l_i, acc = _tile(q, q_pos, start, last_pos, rows_ptr, k_ptr, v_ptr, kv, stride_kr, stride_kh,
+                              stride_vr, stride_vh, d, m_i, l_i, acc, scale_log2, BLOCK_N, False, DOT_FP32)  # fmt: skip
     for start in range(full_end, last_pos + 1, BLOCK_N):  # the diagonal tiles: causal mask
-        kk = start + tl.arange(0, BLOCK_N)
-        k_ok = kk <= last_pos
-        r = tl.load(rows_ptr + kk, mask=k_ok, other=0)
-        k = tl.load(k_ptr + r[:, None] * stride_kr + kv * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + r[:, None] * stride_vr + kv * stride_vh + d[None, :], mask=k_ok[:, None], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        visible = (kk[None, :] <= q_pos[:, None]) & k_ok[None, :]
-        s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row sees nothing: keep exp2 finite
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        m_i, l_i, acc = _tile(q, q_pos, start, last_pos, rows_ptr, k_ptr, v_ptr, kv, stride_kr, stride_kh,
+                              stride_vr, stride_vh, d, m_i, l_i, acc, scale_log2, BLOCK_N, True, DOT_FP32)  # fmt: skip
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + m[:, None] * stride_on + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None])  # fmt: skip
