@@ -36,7 +36,7 @@ LAYERS = 32
 VARIANTS = ((512, 0, 4, 2, False), (512, 0, 4, 2, True), (1024, 0, 4, 2, True), (512, 0, 4, 4, True))
 # (batch, rows of each sequence, W exact instead of the power-of-two bucket)
 CASES = ((1, 32_896, False), (1, 32_896, True), (32, 8_320, False), (64, 2_176, False))
-# (BLOCK_V, BLOCK_K, num_warps, LOOP_STAGES) of the head kernel: the engine's (unrolled 64 x 64) first
+# (BLOCK_V, BLOCK_K, num_warps, LOOP_STAGES) of the head kernel: the short-hidden config (unrolled 64 x 64) first
 HEAD_CONFIGS = ((64, 64, 4, 0), (64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4))
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 

@@ -14,7 +14,9 @@ kernel tier is Triton, else the torch reference.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -25,6 +27,16 @@ from services.engine.local_ring import LocalRings
 from services.engine.transfers import device_index
 
 logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def fp8_in_place() -> bool:
+    """Whether the attention kernels read fp8 layers in place (`KVPool.fp8_kv`): not with
+    KVMEM_FP8_ATTENTION=0 (the gather + dequantise path: A/B runs); decided once."""
+    on = os.environ.get("KVMEM_FP8_ATTENTION", "1") != "0"
+    logger.info("fp8 KV read in place by the attention kernels: %s", "on" if on else "off (KVMEM_FP8_ATTENTION=0)")
+    return on
+
 
 _PLAIN_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -221,6 +233,15 @@ class KVPool:
         """The layer's K and V rows [R, Hkv, D] when stored in a plain float dtype (attention kernels read
         them in place); None for a quantised layer (use gather)."""
         return (self.k[layer], self.v[layer]) if self._plain[layer] is not None else None
+
+    def fp8_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's K and V rows (uint8 [R, Hkv, 4 + D]: an fp32 scale, then D e4m3fn codes) when stored in
+        plain fp8 (no Hadamard keys), which the attention kernels read in place; else None (and with
+        KVMEM_FP8_ATTENTION=0, `fp8_in_place`)."""
+        fmt = self.formats[layer]
+        if fmt.base != "fp8" or fmt.hadamard or fmt.pad_bytes(self.head_dim) or not fp8_in_place():
+            return None
+        return self.k[layer], self.v[layer]
 
     def plain_keys(self, layer: int) -> torch.Tensor | None:
         """The layer's key rows [R, Hkv, D] when stored in a plain float dtype (summary kernels read them

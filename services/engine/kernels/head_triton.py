@@ -44,7 +44,7 @@ def head_reference(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def supported(h: torch.Tensor, weight: torch.Tensor) -> bool:
     """One contiguous row h [1, H] and a contiguous weight [V, H] of the same float dtype, V at most
-    BLOCK_V * MAX_TILES rows."""
+    BLOCK_V * MAX_TILES rows (config's BLOCK_V)."""
     return (
         h.dim() == 2
         and h.shape[0] == 1
@@ -54,7 +54,7 @@ def supported(h: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.is_contiguous()
         and h.dtype == weight.dtype
         and h.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and 0 < weight.shape[0] <= BLOCK_V * MAX_TILES
+        and 0 < weight.shape[0] <= config(weight.shape[1])[0] * MAX_TILES
     )
 
 
@@ -126,10 +126,17 @@ def _head_kernel(
             tl.store(count_ptr, 0)  # for the next launch (a graph replays this one as is)
 
 
+LONG_HIDDEN = 2048  # a hidden size from which the head takes the pipelined loop (config)
+
+
 def config(hidden: int) -> tuple[int, int, int, int]:
-    """(BLOCK_V, BLOCK_K, num_warps, LOOP_STAGES) for a hidden size: BLOCK_V x BLOCK_K tiles, 4 warps, the loop
-    unrolled (Gemma 3 270M's 640: run 20). A long hidden (Llama-3.1-8B's 4096) is a candidate for other tiles
-    and a pipelined loop: bench/scale_kernels.py --only head measures them (RESULTS)."""
+    """(BLOCK_V, BLOCK_K, num_warps, LOOP_STAGES) for a hidden size. Short (Gemma 3 270M's 640): 64 x 64 tiles,
+    4 warps, the loop unrolled (the fastest of 16 shapes, run 20). Long (Llama-3.1-8B's 4096): 32 x 256 tiles in
+    a loop pipelined 3 deep, measured on the H200 at 128,256 x 4096 (bench/scale_kernels.py --only head, RESULTS):
+    240 us (4.38 TB/s) against 570 us unrolled 64 x 64 and cuBLAS + cast + argmax's 279; 64 x 128 / 3 stages
+    247, 64 x 256 / 8 warps 247, 128 x 128 / 8 warps 248, 32 x 128 / 4 stages 263."""
+    if hidden >= LONG_HIDDEN:
+        return 32, 256, 4, 3
     return BLOCK_V, BLOCK_K, WARPS, 0
 
 
