@@ -31,10 +31,12 @@ logger = logging.getLogger(__name__)
 
 @functools.cache
 def fp8_in_place() -> bool:
-    """Whether the attention kernels read fp8 layers in place (`KVPool.fp8_kv`): not with
-    KVMEM_FP8_ATTENTION=0 (the gather + dequantise path: A/B runs); decided once."""
-    on = os.environ.get("KVMEM_FP8_ATTENTION", "1") != "0"
-    logger.info("fp8 KV read in place by the attention kernels: %s", "on" if on else "off (KVMEM_FP8_ATTENTION=0)")
+    """Whether the attention kernels read fp8 layers in place (`KVPool.fp8_kv`): only with KVMEM_FP8_ATTENTION=1.
+    Off by default: the kernels match their references interpreted on the CPU and compile for sm_90, but their
+    first H200 run (2a15acb) failed to compile (since fixed) and they have not run on a GPU since; off, fp8 layers
+    take the gather + dequantise path. Decided once."""
+    on = os.environ.get("KVMEM_FP8_ATTENTION", "0") == "1"
+    logger.info("fp8 KV read in place by the attention kernels: %s", "on" if on else "off (KVMEM_FP8_ATTENTION=1: on)")
     return on
 
 
@@ -236,8 +238,8 @@ class KVPool:
 
     def fp8_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's K and V rows (uint8 [R, Hkv, 4 + D]: an fp32 scale, then D e4m3fn codes) when stored in
-        plain fp8 (no Hadamard keys), which the attention kernels read in place; else None (and with
-        KVMEM_FP8_ATTENTION=0, `fp8_in_place`)."""
+        plain fp8 (no Hadamard keys) and `fp8_in_place` (KVMEM_FP8_ATTENTION=1), which the attention kernels then
+        read in place; else None."""
         fmt = self.formats[layer]
         if fmt.base != "fp8" or fmt.hadamard or fmt.pad_bytes(self.head_dim) or not fp8_in_place():
             return None

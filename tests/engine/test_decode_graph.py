@@ -421,9 +421,18 @@ def test_fused_decode_attention_over_local_rings_before_the_window_fills(monkeyp
     assert sorted(calls, key=str) == sorted(want, key=str)
 
 
-def test_fused_decode_attention_reads_fp8_rows_in_place(model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An fp8 pool (every layer): the decode kernel reads the uint8 rows in place (fp8=True on every paged
-    layer's call), and each step's logits are StepAttention's (which gathers and dequantises the rows)."""
+@pytest.mark.parametrize("on", [True, False])
+def test_fused_decode_attention_reads_fp8_rows_in_place(
+    model, on: bool, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """An fp8 pool (every layer): with KVMEM_FP8_ATTENTION=1 the decode kernel reads the uint8 rows in place
+    (fp8=True on every paged layer's call), and each step's logits are StepAttention's (which gathers and
+    dequantises the rows); without it (the default) the fp8 layers keep the gather path (no kernel call)."""
+    from services.engine import kv_pool
+
+    monkeypatch.setenv("KVMEM_FP8_ATTENTION", "1" if on else "0")
+    kv_pool.fp8_in_place.cache_clear()
+    request.addfinalizer(kv_pool.fp8_in_place.cache_clear)
     from services.engine import decode_graph
     from services.engine.kernels import decode_attention_triton
 
@@ -448,4 +457,4 @@ def test_fused_decode_attention_reads_fp8_rows_in_place(model, monkeypatch: pyte
         assert (got - expected).abs().max().item() < ATOL
         h.advance(got)
     global_layers = sum(1 for w in model.config.layer_windows if w is None)
-    assert flags == [True] * (2 * global_layers)
+    assert flags == ([True] * (2 * global_layers) if on else [])

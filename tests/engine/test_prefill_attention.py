@@ -105,12 +105,12 @@ def test_supported() -> None:
 @pytest.mark.parametrize("mode", ["triton", "flash"])
 @pytest.mark.parametrize("kv", ["fp16", "fp8"])
 def test_step_attention_modes_match_masked(
-    mode: str, kv: str, triton_tier: None, monkeypatch: pytest.MonkeyPatch
+    mode: str, kv: str, triton_tier: None, fp8_in_place: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One step packing two sequences' chunks (one with 21 earlier tokens on scattered pages, one fresh) and a
     decode token: each KVMEM_PREFILL_ATTENTION mode gives the masked path's output, and `triton` really runs the
     kernel (interpreted here) on the two chunks, not on the single token; an fp8 pool layer too (read in place
-    by the kernel, with fp8=True; gathered and dequantised by the other paths)."""
+    by the kernel, with fp8=True, under KVMEM_FP8_ATTENTION=1; gathered and dequantised by the other paths)."""
     from services.engine.kernels import prefill_attention_triton as pat
     from services.engine.kv_formats import parse_format
     from services.engine.kv_pool import KVPool

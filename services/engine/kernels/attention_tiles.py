@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 FP8_SCALE_BYTES = 4  # an fp8 row (kv_formats.py): its fp32 scale, then D e4m3fn bytes
+_SCALE_BYTES = tl.constexpr(FP8_SCALE_BYTES)  # the same for the kernels (a jit function reads constexpr globals only)
 
 
 def fp8_row_bytes(head_dim: int) -> int:
@@ -37,8 +38,8 @@ def load_kv(  # type: ignore[no-untyped-def]
     k_row = k_ptr + row * stride_kr + kv * stride_kh  # [BLOCK_N]
     v_row = v_ptr + row * stride_vr + kv * stride_vh
     if FP8:
-        k_ptrs = k_row[:, None] + FP8_SCALE_BYTES + d[None, :]
-        v_ptrs = v_row[:, None] + FP8_SCALE_BYTES + d[None, :]
+        k_ptrs = k_row[:, None] + _SCALE_BYTES + d[None, :]
+        v_ptrs = v_row[:, None] + _SCALE_BYTES + d[None, :]
         ks_ptrs = k_row.to(tl.pointer_type(tl.float32))
         vs_ptrs = v_row.to(tl.pointer_type(tl.float32))
     else:
