@@ -1,7 +1,8 @@
 """The Triton kernels compile for the H200 (sm_90) on a machine without a GPU: Triton's frontend and backend run
 ahead of time (ASTSource -> cubin), so an error the CPU interpreter cannot see (a jit function reading a plain
 module global, an unsupported cast) fails here instead of on the device. Compiled with the constexprs the engine
-launches at Llama-3.1-8B's shape (32 / 8 heads of 128): the fp8 variants of both attention kernels. The tests'
+launches at Llama-3.1-8B's shape (32 / 8 heads of 128): the fp8 variants of both attention kernels and the
+SwiGLU kernel of prefill rows (none of them has run on a GPU yet). The tests'
 CPU runs interpret every kernel (tests/conftest.py sets TRITON_INTERPRET=1 before any kernel module is
 imported), so the compile runs in a child process with the interpreter off."""
 
@@ -49,11 +50,19 @@ def compile_fp8_attention() -> None:
     assert "e4m3" in _compile(dat._split_kernel, types, constexprs).asm["ptx"]
 
 
+def compile_silu_mul() -> None:
+    """The SwiGLU kernel of prefill-sized rows (norm_triton.silu_mul), as the engine launches it."""
+    from services.engine.kernels import norm_triton
+
+    types = dict(gate_up_ptr="*bf16", out_ptr="*bf16", inter="i32")
+    _compile(norm_triton._act_mul_kernel, types, dict(BLOCK=1024, ACT=norm_triton.GATED_ACTS["silu"], PDL=True))
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None,
     reason="triton with its CUDA backend is not installed",
 )
-def test_fp8_attention_kernels_compile_for_sm90() -> None:
+def test_fp8_attention_and_silu_kernels_compile_for_sm90() -> None:
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -63,4 +72,5 @@ def test_fp8_attention_kernels_compile_for_sm90() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     compile_fp8_attention()
+    compile_silu_mul()
     print("compiled")
