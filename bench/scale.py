@@ -1,8 +1,9 @@
 """Production-size rows (issue 26): the engine and transformers on Llama-3.1-8B's shape, same process, same weights.
 
-    PYTHONPATH=. python3 bench/scale.py --device cuda --rows ttft,decode,concurrent,batch,long,logits \
-        --prefill-modes triton,flash --repeats 1 --chunks 8192 --concurrent-chunks 16384 --batches 8,32,64 \
-        --batch-len 2048 --long-len 131072 --out bench/results/scale_h200.json     # the H200 run (RESULTS)
+    PYTHONPATH=. python3 bench/scale.py --device cuda --rows ttft,decode,concurrent,long,logits --repeats 1 \
+        --chunks 8192,16384,32768 --profile --batches "" --model-dir /tmp/m8b --reuse-model   # the H200 run
+    PYTHONPATH=. python3 bench/scale.py --device cuda --rows ring --no-peer --model-dir /tmp/m8b --reuse-model \
+        --ring-sessions 32 --long-len 131072     # the ring rows (redis-server on PATH, bench/scale_ring.py)
     .venv/bin/python bench/scale.py --shape tiny --device cpu --ttft-len 96 --concurrent 4x64 \\
         --new-tokens 8 --batches 2 --batch-len 64 --long-len 0 --out /tmp/scale.json    # the plumbing, on a CPU
 
@@ -26,8 +27,9 @@ Rows (written to --out as {"date", "commit", "device", "rows": {NAME: {...}}}):
   <shape>_concurrent_<N>x<L>k  engine_wall_s, peer_wall_s, prefill_tok_s (engine: prompt tokens / time to the
                              last first token), ttft_max_s, limit_prefill_s
   <shape>_decode_batch       per batch B: aggregate decode tok/s of B sequences of --batch-len tokens, limit
-  <shape>_128k               dense_ttft_s, dense_decode_tok_s (engine, everything in HBM); ring_* need a kvstore
-  <shape>_ring_32x32k        not run here: see `not_run`
+  <shape>_128k               dense_ttft_s, dense_decode_tok_s (engine, bf16, everything in HBM); with --rows ring
+                             also ring_* and dense_fp8_* (bench/scale_ring.py)
+  <shape>_ring_32x32k        --rows ring: --ring-sessions fp8 sessions through the ring and dense (scale_ring.py)
   <shape>_logits_2k          cosine and argmax of the engine's forward against transformers' on one prompt
   attention_<n>x<T>          the prefill attention alone (--attn-bench / --only-attn) on the last n-token chunk
                              of a T-token prompt: masked memory-efficient SDPA (the engine before issue 26),
@@ -35,7 +37,9 @@ Rows (written to --out as {"date", "commit", "device", "rows": {NAME: {...}}}):
                              kernels/prefill_attention_triton.py over scattered pool rows in five configurations
                              (the engine's default now), and the K/V gather the non-Triton paths need, as TFLOP/s
 --prefill-modes runs the TTFT row once per KVMEM_PREFILL_ATTENTION value (triton, flash, masked).
-A row that could not run records why ("not_run"), never a number it did not measure.
+--profile adds kernel tables by phase (bench/scale_profile.py). The pieces: scale_engine.py (the engine side),
+scale_peer.py (transformers), scale_ring.py, scale_attention.py, scale_profile.py, scale_model.py (shapes, the
+random model, the limits). A row that could not run records why ("not_run"), never a number it did not measure.
 """
 
 from __future__ import annotations
