@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import graph_timing  # noqa: E402
 from services.engine.kernels import decode_attention_triton as dat  # noqa: E402
 from services.engine.kernels import linear_triton as lt  # noqa: E402
 
@@ -31,24 +32,8 @@ SHAPES = ((1536, 640), (640, 1024), (4096, 640), (640, 2048))  # qkv, o, gate/up
 
 
 def per_call_us(fn: Callable[[], object], reps: int = 50) -> float:
-    """Mean time of one of the LAYERS calls `fn` makes, replayed as a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps / LAYERS
+    """Mean time of one of the LAYERS calls `fn` makes, replayed as a CUDA graph (bench/graph_timing.py)."""
+    return graph_timing.per_call_us(fn, LAYERS, reps)
 
 
 def linear_sweep(dev: torch.device) -> None:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import graph_timing  # noqa: E402
 from services.engine.kernels import decode_attention_triton as dat  # noqa: E402
 from services.engine.kernels import linear_triton as lt  # noqa: E402
 
@@ -35,28 +36,14 @@ LAYERS = 32
 VARIANTS = ((512, 0, 4, 2, False), (512, 0, 4, 2, True), (1024, 0, 4, 2, True), (512, 0, 4, 4, True))
 # (batch, rows of each sequence, W exact instead of the power-of-two bucket)
 CASES = ((1, 32_896, False), (1, 32_896, True), (32, 8_320, False), (64, 2_176, False))
+# (BLOCK_V, BLOCK_K, num_warps, LOOP_STAGES) of the head kernel: the short-hidden config (unrolled 64 x 64) first
+HEAD_CONFIGS = ((64, 64, 4, 0), (64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4))
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
 def per_call_us(fn: Callable[[], object], calls: int = LAYERS, reps: int = 20) -> float:
-    """Mean time of one of the `calls` calls `fn` makes, replayed as a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps / calls
+    """Mean time of one of the `calls` calls `fn` makes, replayed as a CUDA graph (bench/graph_timing.py)."""
+    return graph_timing.per_call_us(fn, calls, reps)
 
 
 def _gated_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -170,8 +157,12 @@ def head_table(dev: torch.device) -> None:
     base = per_call_us(lambda: [torch.argmax(F.linear(x, w).float(), dim=-1) for w in ws], calls=4)
     line = f"head 128256 x 4096, 1 row: cublas+argmax {base:6.1f} us ({gb / base * 1e6:5.0f} GB/s)"
     if head_triton.supported(x, ws[0]):
-        kern = per_call_us(lambda: [head_triton.head(x, w, True) for w in ws], calls=4)
-        line += f" | head kernel {kern:6.1f} us ({gb / kern * 1e6:5.0f} GB/s)"
+        for cfg in HEAD_CONFIGS:
+            try:
+                kern = per_call_us(lambda cfg=cfg: [head_triton.head(x, w, True, cfg=cfg) for w in ws], calls=4)
+                line += f" | {cfg} {kern:6.1f} us ({gb / kern * 1e6:5.0f} GB/s)"
+            except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is reported
+                line += f" | {cfg} {type(exc).__name__}"
     print(line, flush=True)
 
 

@@ -197,10 +197,10 @@ class _GraphAttention:
             local = self.pool.local
             if not stored:
                 self.pool.write(layer_idx, self.ring_write, k, v)
-            stores = self._fused_stores(layer_idx, local.window)
-            if stores is not None:  # the window before each token, rows by arithmetic
+            fused = self._fused_stores(layer_idx, local.window, fp8=False)  # the ring read: plain layers only
+            if fused is not None:  # the window before each token, rows by arithmetic
                 return self.kernels.decode_attention_ring(  # type: ignore[union-attr,no-any-return]
-                    q, *stores, bufs.ring_base, local.span, bufs.positions, scale, local.window, window,
+                    q, *fused[0], bufs.ring_base, local.span, bufs.positions, scale, local.window, window,
                     partial=partial,
                 )  # fmt: skip
             if self._ring_read is None:  # the same window for every sliding layer of the step
@@ -232,12 +232,12 @@ class _GraphAttention:
         additive mask of (read_set, window). `keep_q`: q is also kept in the step's queries (page scoring
         reads them after a scoring step), by the fused kernel itself or by a copy."""
         batch, width = rows.shape
-        stores = self._fused_stores(layer_idx, width)
+        fused = self._fused_stores(layer_idx, width)
         kept = self.bufs.queries[layer_idx] if keep_q else None
-        if stores is not None:
+        if fused is not None:
             return self.kernels.decode_attention(  # type: ignore[union-attr,no-any-return]
-                q, *stores, rows, key_pos, self.bufs.positions, scale, window, partial=partial, keep_q=kept,
-                sorted_keys=SORTED_READS,
+                q, *fused[0], rows, key_pos, self.bufs.positions, scale, window, partial=partial, keep_q=kept,
+                sorted_keys=SORTED_READS, fp8=fused[1],
             )  # fmt: skip
         if kept is not None:
             kept.copy_(q)
@@ -250,13 +250,22 @@ class _GraphAttention:
         out = sdpa(q_g, k_w, v_w, mask, scale)  # [B, Hkv, G, D]
         return out.reshape(batch, num_heads, head_dim)
 
-    def _fused_stores(self, layer_idx: int, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layer's K and V stores when the flash-decoding kernel reads `width` rows of it (the Triton
-        tier, a plain-format layer, whole pages); None: gather + SDPA."""
-        kernels, plain = self.kernels, self.pool.plain_kv(layer_idx)
-        if kernels is None or plain is None or not kernels.supported(plain[0]) or width % kernels.PAGE_ROWS:
+    def _fused_stores(
+        self, layer_idx: int, width: int, fp8: bool = True
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], bool] | None:
+        """(the layer's K and V stores, whether they are fp8 rows) when the flash-decoding kernel reads `width`
+        rows of it (the Triton tier, a plain-format layer or with `fp8` a plain-fp8 one, whole pages); None:
+        gather + SDPA."""
+        kernels = self.kernels
+        if kernels is None or width % kernels.PAGE_ROWS:
             return None
-        return plain
+        plain = self.pool.plain_kv(layer_idx)
+        if plain is not None:
+            return (plain, False) if kernels.supported(plain[0]) else None
+        fp8_rows = self.pool.fp8_kv(layer_idx) if fp8 else None
+        if fp8_rows is not None and kernels.supported(fp8_rows[0], fp8=True):
+            return fp8_rows, True
+        return None
 
     def _mask(self, read_set: str, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
         """Causal (and sliding-window) additive mask of the keys at key_pos [B, W], once per step."""

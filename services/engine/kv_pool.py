@@ -14,7 +14,9 @@ kernel tier is Triton, else the torch reference.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -25,6 +27,18 @@ from services.engine.local_ring import LocalRings
 from services.engine.transfers import device_index
 
 logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def fp8_in_place() -> bool:
+    """Whether the attention kernels read fp8 layers in place (`KVPool.fp8_kv`): only with KVMEM_FP8_ATTENTION=1.
+    Off by default: the kernels match their references interpreted on the CPU and compile for sm_90, but their
+    first H200 run (2a15acb) failed to compile (since fixed) and they have not run on a GPU since; off, fp8 layers
+    take the gather + dequantise path. Decided once."""
+    on = os.environ.get("KVMEM_FP8_ATTENTION", "0") == "1"
+    logger.info("fp8 KV read in place by the attention kernels: %s", "on" if on else "off (KVMEM_FP8_ATTENTION=1: on)")
+    return on
+
 
 _PLAIN_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -221,6 +235,15 @@ class KVPool:
         """The layer's K and V rows [R, Hkv, D] when stored in a plain float dtype (attention kernels read
         them in place); None for a quantised layer (use gather)."""
         return (self.k[layer], self.v[layer]) if self._plain[layer] is not None else None
+
+    def fp8_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's K and V rows (uint8 [R, Hkv, 4 + D]: an fp32 scale, then D e4m3fn codes) when stored in
+        plain fp8 (no Hadamard keys) and `fp8_in_place` (KVMEM_FP8_ATTENTION=1), which the attention kernels then
+        read in place; else None."""
+        fmt = self.formats[layer]
+        if fmt.base != "fp8" or fmt.hadamard or fmt.pad_bytes(self.head_dim) or not fp8_in_place():
+            return None
+        return self.k[layer], self.v[layer]
 
     def plain_keys(self, layer: int) -> torch.Tensor | None:
         """The layer's key rows [R, Hkv, D] when stored in a plain float dtype (summary kernels read them

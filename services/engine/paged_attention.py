@@ -129,9 +129,11 @@ class StepAttention:
         """One sequence's attention over its read rows -> [n, Hq, D] (the `prefill_mode` paths for a causal
         span over positions 0..T-1; the masked path for gaps, windows and single tokens; `exact` host pages)."""
         causal = span.num_new > 1 and span.key_pos is None and window is None and not span.host_pages
-        plain = self.pool.plain_kv(layer_idx) if causal and self.kernel is not None else None
-        if plain is not None and self.kernel is not None and self.kernel.supported(q_s, plain[0]):
-            return self.kernel.prefill_attention(q_s, plain[0], plain[1], span.read_rows, scale)  # type: ignore[no-any-return]
+        if causal and self.kernel is not None:  # the kernel reads a plain or an fp8 layer in place
+            plain, fp8 = self.pool.plain_kv(layer_idx), self.pool.fp8_kv(layer_idx)
+            stores, is_fp8 = (plain, False) if plain is not None else (fp8, True)
+            if stores is not None and self.kernel.supported(q_s, stores[0], is_fp8):
+                return self.kernel.prefill_attention(q_s, *stores, span.read_rows, scale, fp8=is_fp8)  # type: ignore[no-any-return]
         k_s, v_s = self.pool.gather(layer_idx, span.read_rows, q_s.dtype)
         k_s, v_s = k_s.transpose(0, 1), v_s.transpose(0, 1)  # [Hkv, T, D]
         if span.host_pages:

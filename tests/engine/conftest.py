@@ -41,3 +41,14 @@ def triton_tier() -> Iterator[None]:
     kernels.use_tier(kernels.KernelTier("triton", "cpu", None, False))
     yield
     kernels.use_tier(before)
+
+
+@pytest.fixture
+def fp8_in_place(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """KVMEM_FP8_ATTENTION=1 for the duration of a test (the attention kernels read fp8 layers in place)."""
+    from services.engine import kv_pool
+
+    monkeypatch.setenv("KVMEM_FP8_ATTENTION", "1")
+    kv_pool.fp8_in_place.cache_clear()
+    yield
+    kv_pool.fp8_in_place.cache_clear()

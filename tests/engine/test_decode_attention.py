@@ -457,3 +457,35 @@ def test_sorted_keys_skip_the_splits_past_the_query(where: str) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(got.float(), plain.float(), rtol=tol, atol=tol)
     assert dat.split_rows(batch, hkv, width) < width  # several splits, some wholly past the query
+
+
+def _fp8_stores(x: Inputs) -> tuple[torch.Tensor, torch.Tensor, Inputs]:
+    """The inputs' K/V rows quantised to fp8 rows (kv_formats.py), and the inputs with their dequantised rows
+    (what the gather path attends)."""
+    from services.engine.kv_formats import parse_format
+
+    fmt = parse_format("fp8")
+    k8, v8 = fmt.quantize(x.k_store), fmt.quantize(x.v_store)
+    deq = x._replace(k_store=fmt.dequantize(k8, x.q.dtype), v_store=fmt.dequantize(v8, x.q.dtype))
+    return k8, v8, deq
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    ("batch", "heads", "width", "dtype"), [(2, (4, 1), 256, torch.float32), (1, (8, 2), 1024, torch.bfloat16)]
+)  # noqa: E501
+def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
+    where: str, batch: int, heads: tuple[int, int], width: int, dtype: torch.dtype
+) -> None:
+    """An fp8 pool layer (uint8 rows: fp32 scale + e4m3fn codes) read in place, the scales applied to the scores
+    and the probabilities: the reference's output over the dequantised rows, split and merged or direct."""
+    from services.engine.kernels import decode_attention_triton as dat
+
+    x = _inputs(batch, heads, 64, width, dtype, device_or_skip(where), seed=width)
+    k8, v8, deq = _fp8_stores(x)
+    assert dat.supported(k8, fp8=True) and not dat.supported(k8)
+    want = dat.decode_attention_reference(*deq)
+    got = dat.decode_attention(x.q, k8, v8, x.rows, x.key_pos, x.q_pos, x.scale, fp8=True)
+    assert got.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 and where == "cpu" else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

@@ -22,6 +22,7 @@ import torch
 
 from services.common.tokenizer import Tokenizer
 from services.engine.decode_graph import DecodeGraphs, batch_bucket, window_bucket
+from services.engine.kv_formats import parse_format
 from services.engine.kv_pool import KVPool
 from services.engine.local_ring import LocalRings, ring_span
 from services.engine.model_runner import ModelRunner
@@ -69,14 +70,16 @@ class Harness:
     """Sequences on scattered slots of one pool, prefilled by StepAttention, then decoded step by step."""
 
     def __init__(self, model: torch.nn.Module, lengths: list[int], num_slots: int = 96, seed: int = 0,
-                 device: torch.device = CPU, capture: bool = False) -> None:  # fmt: skip
+                 device: torch.device = CPU, capture: bool = False, kv_format: str = "") -> None:  # fmt: skip
         cfg = model.config
         dtype = model.embed_tokens.weight.dtype
         local = None
         if getattr(model, "test_local_rings", False):
             windows = {i: w for i, w in enumerate(cfg.layer_windows) if w is not None}
             local = LocalRings(windows, ring_span(max(windows.values()), PAGE), 4, PAGE)
-        self.pool = KVPool(cfg.num_layers, num_slots, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, device, local=local)
+        formats = [parse_format(kv_format)] * cfg.num_layers if kv_format else None
+        self.pool = KVPool(cfg.num_layers, num_slots, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, device, formats,
+                           local=local)  # fmt: skip
         self.step_runner = ModelRunner(model, self.pool, device, decode_runner=False)
         self.graphs = DecodeGraphs(model, self.pool, device, max_batch=4, capture=capture)
         rng = random.Random(seed)
@@ -416,3 +419,42 @@ def test_fused_decode_attention_over_local_rings_before_the_window_fills(monkeyp
     local = sum(1 for w in m.config.layer_windows if w is not None)
     want = [("ring", 2, 64)] * (2 * local) + [(2, 256)] * (2 * (m.config.num_layers - local))
     assert sorted(calls, key=str) == sorted(want, key=str)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_fused_decode_attention_reads_fp8_rows_in_place(
+    model, on: bool, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """An fp8 pool (every layer): with KVMEM_FP8_ATTENTION=1 the decode kernel reads the uint8 rows in place
+    (fp8=True on every paged layer's call), and each step's logits are StepAttention's (which gathers and
+    dequantises the rows); without it (the default) the fp8 layers keep the gather path (no kernel call)."""
+    from services.engine import kv_pool
+
+    monkeypatch.setenv("KVMEM_FP8_ATTENTION", "1" if on else "0")
+    kv_pool.fp8_in_place.cache_clear()
+    request.addfinalizer(kv_pool.fp8_in_place.cache_clear)
+    from services.engine import decode_graph
+    from services.engine.kernels import decode_attention_triton
+
+    if getattr(model, "test_local_rings", False):
+        pytest.skip("local rings keep plain rows")
+    flags: list[bool] = []
+    real = decode_attention_triton.decode_attention
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        flags.append(kwargs["fp8"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(
+        decode_graph, "triton_module", lambda name, device: decode_attention_triton if "attention" in name else None
+    )
+    monkeypatch.setattr(decode_attention_triton, "decode_attention", counted)
+    h = Harness(model, [13, 30], kv_format="fp8")
+    for _ in range(2):
+        works = h.works()
+        expected, _ = h.step_runner.run(works)
+        got = h.graphs.run(works)
+        assert (got - expected).abs().max().item() < ATOL
+        h.advance(got)
+    global_layers = sum(1 for w in model.config.layer_windows if w is None)
+    assert flags == ([True] * (2 * global_layers) if on else [])

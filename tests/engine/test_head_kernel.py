@@ -55,6 +55,22 @@ def test_logits_and_argmax_match_torch(where: str, dtype: torch.dtype, vocab: in
 
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("cfg", [(32, 64, 4, 3), (128, 32, 8, 2)])
+def test_the_pipelined_loop_and_other_tiles_match_torch(where: str, cfg: tuple[int, int, int, int]) -> None:
+    """The configurations bench/scale_kernels.py tries at a long hidden (a loop pipelined LOOP_STAGES deep,
+    other tiles): the reference's logits to bf16 rounding and torch.argmax's token."""
+    from services.engine.kernels.head_triton import head, head_reference
+
+    device = device_or_skip(where)
+    h, weight = _head_inputs(300, 200, torch.bfloat16, device, seed=7)
+    logits, token = head(h, weight, argmax=True, cfg=cfg)
+    want = head_reference(h, weight)
+    torch.testing.assert_close(logits, want, rtol=8e-3, atol=8e-3)
+    assert token is not None and int(token) == int(torch.argmax(logits, dim=-1)) == int(torch.argmax(want, dim=-1))
+    assert _counters_zero(device)
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_ties_go_to_the_first_row_and_nan_beats_every_number(where: str) -> None:
     """torch.argmax's rules: of equal maxima the first row, inside a tile and across tiles (64 rows a tile);
     a NaN logit is larger than every number, the first NaN row wins."""

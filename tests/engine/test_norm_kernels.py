@@ -261,7 +261,8 @@ def test_add_rms_norm_matches_add_then_the_next_norm(where: str, dtype: torch.dt
 
 
 @pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
-def test_gelu_tanh_mul_matches_gelu_then_multiply(where: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+def test_act_mul_matches_the_activation_then_multiply(where: str, dtype: torch.dtype, act: str) -> None:
     import torch.nn.functional as F
 
     from services.engine.kernels import norm_triton
@@ -271,8 +272,8 @@ def test_gelu_tanh_mul_matches_gelu_then_multiply(where: str, dtype: torch.dtype
     inter = 1100  # two blocks, the second partial
     gate_up = (torch.randn(3, 2 * inter, device=device) * 2).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    want = F.gelu(gate, approximate="tanh") * up
-    got = norm_triton.gelu_tanh_mul(gate_up)
+    want = (F.gelu(gate, approximate="tanh") if act == "gelu_tanh" else F.silu(gate)) * up
+    got = getattr(norm_triton, f"{act}_mul")(gate_up)
     tol = 1e-5 if dtype == torch.float32 else 4e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
@@ -281,17 +282,22 @@ def test_tiny_llama_without_qk_norm_rotates_in_the_fused_launch(
     triton_tier: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Llama without q/k norm on the Triton tier rotates q and k in qk_norm_rope's launch (no weights: RoPE
-    alone, one launch a layer) and computes what the torch path computes."""
+    alone, one launch a layer), takes silu_mul for its 20-row MLP (SwiGLU in one launch a layer) and computes
+    what the torch path computes."""
     from services.engine.kernels import norm_triton
 
     calls: list[bool] = []
-    real = norm_triton.qk_norm_rope
+    real, real_silu = norm_triton.qk_norm_rope, norm_triton.silu_mul
+    silu_rows: list[int] = []
 
     def counted(qkv, q_weight, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(q_weight is None)
         return real(qkv, q_weight, *args, **kwargs)
 
     monkeypatch.setattr(norm_triton, "qk_norm_rope", counted)
+    monkeypatch.setattr(
+        norm_triton, "silu_mul", lambda gate_up: silu_rows.append(gate_up.shape[0]) or real_silu(gate_up)
+    )
     model = tiny_model(64)
     assert model.layers[0].self_attn.q_norm is None
     ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1))
@@ -299,6 +305,7 @@ def test_tiny_llama_without_qk_norm_rotates_in_the_fused_launch(
     with torch.no_grad():
         fused = model.logits(model(ids, pos, ContiguousKV(2)))
         assert calls == [True, True]  # both layers, without norm weights
+        assert silu_rows == [20, 20]
         kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
         plain = model.logits(model(ids, pos, ContiguousKV(2)))
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)

@@ -103,17 +103,21 @@ def test_supported() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("mode", ["triton", "flash"])
-def test_step_attention_modes_match_masked(mode: str, triton_tier: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kv", ["fp16", "fp8"])
+def test_step_attention_modes_match_masked(
+    mode: str, kv: str, triton_tier: None, fp8_in_place: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One step packing two sequences' chunks (one with 21 earlier tokens on scattered pages, one fresh) and a
     decode token: each KVMEM_PREFILL_ATTENTION mode gives the masked path's output, and `triton` really runs the
-    kernel (interpreted here) on the two chunks, not on the single token."""
+    kernel (interpreted here) on the two chunks, not on the single token; an fp8 pool layer too (read in place
+    by the kernel, with fp8=True, under KVMEM_FP8_ATTENTION=1; gathered and dequantised by the other paths)."""
     from services.engine.kernels import prefill_attention_triton as pat
     from services.engine.kv_formats import parse_format
     from services.engine.kv_pool import KVPool
     from services.engine.paged_attention import SeqSpan, StepAttention
 
     page, hq, hkv, d = 8, 4, 2, 32
-    pool = KVPool(1, 24, page, hkv, d, torch.float16, torch.device("cpu"), [parse_format("fp16")])
+    pool = KVPool(1, 24, page, hkv, d, torch.float16, torch.device("cpu"), [parse_format(kv)])
     g = torch.Generator().manual_seed(5)
     slots = [torch.tensor([9, 2, 17, 5, 11]), torch.tensor([0, 3, 20]), torch.tensor([7, 8])]
     past, new = [21, 0, 12], [18, 19, 1]
@@ -135,11 +139,38 @@ def test_step_attention_modes_match_masked(mode: str, triton_tier: None, monkeyp
     v = torch.randn(total, hkv, d, generator=g).half()
     calls = []
     real = pat.prefill_attention
-    monkeypatch.setattr(pat, "prefill_attention", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(
+        pat, "prefill_attention", lambda *a, **kw: calls.append((a[0].shape[0], kw["fp8"])) or real(*a, **kw)
+    )
     outs = {}
     for m in ("masked", mode):
         monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", m)
         outs[m] = StepAttention(pool, spans, hq // hkv, torch.float16).attend(0, q, k, v, d**-0.5)
-    assert calls == ([18, 19] if mode == "triton" else [])
+    assert calls == ([(18, kv == "fp8"), (19, kv == "fp8")] if mode == "triton" else [])
     assert not outs[mode].isnan().any()
-    assert _rel(outs[mode], outs["masked"]) < 2e-3
+    assert _rel(outs[mode], outs["masked"]) < (2e-3 if kv == "fp16" else 1e-2)  # fp8: q in bf16 in the kernel
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize(
+    "where,n_past,n,heads,d",
+    [("cpu", 37, 20, (4, 2), 32), pytest.param("cuda", 24_576, 8064, (32, 8), 128, marks=pytest.mark.gpu)],
+)
+def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
+    where: str, n_past: int, n: int, heads: tuple[int, int], d: int
+) -> None:
+    """An fp8 pool layer read in place (codes in the dots, the row scales on the scores and the probabilities):
+    the reference's output over the dequantised rows."""
+    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kv_formats import parse_format
+
+    dev = device_or_skip(where)
+    q, k_store, v_store, rows = _pool(n_past, n, heads, d, torch.bfloat16, dev, seed=n)
+    fmt = parse_format("fp8")
+    k8, v8 = fmt.quantize(k_store), fmt.quantize(v_store)
+    assert pat.supported(q, k8, fp8=True) and not pat.supported(q, k8)
+    want = pat.prefill_attention_reference(q, fmt.dequantize(k8, q.dtype), fmt.dequantize(v8, q.dtype), rows, d**-0.5)
+    cfg = (16, 16, 4, 1) if pat.INTERPRETED else None
+    got = pat.prefill_attention(q, k8, v8, rows, d**-0.5, cfg=cfg, fp8=True)
+    assert got.dtype == q.dtype and not got.isnan().any()
+    assert _rel(got, want) < 1e-2

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from services.engine.kernels import attention_tiles as tiles
 from services.engine.kernels import pdl
 from services.engine.local_ring import ring_read_set
 
@@ -60,12 +61,20 @@ STAGES_BY_HEAD_DIM = {128: 4}
 _PLAIN = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def supported(k_store: torch.Tensor) -> bool:
-    """Whether the kernel reads this pool layer: a plain float dtype (quantised uint8 layers keep the
-    gather path) and a head_dim that is a power of two in 16..256."""
-    if k_store.dtype not in _PLAIN or k_store.dim() != 3:
+def supported(k_store: torch.Tensor, fp8: bool = False) -> bool:
+    """Whether the kernel reads this pool layer: a plain float dtype, or with `fp8` a uint8 layer of fp8 rows
+    (an fp32 scale, then D e4m3fn codes: kv_formats.py; other quantised layers keep the gather path), and a
+    head_dim that is a power of two in 16..256."""
+    if k_store.dim() != 3:
         return False
-    head_dim = k_store.shape[-1]
+    if fp8:
+        if k_store.dtype != torch.uint8:
+            return False
+        head_dim = k_store.shape[-1] - tiles.FP8_SCALE_BYTES
+    elif k_store.dtype in _PLAIN:
+        head_dim = k_store.shape[-1]
+    else:
+        return False
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
@@ -220,6 +229,7 @@ def _split_kernel(
     KEEP_Q: tl.constexpr,  # the first split's programs copy q to keep_ptr
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     SORTED: tl.constexpr = False,  # key positions non-decreasing along each row list (padding last)
+    FP8: tl.constexpr = False,  # uint8 fp8 rows (scale + e4m3fn codes, kv_formats.py): q in bf16 against the codes
 ):
     pdl.start(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -236,6 +246,8 @@ def _split_kernel(
             tl.store(kept, q.to(keep_ptr.dtype.element_ty), mask=g_ok[:, None])
     if DOT_FP32:
         q = q.to(tl.float32)
+    elif FP8:
+        q = q.to(tl.bfloat16)
     else:
         q = q.to(k_ptr.dtype.element_ty)
     q_pos = tl.load(q_pos_ptr + b)
@@ -267,24 +279,12 @@ def _split_kernel(
             row = tl.load(rows_ptr + b * width + n, mask=in_w, other=0)  # with the positions, not after them
         if HAS_WINDOW:
             ok = ok & (pos > q_pos - window)
-        k = tl.load(k_ptr + row[:, None] * stride_kr + kv * stride_kh + d[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(v_ptr + row[:, None] * stride_vr + kv * stride_vh + d[None, :], mask=ok[:, None], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_G, BLOCK_N]
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep exp2 finite
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        k, v, k_scale, v_scale = tiles.load_kv(
+            k_ptr, v_ptr, row, kv, stride_kr, stride_kh, stride_vr, stride_vh, d, ok, True, FP8
+        )
+        m_i, l_i, acc = tiles.softmax_step(
+            q, k, v, k_scale, v_scale, ok[None, :], m_i, l_i, acc, scale_log2, True, DOT_FP32, FP8
+        )
     if DIRECT:
         o = acc / l_i[:, None]
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -376,6 +376,7 @@ def decode_attention(
     partial: bool = False,
     keep_q: torch.Tensor | None = None,
     sorted_keys: bool = False,
+    fp8: bool = False,
 ) -> torch.Tensor | Partials:
     """`decode_attention_reference` in one or two launches -> out [B, Hq, D] (q's dtype unless `out`); with
     `partial`, the split kernel's Partials when there are several splits (no merge launch: the caller merges);
@@ -385,7 +386,8 @@ def decode_attention(
     split whose first key is after the query skips its rows (a window bucket's padding costs no loop).
 
     q: [B, Hq, D] (last dim contiguous); k_store, v_store: [R, Hkv, D] one pool layer (plain float
-    dtype, last dim contiguous); rows, key_pos: [B, W] int64 with W a multiple of 64; q_pos: [B] int64.
+    dtype, last dim contiguous; `fp8`: uint8 [R, Hkv, 4 + D] fp8 rows, read as codes and scales, the
+    reference's over their dequantised rows); rows, key_pos: [B, W] int64 with W a multiple of 64; q_pos: [B] int64.
     Capturable in a CUDA graph (no host sync; scratch is allocated from the shapes).
     """
     batch, width = rows.shape
@@ -393,7 +395,7 @@ def decode_attention(
     assert rows.dtype == key_pos.dtype == q_pos.dtype == torch.int64
     rows, key_pos = rows.contiguous(), key_pos.contiguous()
     return _attend(
-        q, k_store, v_store, rows, key_pos, q_pos, scale, window, out, width, 0, partial, keep_q, sorted_keys
+        q, k_store, v_store, rows, key_pos, q_pos, scale, window, out, width, 0, partial, keep_q, sorted_keys, fp8
     )
 
 
@@ -437,15 +439,17 @@ def _attend(
     partial: bool = False,
     keep_q: torch.Tensor | None = None,
     sorted_keys: bool = False,
+    fp8: bool = False,
 ) -> torch.Tensor | Partials:
     """The launches of both read sets: rows/key_pos [B, W] (span 0), or a ring (rows = ring bases, span > 0);
     `partial`: the partials instead of the merge launch (one split: the output, as always); `keep_q`: a copy
-    of q written there."""
+    of q written there; `fp8`: the stores are uint8 fp8 rows."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_store.shape[1]
-    assert supported(k_store), f"k_store {k_store.dtype} {tuple(k_store.shape)}: plain float, D a power of 2 <= 256"
+    assert supported(k_store, fp8), f"k_store {k_store.dtype} {tuple(k_store.shape)}: plain float or fp8, D 2^k <= 256"
     assert v_store.dtype == k_store.dtype and v_store.shape == k_store.shape, (v_store.shape, k_store.shape)
-    assert k_store.shape[2] == head_dim and num_heads % num_kv_heads == 0, (q.shape, k_store.shape)
+    row_width = tiles.fp8_row_bytes(head_dim) if fp8 else head_dim
+    assert k_store.shape[2] == row_width and num_heads % num_kv_heads == 0, (q.shape, k_store.shape)
     assert q.stride(2) == 1 and k_store.stride(2) == 1 and v_store.stride(2) == 1
     assert q_pos.shape == (batch,) and q_pos.dtype == torch.int64, (q_pos.shape, q_pos.dtype)
     assert width % PAGE_ROWS == 0 and width > 0, f"W {width} is not a positive multiple of {PAGE_ROWS}"
@@ -468,7 +472,10 @@ def _attend(
         acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     q_pos = q_pos.contiguous()
     # fp32 dots (IEEE) for fp32 or mixed inputs, and interpreted: the interpreter's tl.dot is wrong on bf16
-    dot_fp32 = k_store.dtype == torch.float32 or q.dtype != k_store.dtype or INTERPRETED
+    if fp8:  # the codes are bf16 in the kernel
+        dot_fp32 = q.dtype == torch.float32 or INTERPRETED
+    else:
+        dot_fp32 = k_store.dtype == torch.float32 or q.dtype != k_store.dtype or INTERPRETED
     stages = NUM_STAGES if dot_fp32 else STAGES_BY_HEAD_DIM.get(head_dim, NUM_STAGES)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out, keep_q if keep_q is not None else out,
@@ -478,7 +485,7 @@ def _attend(
         G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, RING=span > 0, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
         SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, KEEP_Q=keep_q is not None, SORTED=sorted_keys,
-        num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=stages,
+        FP8=fp8, num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=stages,
         **pdl.launch_args(q.device),
     )  # fmt: skip
     if direct:

@@ -8,7 +8,9 @@ position t (StepAttention's SeqSpan.read_rows: the page table expanded), so noth
     grid (cdiv(n, BLOCK_M), Hq): program (mb, h) takes query rows [mb * BLOCK_M, (mb + 1) * BLOCK_M) of head h,
     walks key tiles of BLOCK_N positions from 0 to the last one its rows can see (online softmax in base 2,
     fp32 accumulators), the tiles left of its first row's position unmasked, the diagonal ones masked, and
-    writes the normalised output [n, Hq, D].
+    writes the normalised output [n, Hq, D]. Row blocks run last first (the longest key walks start
+    first: a shorter tail). The tile step (K/V rows read in place, online softmax) is
+    kernels/attention_tiles.py's, shared with the decode kernel.
 
 Query head h reads KV head h // G (transformers' repeat_kv order); the G programs of one KV head run side by
 side, so their K/V tiles come from L2 after the first. The torch reference is `prefill_attention_reference`
@@ -23,6 +25,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from services.engine.attention import grouped_sdpa, position_mask
+from services.engine.kernels import attention_tiles as tiles
 
 LOG2E = 1.4426950408889634
 _PLAIN = (torch.bfloat16, torch.float16)
@@ -42,17 +45,19 @@ def prefill_attention_reference(
     return grouped_sdpa(q, k, v, mask.repeat(group, 1), scale)
 
 
-def supported(q: torch.Tensor, k_store: torch.Tensor) -> bool:
-    """A chunk of at least 16 queries over a bf16 / fp16 pool layer of the same dtype, D a power of two in
-    32..256, last dims contiguous."""
+def supported(q: torch.Tensor, k_store: torch.Tensor, fp8: bool = False) -> bool:
+    """A chunk of at least 16 queries over a bf16 / fp16 pool layer of the same dtype (`fp8`: a uint8 layer of
+    fp8 rows, kv_formats.py, under bf16 / fp16 queries), D a power of two in 32..256, last dims contiguous."""
     d = q.shape[-1] if q.dim() == 3 else 0
+    if fp8:
+        layer_ok = k_store.dtype == torch.uint8 and k_store.shape[-1] == tiles.fp8_row_bytes(d) and q.dtype in _PLAIN
+    else:
+        layer_ok = k_store.dtype in _PLAIN and q.dtype == k_store.dtype and k_store.shape[-1] == d
     return (
         q.dim() == 3
         and k_store.dim() == 3
         and q.shape[0] >= 16
-        and k_store.dtype in _PLAIN
-        and q.dtype == k_store.dtype
-        and k_store.shape[-1] == d
+        and layer_ok
         and 32 <= d <= 256
         and d & (d - 1) == 0
         and q.stride(-1) == 1
@@ -68,6 +73,27 @@ def config(head_dim: int) -> tuple[int, int, int, int]:
     if head_dim <= 128:
         return 128, 64, 4, 3
     return 64, 32, 4, 2
+
+
+@triton.jit
+def _tile(  # type: ignore[no-untyped-def]
+    q, q_pos, start, last_pos, rows_ptr, k_ptr, v_ptr, kv, stride_kr, stride_kh, stride_vr, stride_vh, d,
+    m_i, l_i, acc, scale_log2, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
+    FP8: tl.constexpr,
+):  # fmt: skip
+    """The key tile at positions [start, start + BLOCK_N): its pool rows, K/V and one online-softmax step.
+    MASKED (a diagonal tile): keys past `last_pos` are not read, and each row sees keys up to its position."""
+    kk = start + tl.arange(0, BLOCK_N)
+    k_ok = kk <= last_pos
+    if MASKED:
+        r = tl.load(rows_ptr + kk, mask=k_ok, other=0)
+    else:
+        r = tl.load(rows_ptr + kk)
+    k, v, k_scale, v_scale = tiles.load_kv(
+        k_ptr, v_ptr, r, kv, stride_kr, stride_kh, stride_vr, stride_vh, d, k_ok, MASKED, FP8
+    )
+    visible = (kk[None, :] <= q_pos[:, None]) & k_ok[None, :]
+    return tiles.softmax_step(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, scale_log2, MASKED, DOT_FP32, FP8)
 
 
 @triton.jit
@@ -93,8 +119,9 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    FP8: tl.constexpr,  # uint8 fp8 rows (scale + e4m3fn codes): q in bf16 against the codes
 ):
-    mb = tl.program_id(0)
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the last (longest) row blocks first: a shorter tail
     h = tl.program_id(1)
     kv = h // G
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -103,6 +130,8 @@ def _prefill_kernel(
     q = tl.load(q_ptr + m[:, None] * stride_qn + h * stride_qh + d[None, :], mask=m_ok[:, None], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    elif FP8:
+        q = q.to(tl.bfloat16)
     q_pos = past + m  # [BLOCK_M]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -111,48 +140,13 @@ def _prefill_kernel(
     last_pos = tl.minimum(past + (mb + 1) * BLOCK_M, past + n_q) - 1
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # tiles before it are visible to every row
     for start in range(0, full_end, BLOCK_N):
-        kk = start + tl.arange(0, BLOCK_N)
-        r = tl.load(rows_ptr + kk)
-        k = tl.load(k_ptr + r[:, None] * stride_kr + kv * stride_kh + d[None, :])
-        v = tl.load(v_ptr + r[:, None] * stride_vr + kv * stride_vh + d[None, :])
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        m_i, l_i, acc = _tile(q, q_pos, start, last_pos, rows_ptr, k_ptr, v_ptr, kv, stride_kr, stride_kh,
+                              stride_vr, stride_vh, d, m_i, l_i, acc, scale_log2,
+                              BLOCK_N, False, DOT_FP32, FP8)  # fmt: skip
     for start in range(full_end, last_pos + 1, BLOCK_N):  # the diagonal tiles: causal mask
-        kk = start + tl.arange(0, BLOCK_N)
-        k_ok = kk <= last_pos
-        r = tl.load(rows_ptr + kk, mask=k_ok, other=0)
-        k = tl.load(k_ptr + r[:, None] * stride_kr + kv * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + r[:, None] * stride_vr + kv * stride_vh + d[None, :], mask=k_ok[:, None], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        visible = (kk[None, :] <= q_pos[:, None]) & k_ok[None, :]
-        s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row sees nothing: keep exp2 finite
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        m_i, l_i, acc = _tile(q, q_pos, start, last_pos, rows_ptr, k_ptr, v_ptr, kv, stride_kr, stride_kh,
+                              stride_vr, stride_vh, d, m_i, l_i, acc, scale_log2,
+                              BLOCK_N, True, DOT_FP32, FP8)  # fmt: skip
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + m[:, None] * stride_on + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None])  # fmt: skip
@@ -169,11 +163,13 @@ def prefill_attention(
     rows: torch.Tensor,
     scale: float,
     cfg: tuple[int, int, int, int] | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
-    """`prefill_attention_reference` in one launch -> [n, Hq, D] in q's dtype; `cfg` overrides `config`."""
+    """`prefill_attention_reference` in one launch -> [n, Hq, D] in q's dtype; `cfg` overrides `config`; `fp8`:
+    the stores are uint8 fp8 rows (the reference over their dequantised rows)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_store.shape[1]
-    if not supported(q, k_store) or v_store.shape != k_store.shape or num_heads % num_kv_heads:
+    if not supported(q, k_store, fp8) or v_store.shape != k_store.shape or num_heads % num_kv_heads:
         raise ValueError(f"prefill attention kernel: q {tuple(q.shape)} {q.dtype}, pool {tuple(k_store.shape)}")
     assert rows.dim() == 1 and rows.shape[0] >= n and rows.dtype == torch.int64, (rows.shape, rows.dtype)
     block_m, block_n, warps, stages = cfg or config(head_dim)
@@ -184,6 +180,6 @@ def prefill_attention(
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
         out.stride(0), out.stride(1),
         G=num_heads // num_kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=INTERPRETED,
-        num_warps=warps, num_stages=stages,
+        FP8=fp8, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -1,0 +1,81 @@
+"""bench/scale.py --attn-bench / --only-attn: the prefill attention variants alone on the last chunk of a prompt."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bench.scale_engine import tag_len
+
+if TYPE_CHECKING:
+    from bench.scale import Run
+
+
+def attention_bench(run: Run) -> None:
+    """The prefill attention alone on the last chunk of a --ttft-len prompt (every key visible but the
+    chunk's own causal triangle): the engine's masked path, causal_sdpa, flex_attention, the Triton kernel."""
+    total = run.a.ttft_len
+    for n in (2048, 8192):
+        if n <= total:
+            res = _attention_case(run, n, total)
+            run.rows[f"attention_{n}x{tag_len(total)}"] = res
+            print(f"attention {n} x {total}: {res}", flush=True)
+
+
+def _attention_case(run: Run, n: int, total: int) -> dict[str, Any]:
+    import triton.testing as tt
+
+    from services.engine.attention import causal_sdpa, grouped_sdpa, position_mask
+    from services.engine.kernels import prefill_attention_triton as pat
+
+    sh, dev = run.shape, run.device
+    q = torch.randn(n, sh.heads, sh.head_dim, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(sh.kv_heads, total, sh.head_dim, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    scale = sh.head_dim**-0.5
+    group = sh.heads // sh.kv_heads
+    allowed = position_mask(torch.arange(total - n, total, device=dev), torch.arange(total, device=dev))
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
+    mask = mask.repeat(group, 1)
+    flops = 4 * sh.heads * sh.head_dim * (n * (total - n) + n * n / 2)
+    res: dict[str, Any] = {}
+    ref = grouped_sdpa(q, k, v, mask, scale)
+    fns = {
+        "masked_sdpa": lambda: grouped_sdpa(q, k, v, mask, scale),
+        "causal_sdpa": lambda: causal_sdpa(q, k, v, scale),
+    }
+    try:
+        if not run.a.attn_flex:
+            raise RuntimeError("not asked for (--attn-flex: it compiles per shape)")
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        off = total - n
+        bm = create_block_mask(lambda b, h, qi, ki: ki <= qi + off, None, None, n, total, device=dev)
+        flex = torch.compile(flex_attention)
+        qh = q.transpose(0, 1)[None].contiguous()
+        fns["flex_attention"] = lambda: flex(qh, k[None], v[None], block_mask=bm, scale=scale, enable_gqa=True)[
+            0
+        ].transpose(0, 1)
+    except Exception as exc:  # noqa: BLE001 -- a bench row records why a variant did not run
+        res["flex_not_run"] = repr(exc)[:200]
+
+    pool_rows = torch.randperm(total + 4096, device=dev)[:total]  # scattered rows, as pages are
+    k_pool = torch.empty(total + 4096, sh.kv_heads, sh.head_dim, device=dev, dtype=k.dtype)
+    v_pool = torch.empty_like(k_pool)
+    k_pool[pool_rows], v_pool[pool_rows] = k.transpose(0, 1), v.transpose(0, 1)
+    for cfg in ((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 128, 4, 3)):
+        fns[f"triton_paged_{'_'.join(map(str, cfg))}"] = lambda cfg=cfg: pat.prefill_attention(
+            q, k_pool, v_pool, pool_rows, scale, cfg=cfg
+        )
+    fns["gather_kv"] = lambda: (k_pool.index_select(0, pool_rows), v_pool.index_select(0, pool_rows))
+    for name, fn in fns.items():
+        try:
+            out = fn()
+            err = -1.0 if isinstance(out, tuple) else ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            ms = tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
+            res[name] = dict(ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), rel_err=round(err, 5))
+        except Exception as exc:  # noqa: BLE001
+            res[name] = dict(not_run=repr(exc)[:200])
+    res["matmul_tflops"] = round(run.tflops, 1)
+    return res

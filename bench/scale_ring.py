@@ -1,0 +1,144 @@
+"""bench/scale.py --rows ring: long sessions at batch through the ring against the same sessions dense (issue 26).
+
+Two engines on the run's model, one after the other, both with fp8 KV (bf16 pages for 32 x 32K do not fit in
+HBM beside the weights):
+
+- ring: a pool of --ring-sessions x --ring-budget tokens (each sequence holds at most --ring-budget resident),
+  a real redis-server and kvstore process on loopback (bench/store.py) holding every page's host copy in a
+  shared-memory arena (--ring-arena-dir), the engine writing through to it;
+- dense: a pool holding every session whole, no kvstore.
+
+Each engine takes --ring-sessions prompts of --ring-len tokens at once (greedy, --new-tokens each, no EOS), then
+one prompt of --long-len tokens alone. Reported: completed requests, mean and max TTFT, aggregate decode tok/s
+(bench/scale_engine.py `aggregate_decode`: tokens after the last first token / the time to the last token), the
+long session's TTFT and decode tok/s; and the limits (bytes a step must read / 4.8 TB/s: weights plus each
+sequence's resident K/V in the pool's format). A request refused at admission (the pool or the host store full:
+a typed error, never an out-of-memory) is counted and its message kept.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.scale_engine import aggregate_decode, built, engine_requests, prompts_of, single_decode
+from bench.scale_model import HBM_BYTES_PER_S
+
+if TYPE_CHECKING:
+    from bench.scale import Run
+
+FP8_ROW_SCALE_BYTES = 4  # kv_formats.py: fp8 e4m3 values + one fp32 scale per row (token x KV head)
+
+
+def fp8_token_bytes(run: Run) -> int:
+    """Pool bytes of one token in fp8 (K and V of every layer, each row with its scale)."""
+    sh = run.shape
+    return sh.layers * 2 * sh.kv_heads * (sh.head_dim + FP8_ROW_SCALE_BYTES)
+
+
+def step_limit_tok_s(run: Run, resident: list[int]) -> float:
+    """Aggregate decode tok/s at the bandwidth limit: every weight once + each sequence's resident fp8 rows."""
+    step = run.shape.decode_bytes([]) + sum(resident) * fp8_token_bytes(run)
+    return HBM_BYTES_PER_S / step * len(resident)
+
+
+def ring_rows(run: Run, model_dir: Path) -> None:
+    a, sh = run.a, run.shape
+    n, length, budget = a.ring_sessions, a.ring_len, a.ring_budget
+    row = run.rows.setdefault(run.names["ring"], {})
+    long_row = run.rows.setdefault(run.names["long"], {})
+    row.update(sessions=n, prompt_tokens=length - a.new_tokens, new_tokens=a.new_tokens, kv_format="fp8",
+               ring_budget=budget)  # fmt: skip
+    per_token = fp8_token_bytes(run)
+    host_bytes = (n * (length + 256) + (a.long_len + 256)) * per_token
+    host_mib = int(host_bytes * 1.1 / 2**20) + 1024
+    free = shutil.disk_usage(a.ring_arena_dir).free
+    row["host_store_mib"] = host_mib
+    if free < host_mib * 2**20:
+        row["not_run"] = (
+            f"{a.ring_arena_dir} has {free / 2**30:.1f} GiB free, the host copies need {host_mib / 1024:.1f}"
+        )
+        print(f"ring rows not run: {row['not_run']}", flush=True)
+        return
+    max_context = max(length, a.long_len)
+    gen_prompts = prompts_of(run.gen, sh.vocab, n, length - a.new_tokens)
+    long_prompt = prompts_of(run.gen, sh.vocab, 1, a.long_len - a.new_tokens) if a.long_len else []
+    from bench.store import kvstore, redis_server
+
+    with ExitStack() as stack:
+        url = stack.enter_context(redis_server())
+        stack.enter_context(kvstore(url, host_mib, "--arena-dir", a.ring_arena_dir))
+        config: dict[str, Any] = dict(
+            kv_format="fp8", max_context=max_context, kv_capacity=n * budget + 4 * 64, ring_budget=budget,
+            prefill_chunk=a.prefill_chunk, max_running=n, redis_url=url, host_kv_mib=host_mib,
+        )  # fmt: skip
+        with built(run, model_dir, **config) as engine:
+            _sessions(run, engine, "ring", gen_prompts, row, [budget] * n)
+            if long_prompt:
+                _long(run, engine, "ring", long_prompt, long_row, budget)
+    run.save()
+    dense_cap = n * (length + 64) + 4 * 64
+    if long_prompt:
+        dense_cap = max(dense_cap, a.long_len + 256)
+    config = dict(kv_format="fp8", max_context=max_context, kv_capacity=dense_cap, prefill_chunk=a.prefill_chunk,
+                  max_running=n)  # fmt: skip
+    with built(run, model_dir, **config) as engine:
+        _sessions(run, engine, "dense", gen_prompts, row, [length] * n)
+        if long_prompt:
+            _long(run, engine, "dense_fp8", long_prompt, long_row, a.long_len)
+    if row.get("agg_decode_tok_s") and row.get("dense_agg_decode_tok_s"):
+        row["ring_over_dense"] = round(row["agg_decode_tok_s"] / row["dense_agg_decode_tok_s"], 3)
+    if long_row.get("ring_decode_tok_s") and long_row.get("dense_fp8_decode_tok_s"):
+        long_row["ring_over_dense_fp8"] = round(long_row["ring_decode_tok_s"] / long_row["dense_fp8_decode_tok_s"], 3)
+    long_row.pop("ring_not_run", None)
+    run.save()
+
+
+def _sessions(run: Run, engine, kind: str, prompts: list[list[int]], row: dict[str, Any], resident: list[int]) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
+    """All prompts at once on `engine`; the row's keys are prefixed `dense_` for the dense engine."""
+    pre = "" if kind == "ring" else "dense_"
+    t0 = time.perf_counter()
+    try:
+        res = engine_requests(engine, prompts, run.a.new_tokens, f"{kind}-sessions", strict=False)
+    except Exception as exc:  # noqa: BLE001 -- the row records what refused the sessions (admission), no number
+        row[f"{pre}error"] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"{kind} sessions failed: {row[f'{pre}error']}", flush=True)
+        return
+    ok = [s for s in res if not s.error and len(s.tokens) == run.a.new_tokens]
+    row[f"{pre}completed"] = len(ok)
+    row[f"{pre}failed"] = len(res) - len(ok)
+    if len(ok) < len(res):
+        row[f"{pre}errors"] = sorted({s.error[:200] for s in res if s.error})[:3]
+    if ok:
+        row[f"{pre}wall_s"] = round(max(s.end for s in ok) - t0, 3)
+        row[f"{pre}mean_ttft_s"] = round(statistics.mean(s.ttft for s in ok), 3)
+        row[f"{pre}max_ttft_s"] = round(max(s.ttft for s in ok), 3)
+        row[f"{pre}agg_decode_tok_s"] = round(aggregate_decode(ok), 1)
+        row[f"{pre}prefill_tok_s"] = round(sum(len(p) for p in prompts) / max(s.ttft for s in ok))
+    row[f"{pre}limit_agg_decode_tok_s"] = round(step_limit_tok_s(run, resident), 1)
+    print(f"{kind} {len(prompts)} x {len(prompts[0])}: {({k: v for k, v in row.items() if k.startswith(pre)})}",
+          flush=True)  # fmt: skip
+    run.save()
+
+
+def _long(run: Run, engine, kind: str, prompt: list[list[int]], row: dict[str, Any], resident: int) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
+    try:
+        st = engine_requests(engine, prompt, run.a.new_tokens, f"{kind}-long")[0]
+    except Exception as exc:  # noqa: BLE001 -- recorded, not a number
+        row[f"{kind}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"{kind} long failed: {row[f'{kind}_error']}", flush=True)
+        return
+    row[f"{kind}_ttft_s"] = round(st.ttft, 3)
+    row[f"{kind}_decode_tok_s"] = round(single_decode(st, run.a.new_tokens), 1)
+    row[f"{kind}_limit_decode_tok_s"] = round(step_limit_tok_s(run, [resident]), 1)
+    print(f"{kind} long {len(prompt[0])}: ttft {st.ttft:.2f} s, decode {row[f'{kind}_decode_tok_s']} tok/s", flush=True)
+    run.save()
+
+
+def arena_dir_default() -> str:
+    return os.environ.get("KVMEM_ARENA_DIR", "/dev/shm")

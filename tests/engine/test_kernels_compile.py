@@ -1,0 +1,76 @@
+"""The Triton kernels compile for the H200 (sm_90) on a machine without a GPU: Triton's frontend and backend run
+ahead of time (ASTSource -> cubin), so an error the CPU interpreter cannot see (a jit function reading a plain
+module global, an unsupported cast) fails here instead of on the device. Compiled with the constexprs the engine
+launches at Llama-3.1-8B's shape (32 / 8 heads of 128): the fp8 variants of both attention kernels and the
+SwiGLU kernel of prefill rows (none of them has run on a GPU yet). The tests'
+CPU runs interpret every kernel (tests/conftest.py sets TRITON_INTERPRET=1 before any kernel module is
+imported), so the compile runs in a child process with the interpreter off."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _compile(fn, types: dict[str, str], constexprs: dict[str, object]):  # type: ignore[no-untyped-def]
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = dict(types, **{name: "constexpr" for name in constexprs})
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+
+def compile_fp8_attention() -> None:
+    """Both fp8 attention kernels to cubin; each PTX converts the codes with the hardware's e4m3 conversion."""
+    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels import prefill_attention_triton as pat
+
+    ints = ["n_q", "past"] + [f"stride_{s}" for s in ("qn", "qh", "kr", "kh", "vr", "vh", "on", "oh")]
+    types = dict(q_ptr="*bf16", k_ptr="*u8", v_ptr="*u8", rows_ptr="*i64", out_ptr="*bf16", scale_log2="fp32")
+    types.update({name: "i32" for name in ints})
+    block_m, block_n, _, _ = pat.config(128)
+    constexprs: dict[str, object] = dict(G=4, D=128, BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=False, FP8=True)
+    assert "e4m3" in _compile(pat._prefill_kernel, types, constexprs).asm["ptx"]
+    ptrs = dict(q_ptr="*bf16", k_ptr="*u8", v_ptr="*u8", rows_ptr="*i64", key_pos_ptr="*i64", q_pos_ptr="*i64",
+                m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", keep_ptr="*bf16")  # fmt: skip
+    ints = ["width", "rows_per_split", "num_splits", "window", "span"]
+    ints += [f"stride_{s}" for s in ("qb", "qh", "kr", "kh", "vr", "vh", "ob", "oh")]
+    types = dict(ptrs, scale_log2="fp32", **{name: "i32" for name in ints})
+    constexprs = dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, HAS_WINDOW=False, RING=False, DIRECT=False, DOT_FP32=False,
+                      INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, PDL=True, SORTED=True, FP8=True)  # fmt: skip
+    assert "e4m3" in _compile(dat._split_kernel, types, constexprs).asm["ptx"]
+
+
+def compile_silu_mul() -> None:
+    """The SwiGLU kernel of prefill-sized rows (norm_triton.silu_mul), as the engine launches it."""
+    from services.engine.kernels import norm_triton
+
+    types = dict(gate_up_ptr="*bf16", out_ptr="*bf16", inter="i32")
+    _compile(norm_triton._act_mul_kernel, types, dict(BLOCK=1024, ACT=norm_triton.GATED_ACTS["silu"], PDL=True))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None,
+    reason="triton with its CUDA backend is not installed",
+)
+def test_fp8_attention_and_silu_kernels_compile_for_sm90() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("compiled"), proc.stdout
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    compile_fp8_attention()
+    compile_silu_mul()
+    print("compiled")
