@@ -49,6 +49,28 @@ CODE_QUESTIONS = (
     ("If I call {name}(), what value do I get back?", "It returns"),
     ("Read the code: what is the return value of {name}?", "The return value of {name} is"),
 )
+# the classic needle (one fact, no key, one per document): {noun} and {value}
+CODE_NOUNS = ("secret code", "pass key", "access number", "vault combination", "launch code", "serial number",
+              "ticket number", "reference number", "magic number", "account number", "locker number",
+              "badge number")  # fmt: skip
+CODE_TEMPLATES = (
+    "The {noun} is {value}.",
+    "Remember it well: the {noun} is {value}.",
+    "Write this down, the {noun} is {value}. It will be asked about.",
+    "Here is the {noun}: {value}.",
+    "Please note that the {noun} is {value}.",
+    "Important! The {noun} you will need is {value}.",
+    "Do not forget the {noun}. It is {value}.",
+    "Somebody wrote on the wall: the {noun} is {value}.",
+)
+CODE_ASKS = (
+    ("What is the {noun}?", "The {noun} is"),
+    ("What is the {noun} mentioned in the text?", "The {noun} mentioned in the text is"),
+    ("Which {noun} does the document give?", "The document gives the {noun}"),
+    ("Tell me the {noun}.", "The {noun} is"),
+    ("What {noun} was written in the text above?", "The {noun} written in the text is"),
+    ("Can you find the {noun} in the text? What is it?", "The {noun} is"),
+)
 INTROS = (
     "Below is a long document. Read it carefully; a question about it follows.",
     "Here is some text. Some facts are hidden in it.",
@@ -65,6 +87,9 @@ class Split:
     multi_questions: tuple[str, ...]
     code_questions: tuple[tuple[str, str], ...]
     intros: tuple[str, ...]
+    code_nouns: tuple[str, ...]
+    code_templates: tuple[str, ...]
+    code_asks: tuple[tuple[str, str], ...]
     kinds: tuple[tuple[str, int], ...]  # (haystack kind, standard-library half)
     seed: int
 
@@ -75,10 +100,12 @@ def _half(pool: tuple, parity: int) -> tuple:
 
 TUNING = Split(
     "tuning", _half(VALUE_TEMPLATES, 0), _half(QUESTIONS, 0), _half(MULTI_QUESTIONS, 0), _half(CODE_QUESTIONS, 0),
-    _half(INTROS, 0), (("prose", 0), ("code", 0), ("logs", 0)), seed=1_000,
+    _half(INTROS, 0), _half(CODE_NOUNS, 0), _half(CODE_TEMPLATES, 0), _half(CODE_ASKS, 0),
+    (("prose", 0), ("code", 0), ("logs", 0)), seed=1_000,
 )  # fmt: skip
 HELDOUT = Split(
     "heldout", _half(VALUE_TEMPLATES, 1), _half(QUESTIONS, 1), _half(MULTI_QUESTIONS, 1), _half(CODE_QUESTIONS, 1),
-    _half(INTROS, 1), (("prose", 1), ("code", 1), ("tables", 1)), seed=2_000,
+    _half(INTROS, 1), _half(CODE_NOUNS, 1), _half(CODE_TEMPLATES, 1), _half(CODE_ASKS, 1),
+    (("prose", 1), ("code", 1), ("tables", 1)), seed=2_000,
 )  # fmt: skip
 SPLITS = {s.name: s for s in (TUNING, HELDOUT)}

@@ -1,6 +1,7 @@
 """RULER-style tasks over a haystack, in every request shape a user sends.
 
-Tasks: `single_number`, `single_word`, `single_uuid` (one needle), `multikey` (the needle among three
+Tasks: `single_code` (the classic needle: one unkeyed fact per document, "the pass key is N"),
+`single_number`, `single_word`, `single_uuid` (one needle), `multikey` (the needle among three
 distractor needles of other keys, same template), `multivalue` (one key, three values at spread depths:
 all must be named), `multiquery` (three keys asked at once), `vartrack` (a two-hop chain of variable
 assignments), `codeqa` (what a function planted in the text returns) and `fwe` (the three most frequent
@@ -22,9 +23,10 @@ from dataclasses import asdict, dataclass, field
 from bench.longeval import haystacks
 from bench.longeval.split import Split
 
-TASKS = ("single_number", "single_word", "single_uuid", "multikey", "multivalue", "multiquery", "vartrack", "codeqa",
+TASKS = ("single_code", "single_number", "single_word",
+         "single_uuid", "multikey", "multivalue", "multiquery", "vartrack", "codeqa",
          "fwe")  # fmt: skip
-NUMERIC = frozenset({"single_number", "multikey", "vartrack", "codeqa"})
+NUMERIC = frozenset({"single_code", "single_number", "multikey", "vartrack", "codeqa"})
 SHAPES = ("chat_qlast", "chat_qfirst", "chat_doc_earlier", "completion", "completion_digits")
 _ADJ = ["amber", "silent", "brisk", "hollow", "crimson", "gentle", "rapid", "frozen", "golden", "lucky", "misty",
         "noble", "quiet", "rustic", "sunny", "tidal", "vivid", "wooden", "young", "zesty"]  # fmt: skip
@@ -110,7 +112,12 @@ def make_case(
         key = _key(rng)
         question, prefix = rng.choice(split.questions)
         needles: list[tuple[float, str]]
-        if task in ("single_number", "single_word", "single_uuid"):
+        if task == "single_code":
+            noun, value = rng.choice(split.code_nouns), _number(rng)
+            question, prefix = rng.choice(split.code_asks)
+            question, prefix = question.format(noun=noun), prefix.format(noun=noun)
+            needles, answers = [(depth, rng.choice(split.code_templates).format(noun=noun, value=value))], (value,)
+        elif task in ("single_number", "single_word", "single_uuid"):
             value = _value(task, rng)
             needles, answers = [(depth, template.format(key=key, value=value))], (value,)
         elif task == "multikey":

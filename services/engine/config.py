@@ -12,6 +12,7 @@ import torch
 from services.common import auth
 from services.common.model_files import DEFAULT_MODEL
 from services.engine.kv_formats import KVFormatError, KVSpec, parse_spec
+from services.engine.summaries import HEAD_FUSIONS
 
 
 class ConfigError(ValueError):
@@ -19,6 +20,7 @@ class ConfigError(ValueError):
 
 
 _KV_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+QUERY_PASSES = ("bound", "attention", "exact")  # EngineConfig.ring_query_pass
 BURST_ON_CUDA = 8  # bench/RESULTS.md run 9: 8 vs 16 vs 1 step per round trip on the H200
 
 
@@ -66,6 +68,13 @@ class EngineConfig:
     ring_vote_top: int = 0
     ring_anchor_pages: int = 0
     ring_exclude_recent: bool = False
+    # how the last prompt chunk's query picks the prompt's evidence (RingLimits.query_pass): "bound" (a scoring
+    # pass over the page summaries' Quest bound), "attention" (the scoring pass attends every page, host ones
+    # streamed, and pages are ranked by its real attention mass), "exact" (no scoring pass: the last chunk itself
+    # attends every page and its real attention ranks them)
+    ring_query_pass: str = "bound"
+    ring_score_from: float = 0.0  # layers below this fraction of the model's depth score no pages
+    ring_head_fusion: str = "sum"  # how those heads' masses rank pages (summaries.fuse_heads: sum, norm, rrf:K)
     audit_dir: str = ""  # write per-selection scores and choices here
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
     # recurrent (linear-attention) layers: their state is snapshotted every this many pages for prefix reuse
@@ -86,6 +95,12 @@ class EngineConfig:
             raise ConfigError(f"max_context must be positive, got {self.max_context}")
         if not 0 <= self.decode_burst <= self.page_size:
             raise ConfigError(f"decode_burst must be in [0, page_size {self.page_size}], got {self.decode_burst}")
+        if self.ring_query_pass not in QUERY_PASSES:
+            raise ConfigError(f"ring_query_pass must be one of {QUERY_PASSES}, got {self.ring_query_pass!r}")
+        if self.ring_head_fusion.partition(":")[0] not in HEAD_FUSIONS:
+            raise ConfigError(f"ring_head_fusion must be one of {HEAD_FUSIONS}, got {self.ring_head_fusion!r}")
+        if not 0.0 <= self.ring_score_from < 1.0:
+            raise ConfigError(f"ring_score_from must be in [0, 1), got {self.ring_score_from}")
         if self.ring_prefetch_steps < 0:
             raise ConfigError(f"ring_prefetch_steps must be >= 0, got {self.ring_prefetch_steps}")
         if self.ring_budget_pages > self.num_slots:
@@ -275,6 +290,9 @@ class EngineConfig:
         p.add_argument("--ring-vote-top", type=int, default=int(env("KVMEM_RING_VOTE_TOP", "0")))
         p.add_argument("--ring-anchor-pages", type=int, default=int(env("KVMEM_RING_ANCHOR_PAGES", "0")))
         p.add_argument("--ring-exclude-recent", type=int, default=int(env("KVMEM_RING_EXCLUDE_RECENT", "0")))
+        p.add_argument("--ring-query-pass", default=env("KVMEM_RING_QUERY_PASS", "bound"), choices=QUERY_PASSES)
+        p.add_argument("--ring-score-from", type=float, default=float(env("KVMEM_RING_SCORE_FROM", "0")))
+        p.add_argument("--ring-head-fusion", default=env("KVMEM_RING_HEAD_FUSION", "sum"))
         p.add_argument("--audit-dir", default=env("KVMEM_RING_AUDIT_DIR", ""))
         p.add_argument(
             "--no-cuda-graphs",
@@ -341,6 +359,9 @@ class EngineConfig:
             ring_vote_top=a.ring_vote_top,
             ring_anchor_pages=a.ring_anchor_pages,
             ring_exclude_recent=bool(a.ring_exclude_recent),
+            ring_query_pass=a.ring_query_pass,
+            ring_head_fusion=a.ring_head_fusion,
+            ring_score_from=a.ring_score_from,
             audit_dir=a.audit_dir,
             cuda_graphs=not a.no_cuda_graphs,
             decode_overlap=not a.no_decode_overlap,

@@ -342,7 +342,7 @@ class DecodeGraphs:
             return False
         size = self.pool.page_size
         for w in works:
-            if w.num_new != 1 or w.score_only or w.score_tokens > 1 or not w.samples:
+            if w.num_new != 1 or w.score_only or w.exact_query or w.score_tokens > 1 or not w.samples:
                 return False
             ring = w.seq.ring
             if ring is not None and ring.policy == "exact":
@@ -425,7 +425,10 @@ class DecodeGraphs:
             assert self._last is not None, "page_scores before run"
             assert ring.summaries.layers == self.pool.paged_layers, (ring.summaries.layers, self.pool.paged_layers)
             q = self._last.queries.index_select(0, self._paged_index)[:, i].float() * self._query_scales  # [L, Hq, D]
-            bounds = ring.summaries.stacked_bounds(num_pages)
+            rows = ring.summaries.scored_rows()  # the layers that score (RingLimits.score_from)
+            if len(rows) < q.shape[0]:
+                q = q[torch.tensor(rows, dtype=torch.long, device=q.device)]
+            bounds = ring.summaries.stacked_bounds(num_pages, rows)
             out.append(ring.summaries.score(q.reshape(1, -1, q.shape[-1]), *bounds, self._score_scale))
         return out
 

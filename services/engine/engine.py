@@ -357,7 +357,7 @@ class Engine:
             self.ring.add_scores(ring, scores, w.score_tokens)
         candidates = w.start // self.limits.page_size
         end = w.start + w.num_new  # what the recent window covers once this selection is in use
-        if w.score_only:
+        if w.score_only or w.exact_query:  # the prompt's final selection
             ring.final_scored = True
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)
         elif w.score_tokens and w.seq.in_prefill:

@@ -178,7 +178,8 @@ class ModelRunner:
         span.touched_valid = (touched[:, None] * size + torch.arange(size, device=self.device)[None, :]) < end
         span.score_tokens = w.score_tokens
         span.score_pages = first_page if w.score_tokens else 0
-        if ring.policy == "exact":
+        span.score_by_attention = w.exact_query
+        if ring.policy == "exact" or w.exact_query:
             hidden = [p for p in range(first_page) if table.slot_ids[p] == NOT_RESIDENT]
             if hidden:
                 assert self.host is not None, "exact attention over host pages needs a host store"

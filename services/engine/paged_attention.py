@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.attention import causal_sdpa, grouped_sdpa, position_mask
-from services.engine.exact_attention import grouped_attention_lse, merge_partials, rows_to_heads
+from services.engine.exact_attention import grouped_attention_lse, merge_partials, page_mass, rows_to_heads
 from services.engine.kernels import triton_module
 from services.engine.kv_pool import KVPool
 from services.engine.summaries import PageSummaries
@@ -56,6 +56,9 @@ class SeqSpan:
     touched_valid: torch.Tensor | None = None  # [P, page_size] real tokens
     score_tokens: int = 0  # trailing new tokens whose queries score pages
     score_pages: int = 0  # pages [0, score_pages) are scored
+    # score by the real attention mass of the scoring tokens over every page (needs host_pages: the step attends
+    # all of them) instead of the Quest bound over the summaries
+    score_by_attention: bool = False
     host_pages: list[torch.Tensor] = field(default_factory=list)  # exact: uint8 [page_nbytes] each, on the device
     host_page_ids: list[int] = field(default_factory=list)  # their logical page indices
     # local rings (sliding-window layers): the window before the new tokens comes from the ring, the new
@@ -66,7 +69,9 @@ class SeqSpan:
     local_write_rows: torch.Tensor | None = None  # [K] ring rows of the last K new tokens (K = min(num_new, span))
     # pages the step finishes: (page, ring rows of its tokens before the step, new-token range [lo, hi))
     local_stage: list[tuple[int, torch.Tensor, int, int]] = field(default_factory=list)
-    scores: torch.Tensor | None = None  # accumulated [score_pages] after the forward
+    # after the forward: [score_pages] summed over layers (the bound), or with score_by_attention each layer's heads'
+    # mass [L * Hq, score_pages] (ring.fuse_heads ranks pages from it)
+    scores: torch.Tensor | None = None
 
 
 class StepAttention:
@@ -117,7 +122,7 @@ class StepAttention:
             q_s = q[start : start + span.num_new]
             if span.summaries is not None:
                 self._summarize(layer_idx, span)
-                if span.score_tokens:
+                if span.score_tokens and not span.score_by_attention and span.summaries.scores_layer(layer_idx):
                     self._score(layer_idx, span, q_s, scale)
             outs.append(self._attend_span(i, layer_idx, span, q_s, scale, window))
             start += span.num_new
@@ -218,6 +223,14 @@ class StepAttention:
             pairs = [(p, t) for p, t in pairs if p * size + size - 1 > span.num_past - window]
         q_pos = span.num_past + torch.arange(span.num_new, device=self.pool.device)
         offsets = torch.arange(size, device=self.pool.device)
+        scoring = span.score_by_attention and span.score_tokens > 0 and span.score_pages > 0
+        scoring = scoring and span.summaries is not None and span.summaries.scores_layer(layer_idx)
+        mass_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        if scoring:
+            key_pos = span.key_pos if span.key_pos is not None else torch.arange(k_s.shape[1], device=q_pos.device)
+            allowed = position_mask(q_pos[-span.score_tokens :], key_pos, window).repeat(self.group, 1)
+            resident_mask = torch.zeros(allowed.shape, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
+            mass_parts.append((k_s, key_pos, resident_mask))
         for i in range(0, len(pairs), self.staging_pages):
             batch = pairs[i : i + self.staging_pages]
             # staging: [Hkv, B * page, D] of this layer, moved to the pool's device
@@ -231,6 +244,16 @@ class StepAttention:
                 host_mask = torch.zeros(allowed.shape, device=self.pool.device).masked_fill_(~allowed, float("-inf"))
             out_h, lse_h = grouped_attention_lse(q_s, k_h, v_h, host_mask, scale)
             out, lse = merge_partials(out, lse, out_h, lse_h)
+            if scoring:
+                key_pos = torch.cat([p * size + offsets for p, _ in batch])
+                score_mask = None if host_mask is None else host_mask.view(self.group, span.num_new, -1)[
+                    :, -span.score_tokens :].reshape(self.group * span.score_tokens, -1)  # fmt: skip
+                mass_parts.append((k_h, key_pos, score_mask))
+        if scoring:
+            assert span.summaries is not None
+            # per head: [Hq, Np] mean over the scoring tokens; layers stacked (RingManager fuses the heads)
+            mass = page_mass(q_s[-span.score_tokens :], mass_parts, scale, span.score_pages, size).mean(dim=0)
+            span.scores = mass if span.scores is None else torch.cat((span.scores, mass))
         return rows_to_heads(out, q_s.shape[0], q_s.shape[1])
 
 

@@ -22,7 +22,7 @@ from services.engine.buckets import BucketCounts, BucketPlan, plan_buckets
 from services.engine.kv_pool import KVPool
 from services.engine.sequence import NOT_RESIDENT
 from services.engine.slots import SlotAllocator
-from services.engine.summaries import PageSummaries
+from services.engine.summaries import PageSummaries, fuse_heads
 from services.engine.transfers import device_index
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,12 @@ class RingLimits:
     # needed (0: a decode re-selection replaces the whole set, as before)
     anchor_pages: int = 0
     exclude_recent: bool = False  # selection skips pages the recent window keeps resident anyway
+    # the prompt's selection: "bound" (a scoring pass over the Quest bound), "attention" (a scoring pass that
+    # attends every page, host ones streamed, ranked by its real attention mass), "exact" (the last chunk itself
+    # attends every page and ranks them by its attention; no scoring pass)
+    query_pass: str = "bound"
+    score_from: float = 0.0  # layers below this fraction of the model's depth score no pages (PageSummaries)
+    head_fusion: str = "sum"  # how per-head attention masses (query_pass attention / exact) rank pages: fuse_heads
 
 
 @dataclass
@@ -193,6 +199,7 @@ class RingManager:
         first, last = ring.query_start // size, (prompt_len - 1) // size
         ring.skeleton = set(range(max(first, last - self.limits.skeleton_pages + 1), last + 1))
         ring.summaries.vote_top = self.limits.vote_top
+        ring.summaries.score_from = self.limits.score_from
 
     def summarize(self, ring: SeqRing, slot_ids: list[int], pages: range | list[int]) -> None:
         """Summaries of resident full pages from the pool (pages reused from the prefix cache)."""
@@ -315,6 +322,10 @@ class RingManager:
     def add_scores(self, ring: SeqRing, scores: torch.Tensor, num_query_tokens: int) -> None:
         """Accumulate one step's page scores ([pages], unit mass per query token and head)."""
         scores = scores.detach().float().cpu()
+        if scores.dim() == 2:  # per-head masses [heads, pages] of an attention query pass (fused in select)
+            ring.scores = scores
+            ring.scored_tokens += num_query_tokens
+            return
         if ring.scores is None or ring.scores.shape[0] < scores.shape[0]:
             grown = torch.zeros(scores.shape[0])
             if ring.scores is not None:
@@ -401,11 +412,17 @@ class RingManager:
         if not lim.retrieval or ring.scores is None:
             ring.evidence = set()
             return
-        scores = ring.scores[:num_candidate_pages]
         excluded = set(range(lim.protect_pages)) | ring.skeleton
         if lim.exclude_recent and end_tokens:
             first_recent = -(-end_tokens // lim.page_size) - lim.recent_pages
             excluded |= set(range(max(0, first_recent), num_candidate_pages))
+        if ring.scores.dim() == 2:  # per-head masses: fused over the candidates only
+            mass = ring.scores[:, :num_candidate_pages]
+            candidate = torch.ones(mass.shape[-1], dtype=torch.bool)
+            candidate[[p for p in excluded if p < mass.shape[-1]]] = False
+            scores = fuse_heads(mass, candidate, lim.head_fusion)
+        else:
+            scores = ring.scores[:num_candidate_pages]
         ranked: list[int] = torch.argsort(scores, descending=True, stable=True).tolist()
         decoding = ring.final_scored and bool(ring.anchor)
         kept = [p for p in ring.anchor[: lim.anchor_pages] if p not in excluded] if decoding else []

@@ -68,6 +68,9 @@ class Work(NamedTuple):
     num_steps: int = 1  # a decode burst: this many greedy decode steps in a row (num_new == 1)
     on_device: bool = False  # its input token is the last step's argmax, not read by the host yet
     device_argmax: bool = False  # its tokens are each step's argmax, chosen on the device (a greedy decode burst)
+    # the step attends every earlier page, host-only ones streamed in, and its scoring tokens rank the pages by
+    # their real attention mass (RingLimits.query_pass "attention" and "exact"): the prompt's final selection
+    exact_query: bool = False
 
     @property
     def samples(self) -> bool:
@@ -265,7 +268,10 @@ class Scheduler:
             if ring.final_scored or not lim.retrieval:
                 return Work(seq, seq.num_computed, want)
             query_from = max(seq.num_computed, ring.query_start, end - lim.max_query)
-            return Work(seq, seq.num_computed, want, score_tokens=end - query_from, score_only=True)
+            if lim.query_pass == "exact":  # the chunk attends every page itself: no scoring pass
+                return Work(seq, seq.num_computed, want, score_tokens=end - query_from, exact_query=True)
+            return Work(seq, seq.num_computed, want, score_tokens=end - query_from, score_only=True,
+                        exact_query=lim.query_pass == "attention")  # fmt: skip
         return Work(seq, seq.num_computed, want, score_tokens=min(want, lim.query_tail))
 
     def _rescore_at(self, clock: int) -> bool:

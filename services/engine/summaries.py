@@ -77,6 +77,17 @@ class PageSummaries:
         self.kmean = torch.zeros(shape, dtype=torch.float32, device=device)
         self.num_pages = 0  # pages summarised so far (0..num_pages-1 valid)
         self.vote_top = 0  # page scoring: 0 sums every head's mass (page_scores); k > 0 counts each head's top k
+        self.num_layers = num_layers
+        self.score_from = 0.0  # layers below this fraction of the model's depth score no pages (RingLimits)
+
+    def scores_layer(self, layer_idx: int) -> bool:
+        """Whether a (summarised) layer's queries score pages: the early layers' attention is mostly positional
+        and local, and adds noise to the ranking (bench/longeval/fusion_sim.py measured it)."""
+        return layer_idx >= self.score_from * self.num_layers
+
+    def scored_rows(self) -> list[int]:
+        """The rows (indices into `layers`) of the layers that score pages."""
+        return [i for i, layer in enumerate(self.layers) if self.scores_layer(layer)]
 
     def score(self, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
         """This sequence's page scores [Np] of queries q [T, Hq, D] against bounds [Np, Hkv, D] (one layer's,
@@ -90,15 +101,15 @@ class PageSummaries:
         row = self._row[layer_idx]
         return self.kmin[row, :num_pages], self.kmax[row, :num_pages]
 
-    def stacked_bounds(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def stacked_bounds(self, num_pages: int, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """kmin, kmax [num_pages, L * Hkv, D]: every summarised layer's KV heads side by side (in
         `layers` order), so that one page_scores call over queries [T, L * Hq, D] (the same layers' heads
         side by side) scores all of them: its sum over heads is the sum of the per-layer scores."""
         flat = (num_pages, -1, self.kmin.shape[-1])
-        return (
-            self.kmin[:, :num_pages].transpose(0, 1).reshape(flat),
-            self.kmax[:, :num_pages].transpose(0, 1).reshape(flat),
-        )
+        kmin, kmax = self.kmin[:, :num_pages], self.kmax[:, :num_pages]
+        if rows is not None and len(rows) < len(self.layers):  # only these layers (scored_rows)
+            kmin, kmax = kmin[rows], kmax[rows]
+        return kmin.transpose(0, 1).reshape(flat), kmax.transpose(0, 1).reshape(flat)
 
     def _tables(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         row = self._row[layer_idx]
@@ -207,13 +218,20 @@ def page_votes(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: f
     page instead (page_scores) lets the long tail of many uninformative heads outweigh the few that
     know where to look. Plain torch on any device (the [T, Hq, Np] bounds are small at the T of a
     question or a decode step)."""
-    num_pages = kmin.shape[0]
-    if num_pages == 0:
+    if kmin.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float32, device=q.device)
-    probs = torch.softmax(page_bounds(q, kmin, kmax) * scale, dim=-1).mean(dim=0)  # [Hq, Np]
-    k = min(top, num_pages)
-    mass, pages = probs.topk(k, dim=-1)
-    return torch.zeros(num_pages, dtype=torch.float32, device=q.device).index_add_(
+    return head_votes(torch.softmax(page_bounds(q, kmin, kmax) * scale, dim=-1), top)
+
+
+def head_votes(probs: torch.Tensor, top: int) -> torch.Tensor:
+    """probs [T, Hq, Np] (each query head's distribution, or real attention mass, over pages per token) ->
+    [Np]: each head's mass averaged over its tokens, given to its `top` best pages only (top 0: summed over
+    every page, page_scores' rule)."""
+    if top <= 0:
+        return probs.sum(dim=(0, 1))
+    per_head = probs.mean(dim=0)  # [Hq, Np]
+    mass, pages = per_head.topk(min(top, per_head.shape[-1]), dim=-1)
+    return torch.zeros(per_head.shape[-1], dtype=torch.float32, device=probs.device).index_add_(
         0, pages.reshape(-1), mass.reshape(-1)
     )
 
@@ -224,3 +242,32 @@ def mean_key_scores(q: torch.Tensor, kmean: torch.Tensor, scale: float) -> torch
     k = kmean.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)  # [Hq, Np, D]
     logits = torch.bmm(q.float().transpose(0, 1), k.transpose(1, 2)) * scale  # [Hq, T, Np]
     return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+
+
+HEAD_FUSIONS = ("sum", "norm", "rrf")  # fuse_heads' rules ("rrf:K" sets rrf's constant, default 1)
+
+
+def fuse_heads(mass: torch.Tensor, candidate: torch.Tensor, rule: str) -> torch.Tensor:
+    """Page scores [Np] from every head's attention mass over pages, [H, Np], counting candidate pages only
+    (`candidate` [Np] bool; the rest score 0): `sum` adds the raw masses (heads that look at many pages
+    outweigh the few that single one out), `norm` first rescales each head's mass over the candidates to
+    one (every head one vote, spread as it attends), `rrf:K` reciprocal-rank fusion: a page gets
+    1 / (K + rank) from every head that ranks it (rank 1 = the head's most attended candidate), so a page
+    that many heads put first wins however little mass those heads give it in absolute terms."""
+    name, _, arg = rule.partition(":")
+    out = torch.zeros(mass.shape[-1], dtype=torch.float32, device=mass.device)
+    if not bool(candidate.any()):
+        return out
+    m = mass[:, candidate].float()
+    if name == "sum":
+        fused = m.sum(dim=0)
+    elif name == "norm":
+        fused = (m / m.sum(dim=1, keepdim=True).clamp(min=1e-30)).sum(dim=0)
+    elif name == "rrf":
+        k = float(arg) if arg else 1.0
+        ranks = m.argsort(dim=1, descending=True).argsort(dim=1).float()  # 0 = the head's first
+        fused = (1.0 / (k + 1.0 + ranks)).sum(dim=0)
+    else:
+        raise ValueError(f"head fusion {rule!r} is not one of {', '.join(HEAD_FUSIONS)}")
+    out[candidate] = fused
+    return out

@@ -4,6 +4,7 @@ response says which prefill policy was used and flags the sparse answer."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 
@@ -49,3 +50,39 @@ def test_passkey_four_times_the_pool(ring_stack: Stack, passkey: tuple[str, str]
     assert plan["prefill_policy"] == policy
     assert bool(plan["unverified"]) is (policy == "sparse")
     assert r.usage.prompt_tokens > 4 * 900
+
+
+@pytest.fixture(scope="module")
+def attention_stack(redis_url: str) -> Iterator[Stack]:
+    """The same stack with the prompt's pages chosen by the question's real attention (issue 25): the guard
+    passes the question's span, the engine's last chunk attends every page and fuses its heads' masses."""
+    env = {
+        "KVMEM_RING_QUERY_PASS": "exact",
+        "KVMEM_RING_HEAD_FUSION": "norm",
+        "KVMEM_CACHEGUARD_QUERY_SPAN": "question",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the launcher's children inherit it
+    cfg = LaunchConfig(port=free_port(), redis_url=redis_url, host_kv_mib=512, max_context=4096, kv_capacity=1024,
+                       ready_timeout_s=300)  # fmt: skip
+    stack = Stack(cfg, echo=False)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_passkey_through_an_attention_query_pass(attention_stack: Stack, passkey: tuple[str, str]) -> None:
+    prompt, key = passkey
+    client = openai.OpenAI(base_url=f"{attention_stack.url}/v1", api_key="none", max_retries=0, timeout=600)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"kvmem": {"over_pool_policy": "sparse"}})  # fmt: skip
+    assert key in r.choices[0].text
+    plan = r.model_extra["kvmem"]["plan"]
+    assert plan["prefill_policy"] == "sparse" and plan["unverified"]

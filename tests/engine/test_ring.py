@@ -343,3 +343,47 @@ def test_voting_selection_runs_through_prefill_and_decode(model, smol_tokenizer:
     tokens, done = drain(events_of(seq))
     assert done.prefill_policy == "sparse" and done.unverified and len(tokens) == 12
     assert seq.ring is None and engine.ring.num_restores > 0
+
+
+@pytest.mark.parametrize("query_pass", ["attention", "exact"])
+def test_attention_query_pass_runs_through_prefill_and_decode(
+    model, smol_tokenizer: Tokenizer, store_address: str, query_pass: str
+) -> None:
+    """The prompt's selection by real attention (issue 25): `attention` runs a scoring pass that streams the host
+    pages, `exact` none (the last chunk itself attends every page); both select from per-head masses, keep the
+    bucket identity at every step and decode with re-selections."""
+    limits = ring_limits(budget_pages=8, query_pass=query_pass, head_fusion="norm", anchor_pages=1, score_from=0.5)
+    engine = make_engine(model, smol_tokenizer, num_slots=8, ring=limits, ring_chunk=8, store_address=store_address)
+    seen: list = []
+    run = engine.runner.run
+
+    def spy(works):  # type: ignore[no-untyped-def]
+        seen.extend((w.score_only, w.exact_query, w.score_tokens) for w in works)
+        return run(works)
+
+    engine.runner.run = spy  # type: ignore[method-assign]
+    anchors: list[list[int]] = []
+    rows: list[int] = []
+    select = engine.ring.select
+
+    def record(ring, *args, **kwargs):  # type: ignore[no-untyped-def]
+        per_head = ring.scores is not None and ring.scores.dim() == 2
+        if per_head:
+            rows.append(ring.scores.shape[0])
+        select(ring, *args, **kwargs)
+        if per_head:
+            anchors.append(list(ring.anchor))
+
+    engine.ring.select = record  # type: ignore[method-assign]
+    seq = engine.submit("q", _prompt(70, 7), greedy(10), query_start=62)
+    _run_checking_buckets(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert done.prefill_policy == "sparse" and done.unverified and len(tokens) == 10
+    exact_works = [w for w in seen if w[1]]
+    assert len(exact_works) == 1 and exact_works[0][2] == 70 - 62  # scored: the query span, 62 to the end
+    assert exact_works[0][0] == (query_pass == "attention")  # a scoring pass only for `attention`
+    assert sum(1 for w in seen if w[0]) == (1 if query_pass == "attention" else 0)
+    assert len(anchors) == 1 and anchors[0] and 0 not in anchors[0]  # one per-head selection; the sink excluded
+    cfg = model.config  # score_from 0.5: only the upper half of the layers' heads rank pages
+    assert rows == [(cfg.num_layers - cfg.num_layers // 2) * cfg.num_heads]
+    assert engine.ring.num_restores > 0

@@ -92,3 +92,86 @@ def test_decode_reselection_keeps_the_prompts_anchor_pages() -> None:
     manager.select(ring, 30, "r", 1)
     assert ring.evidence == {5, 9, 25, 26}  # the two best of the prompt's, then the decode step's best
     assert ring.anchor == [5, 9, 12, 20]  # unchanged by decode re-selections
+
+
+# -- real attention query pass (RingLimits.query_pass "attention" / "exact") and head fusion ----------------
+
+
+def test_page_mass_is_the_softmax_over_all_parts_summed_per_page() -> None:
+    """Two parts (resident rows with a causal mask, host pages without) against a brute-force softmax over
+    their union: per query head, the mass on each page; keys past num_pages count in the softmax only."""
+    from services.engine.exact_attention import page_mass
+
+    torch.manual_seed(0)
+    size, hkv, group, d = 4, 2, 3, 8
+    q = torch.randn(2, hkv * group, d)  # 2 query tokens at positions 22, 23
+    q_pos = torch.tensor([22, 23])
+    res_pos = torch.tensor([0, 1, 2, 3, 20, 21, 22, 23])  # page 0 and the current page 5 (past num_pages=5)
+    host_pos = torch.arange(8, 16)  # pages 2, 3 from the host
+    k_res, k_host = torch.randn(hkv, len(res_pos), d), torch.randn(hkv, len(host_pos), d)
+    allowed = (res_pos[None, :] <= q_pos[:, None]).repeat(group, 1)  # [G * Tq, T]: rows (group member, token)
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    got = page_mass(q, [(k_res, res_pos, mask), (k_host, host_pos, None)], 0.5, num_pages=5, page_size=size)
+    assert got.shape == (2, hkv * group, 5)
+    keys = torch.cat((k_res, k_host), dim=1)
+    pos = torch.cat((res_pos, host_pos))
+    for t in range(2):
+        for h in range(hkv * group):
+            logits = (keys[h // group] @ q[t, h]) * 0.5
+            logits[pos > q_pos[t]] = float("-inf")
+            p = torch.softmax(logits, 0)
+            want = torch.zeros(6).index_add_(0, (pos // size).clamp(max=5), p)[:5]
+            assert torch.allclose(got[t, h], want, atol=1e-5), (t, h)
+    assert float(got[:, :, 1].abs().max()) == 0.0 and float(got[:, :, 4].abs().max()) == 0.0  # pages never read
+
+
+def test_fuse_heads_rules() -> None:
+    from services.engine.summaries import fuse_heads
+
+    # 3 heads over 4 pages; page 0 excluded (a sink every head loves)
+    mass = torch.tensor([[0.90, 0.02, 0.05, 0.03], [0.50, 0.30, 0.11, 0.10], [0.80, 0.01, 0.02, 0.18]])
+    candidate = torch.tensor([False, True, True, True])
+    summed = fuse_heads(mass, candidate, "sum")
+    assert torch.allclose(summed, torch.tensor([0.0, 0.33, 0.18, 0.31]))
+    norm = fuse_heads(mass, candidate, "norm")  # each head's candidates' mass rescaled to one
+    rows = mass[:, 1:] / mass[:, 1:].sum(dim=1, keepdim=True)
+    assert torch.allclose(norm, torch.cat((torch.zeros(1), rows.sum(dim=0))), atol=1e-6)
+    # ranks over pages 1..3 per head: (2, 0, 1), (0, 1, 2), (2, 1, 0); a page gets 1 / (1 + 1 + rank) from each
+    rrf = fuse_heads(mass, candidate, "rrf:1")
+    want = torch.tensor([0.0, 1 / 4 + 1 / 2 + 1 / 4, 1 / 2 + 1 / 3 + 1 / 3, 1 / 3 + 1 / 4 + 1 / 2])
+    assert torch.allclose(rrf, want, atol=1e-6) and int(rrf.argmax()) == 2  # summed mass would pick page 1
+    try:
+        fuse_heads(mass, candidate, "max")
+    except ValueError as exc:
+        assert "sum, norm, rrf" in str(exc)
+    else:
+        raise AssertionError("an unknown rule must raise")
+
+
+def test_select_fuses_per_head_masses_over_the_candidates_only() -> None:
+    """Per-head masses [heads, pages] (an attention query pass): protect pages and the skeleton never count,
+    so a head that puts most of its mass on the sink still votes for its best candidate (norm)."""
+    manager, ring = _manager(head_fusion="norm")
+    ring.skeleton = {19}
+    mass = torch.zeros(3, 20)
+    mass[:, 0] = 0.9  # the sink (protect page 0) takes most of every head's mass
+    mass[0, 7], mass[1, 7], mass[2, 11] = 0.05, 0.04, 0.08
+    mass[:, 19] = 0.05  # the skeleton
+    mass[0, 3] = 0.01
+    manager.add_scores(ring, mass, 2)
+    ring.final_scored = True
+    manager.select(ring, num_candidate_pages=20, request_id="r", step=0)
+    assert ring.anchor[:2] == [7, 11] and 0 not in ring.evidence and 19 not in ring.evidence
+
+
+def test_score_from_skips_the_early_layers() -> None:
+    s = PageSummaries(4, 6, 2, 8, torch.device("cpu"), layers=[0, 1, 3])
+    s.kmin.copy_(torch.randn_like(s.kmin))
+    s.kmax.copy_(s.kmin + 1)
+    assert s.scored_rows() == [0, 1, 2]
+    s.score_from = 0.5  # layers 2 and 3 of 4 score; layer 3 is row 2
+    assert not s.scores_layer(1) and s.scores_layer(3) and s.scored_rows() == [2]
+    kmin, kmax = s.stacked_bounds(5, s.scored_rows())
+    assert torch.equal(kmin, s.kmin[2, :5]) and torch.equal(kmax, s.kmax[2, :5])
+    full = s.stacked_bounds(5)[0]
+    assert full.shape == (5, 6, 8) and torch.equal(full[:, 4:], kmin)
