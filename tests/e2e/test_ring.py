@@ -78,6 +78,7 @@ def attention_stack(redis_url: str) -> Iterator[Stack]:
                 os.environ[k] = v
 
 
+@pytest.mark.slow  # a second stack (~1-3 min on 2 cores): run on purpose with -m slow
 def test_passkey_through_an_attention_query_pass(attention_stack: Stack, passkey: tuple[str, str]) -> None:
     prompt, key = passkey
     client = openai.OpenAI(base_url=f"{attention_stack.url}/v1", api_key="none", max_retries=0, timeout=600)
