@@ -13,6 +13,11 @@ A request's grammar becomes a `GrammarMatcher` on its Sequence (engine.submit): 
 sampler asks it for the bitmask of allowed tokens (`fill`), applies it to the logits row on the device
 (`apply_token_bitmask`, a torch op: CPU and CUDA alike) and the engine advances it with the chosen token. When the
 grammar is complete only the model's end-of-sequence tokens are allowed, so the answer stops there.
+
+Reading the vocabulary for xgrammar takes seconds: the engine's `GrammarTables` builds the compiler (and every
+token's bytes, which logprobs report) on a background thread from Engine.start; a first constrained request waits
+for what is left of that build. A constrained request's tokens are chosen on the host, so it cannot run inside a
+decode burst; split steps (scheduler.py) let the greedy requests beside it keep bursting.
 """
 
 from __future__ import annotations
