@@ -8,7 +8,8 @@ apart, and every one of them is a failure of the run.
 
     python -m bench.schema_validity --count 200 --concurrency 16 --max-tokens 1024 --out bench/results/x.json
 
-`--first` picks the schemas (0..199 is the reported set; the prompt and max_tokens were chosen on 1000..1031).
+`--first` picks the schemas (0..199 is the reported set; the prompt and max_tokens were chosen on 1000..1031);
+`--ids` runs some again (e.g. the truncated ones with a larger max_tokens and `--max-context`).
 Without `--url` the bench launches its own stack (deploy.launcher, its own redis) on `--port` and stops it.
 """
 
@@ -109,6 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=200)
     ap.add_argument("--first", type=int, default=0)
+    ap.add_argument("--ids", default="", help="comma-separated schema ids instead of --first/--count")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--max-context", type=int, default=2048)
@@ -117,7 +119,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    ids = list(range(a.first, a.first + a.count))
+    ids = [int(i) for i in a.ids.split(",")] if a.ids else list(range(a.first, a.first + a.count))
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     t_start = time.perf_counter()
@@ -143,7 +145,8 @@ def main() -> None:
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": os.environ.get("KVMEM_COMMIT") or commit(),
-        "model": MODEL, "schemas": f"{ids[0]}..{ids[-1]}", "concurrency": a.concurrency, "max_tokens": a.max_tokens,
+        "model": MODEL, "schemas": a.ids or f"{ids[0]}..{ids[-1]}", "concurrency": a.concurrency,
+        "max_tokens": a.max_tokens, "max_context": a.max_context,
         "wall_s": round(wall, 1), "completion_tokens_total": sum(tokens),
         "completion_tokens_max": max(tokens, default=0), **counts,
     }  # fmt: skip
