@@ -7,8 +7,8 @@ what the GPU path does with bursts).
 
     python -m bench.neighbour_decode --neighbours 4 --tokens 64 --bursts 1 4 --repeats 2 --threads 1
 
-With bursts on, split steps (scheduler.py, a533893) let the greedy neighbours burst beside the odd request; run
-the same file against an older checkout (PYTHONPATH) for the numbers without them.
+`--split-bursts` turns split steps on (scheduler.py): the greedy neighbours burst beside the odd request (at
+a533893..a92a520 they were on by default, which is how bench/results/neighbour_decode_cpu_*.txt measured them).
 """
 
 from __future__ import annotations
@@ -110,12 +110,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--split-bursts", action="store_true", help="split steps on (scheduler.py; off by default)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for burst in a.bursts:
         cfg = EngineConfig(
-            device=a.device, max_context=2048, kv_capacity=8192, decode_burst=burst, num_threads=a.threads
+            device=a.device,
+            max_context=2048,
+            kv_capacity=8192,
+            decode_burst=burst,
+            num_threads=a.threads,
+            split_bursts=a.split_bursts,
         )
         engine, info = build_engine(cfg)
         tables = getattr(engine, "grammar_tables", None)  # (absent before 7aff6a0: built at the first grammar)

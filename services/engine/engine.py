@@ -67,6 +67,7 @@ class EngineLimits:
     ring_chunk: int = 0
     decode_burst: int = 1  # greedy decode steps one step may run on the device (scheduler.py: decode bursts)
     decode_overlap: bool = True  # launch the next burst before reading the last one's tokens (module docstring)
+    split_bursts: bool = False  # split steps around host-sampled requests (scheduler.py)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.slots, limits.page_size, limits.prefill_chunk, limits.max_running, limits.model_id,
             limits.kv_format, self.ring, limits.ring_chunk, self._new_ring if self.ring else None, self.pool,
-            runner.host, limits.decode_burst, runner.accepts_burst, runner.states,
+            runner.host, limits.decode_burst, runner.accepts_burst, runner.states, limits.split_bursts,
         )  # fmt: skip
         self.stats = EngineStats()
         self.ring_snapshot = RingSnapshot()

@@ -27,7 +27,8 @@ sequences out (they rest: nothing of theirs is scheduled, so their clocks, pages
 greedy ones burst; the next runs every sequence one step, the host sampling its rows. The greedy neighbours keep
 most of their burst speed; a host-sampled sequence gets one token per burst + one steps of the device. Each
 sequence still runs exactly its own steps, so its tokens and the pages its steps attend are those of the
-unsplit schedule.
+unsplit schedule. Off by default (`split_bursts`): on the CPU (bench/neighbour_decode.py) it slowed the
+host-sampled request 4-5x and the neighbours' gain was within the noise; the GPU, where bursts matter, is unmeasured.
 
 Overlapped bursts: `continue_decode` schedules the decode step (or burst) after one still on the device,
 for the same sequences, before its tokens are read (engine.py): the launched burst's tokens hold their
@@ -104,7 +105,9 @@ class Scheduler:
         decode_burst: int = 1,
         burst_ok: Callable[[list[Work]], bool] | None = None,
         states: RecurrentStates | None = None,
+        split_bursts: bool = False,
     ) -> None:
+        self.split_bursts = split_bursts  # split steps around host-sampled decodes (module docstring)
         self.states = states  # linear-attention layers' states (qwen3_5): prefixes end where a snapshot is
         self.num_state_restores = 0  # prefixes that restored a recurrent-state snapshot
         self.decode_burst = decode_burst  # most decode steps one step may run (1: no bursts)
@@ -185,7 +188,7 @@ class Scheduler:
         nothing waits, every running sequence decodes and some but not all of them choose their tokens on the
         host, every other step leaves those out so that the greedy ones run as a burst; the step between runs
         every sequence once. Empty otherwise (and the alternation starts afresh)."""
-        if self.decode_burst <= 1 or self.burst_ok is None or self.waiting:
+        if not self.split_bursts or self.decode_burst <= 1 or self.burst_ok is None or self.waiting:
             self._rest_turn = False
             return set()
         running = [s for s in self.running if s.status is SeqStatus.RUNNING]

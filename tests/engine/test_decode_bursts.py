@@ -1,9 +1,9 @@
 """Decode bursts through the engine (several greedy steps per host round trip, scheduler.py) and overlapped
 bursts (each launched before the one before it is read, engine.py), on tiny Llama and tiny Gemma 3 (also with
 local rings): the same tokens, finish reasons and reusable K/V as one step at a time; bursts kept inside a
-page, ended at re-selection steps and where a re-selection takes effect; split steps around a host-sampled
-request (greedy neighbours burst without it, then everyone steps once); a chain of overlapped bursts ends for an
-arriving request or an abort. The runner-level burst checks are in
+page, ended at re-selection steps and where a re-selection takes effect, never for sampled requests unless split
+steps are on (greedy neighbours burst without the host-sampled request, then everyone steps once); a chain of
+overlapped bursts ends for an arriving request or an abort. The runner-level burst checks are in
 test_decode_graph.py.
 """
 
@@ -126,7 +126,7 @@ def test_split_steps_let_greedy_neighbours_burst_beside_a_host_sampled_request(
     (the sampled one's too: its generator draws once per own step)."""
     params = [greedy(12), odd, greedy(12)]
     single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "split1", num_slots=64)
-    split, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "split4", num_slots=64)
+    split, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "split4", num_slots=64, split_bursts=True)
     assert [t for t, _ in split] == [t for t, _ in single] and [len(t) for t, _ in split] == [12, 12, 12]
     pattern = _split_pattern(steps, "b1", {"b0", "b2"})
     assert pattern.count("burst") >= 2
@@ -135,10 +135,18 @@ def test_split_steps_let_greedy_neighbours_burst_beside_a_host_sampled_request(
     assert _check_bursts(steps) >= 2
 
 
+def test_a_sampled_request_keeps_the_step_one_token_at_a_time_by_default(model, smol_tokenizer: Tokenizer) -> None:
+    params = [greedy(12), SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True), greedy(12)]
+    _, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "sampled", num_slots=64)
+    assert _check_bursts(steps[:-12]) == 0  # while the sampled request runs (it decodes to the end with the others)
+
+
 def test_without_greedy_neighbours_host_sampled_requests_step_together(model, smol_tokenizer: Tokenizer) -> None:
     """Nothing to burst: every step runs every request (no request ever rests)."""
     sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
-    _, steps, _ = _burst_run(model, smol_tokenizer, 4, [sampled] * 2, "nosplit", num_slots=64, lengths=(7, 9))
+    _, steps, _ = _burst_run(
+        model, smol_tokenizer, 4, [sampled] * 2, "nosplit", num_slots=64, lengths=(7, 9), split_bursts=True
+    )
     decoding = [ws for ws in steps if all(w.num_new == 1 for w in ws)]
     assert decoding and all(len(ws) == 2 for ws in decoding[:-1]) and _check_bursts(steps) == 0
 
@@ -186,6 +194,7 @@ def test_ring_bursts_end_at_re_selection_steps(
     params = [greedy(20)] * len(lengths)
     if len(lengths) > 1:  # and one host-sampled request: split steps around it (the sequences' own steps stay)
         params[1] = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+        kw["split_bursts"] = True
     single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "ring1", lengths=lengths, **kw)
     burst, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "ring4", lengths=lengths, **kw)
     assert _check_bursts(steps) >= 3
