@@ -1,10 +1,16 @@
-"""Constrained decoding on the real model: N random JSON schemas (tests/engine/schema_gen.py: nested objects,
-arrays, enums, numbers, required and optional fields) through an in-process engine with SmolLM2, in waves of
-`--batch` concurrent requests; every finished answer must parse and validate against its schema. Then, in the
-same run and on the same prompts, the decode time per token of the constrained requests against the same requests
-unconstrained (greedy: decode bursts where the device allows; and sampled at temperature 1: the host sampler).
+"""Structured output through the real stack: N random JSON schemas (tests/engine/schema_gen.py: nested objects,
+arrays, enums, numbers, required and optional fields; seeded, the same on every machine) sent to the gateway over
+HTTP with the openai SDK as `response_format: {type: json_schema, json_schema: {schema, strict: true}}`, greedy,
+`--concurrency` requests in flight (a new one starts as soon as one ends). Every answer that finished
+(`finish_reason: stop`) must parse and validate against its schema (`jsonschema`); answers cut by max_tokens
+(`finish_reason: length`: an unfinished document, as OpenAI, vLLM and SGLang return it) and errors are counted
+apart, and every one of them is a failure of the run.
 
-    python -m bench.schema_validity --count 200 --batch 16 --max-tokens 200
+    python -m bench.schema_validity --count 200 --concurrency 16 --max-tokens 1024 --out bench/results/x.json
+
+`--first` picks the schemas (0..199 is the reported set; the prompt and max_tokens were chosen on 1000..1031);
+`--ids` runs some again (e.g. the truncated ones with a larger max_tokens and `--max-context`).
+Without `--url` the bench launches its own stack (deploy.launcher, its own redis) on `--port` and stops it.
 """
 
 from __future__ import annotations
@@ -12,105 +18,145 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import subprocess
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import jsonschema
+import openai
 
-from services.engine.builder import build_engine
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.grammar import GrammarSpec
-from services.engine.sampling import SamplingParams
-from services.engine.sequence import Chunk, Done, Failed, FinishReason
+from deploy.launcher import LaunchConfig, Stack
 from tests.engine.schema_gen import random_schema
 
 logger = logging.getLogger(__name__)
 
-
-def _prompt(engine: Engine, schema: dict) -> list[int]:
-    text = (
-        "<|im_start|>system\nYou answer with one JSON object.<|im_end|>\n<|im_start|>user\n"
-        f"Give an example object for this JSON schema: {json.dumps(schema)}<|im_end|>\n<|im_start|>assistant\n"
-    )
-    return engine.tokenizer.encode(text)
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = "You answer with one JSON object. Keep every string value short."
 
 
-def _run_wave(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list[tuple], float]:
+@dataclass
+class Outcome:
+    schema_id: int
+    verdict: str  # valid | invalid | truncated | error
+    finish_reason: str
+    completion_tokens: int
+    seconds: float
+    detail: str = ""  # why invalid / the error
+    text: str = ""
+
+
+def messages(schema: dict[str, Any]) -> list[dict[str, str]]:
+    user = f"Give an example object for this JSON schema: {json.dumps(schema)}"
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def judge(schema_id: int, schema: dict[str, Any], text: str, finish: str, tokens: int, secs: float) -> Outcome:
+    """The verdict of one answer: valid when it finished, parses and validates against its schema."""
+    if finish == "length":
+        return Outcome(schema_id, "truncated", finish, tokens, secs, "cut by max_tokens", text)
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
+        return Outcome(schema_id, "invalid", finish, tokens, secs, f"{type(exc).__name__}: {str(exc)[:300]}", text)
+    return Outcome(schema_id, "valid" if finish == "stop" else "invalid", finish, tokens, secs, "", text)
+
+
+def ask(client: openai.OpenAI, schema_id: int, max_tokens: int) -> Outcome:
+    schema = random_schema(schema_id)
     t0 = time.perf_counter()
-    pairs = enumerate(zip(prompts, params, strict=True))
-    seqs = [engine.submit(f"s{i}-{time.monotonic_ns()}", p, q) for i, (p, q) in pairs]
-    out = []
-    for seq in seqs:
-        text, tokens = [], 0
-        while True:
-            ev = seq.events.get(timeout=600)
-            if isinstance(ev, Chunk):
-                text.append(ev.text)
-                tokens += len(ev.token_ids)
-                continue
-            out.append(("".join(text), tokens, ev))
-            break
-    return out, time.perf_counter() - t0
+    try:
+        r = client.chat.completions.create(
+            model=MODEL, messages=messages(schema), temperature=0, max_tokens=max_tokens,  # type: ignore[arg-type]
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": f"s{schema_id}", "schema": schema, "strict": True}},
+        )  # fmt: skip
+    except openai.APIError as exc:
+        return Outcome(schema_id, "error", "", 0, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"[:300])
+    choice = r.choices[0]
+    tokens = r.usage.completion_tokens if r.usage else 0
+    text = choice.message.content or ""
+    return judge(schema_id, schema, text, choice.finish_reason or "", tokens, time.perf_counter() - t0)
+
+
+@contextmanager
+def stack_at(url: str, port: int, max_context: int) -> Iterator[str]:
+    if url:
+        yield url
+        return
+    cfg = LaunchConfig(port=port, host_kv_mib=256, max_context=max_context, kv_capacity=16384, ready_timeout_s=600)
+    s = Stack(cfg, echo=False)
+    s.start()
+    try:
+        yield s.url
+    finally:
+        s.stop()
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=200)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--timing-waves", type=int, default=1, help="waves also run unconstrained, for the cost table")
+    ap.add_argument("--first", type=int, default=0)
+    ap.add_argument("--ids", default="", help="comma-separated schema ids instead of --first/--count")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--max-context", type=int, default=2048)
+    ap.add_argument("--url", default="", help="a running gateway (default: launch a stack)")
+    ap.add_argument("--port", type=int, default=18210)
+    ap.add_argument("--out", default="")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    engine, info = build_engine(EngineConfig(device=a.device, max_context=2048, kv_capacity=16384,
-                                             max_running=a.batch, max_waiting=4 * a.batch))  # fmt: skip
-    valid = finished = truncated = 0
-    failures: list[str] = []
-    timing: dict[str, list[float]] = {"constrained": [0, 0], "greedy": [0, 0], "sampled": [0, 0]}
+    ids = [int(i) for i in a.ids.split(",")] if a.ids else list(range(a.first, a.first + a.count))
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
     t_start = time.perf_counter()
-    try:
-        for start in range(0, a.count, a.batch):
-            ids = list(range(start, min(start + a.batch, a.count)))
-            schemas = [random_schema(i) for i in ids]
-            prompts = [_prompt(engine, s) for s in schemas]
-            params = [SamplingParams(temperature=0.0, max_tokens=a.max_tokens,
-                                     grammar=GrammarSpec("json_schema", json.dumps(s))) for s in schemas]  # fmt: skip
-            results, secs = _run_wave(engine, prompts, params)
-            if start // a.batch < a.timing_waves:
-                timing["constrained"][0] += secs
-                timing["constrained"][1] += sum(r[1] for r in results)
-                for name, temp in (("greedy", 0.0), ("sampled", 1.0)):
-                    free = [SamplingParams(temperature=temp, seed=7, max_tokens=r[1], ignore_eos=True) for r in results]
-                    res, s = _run_wave(engine, prompts, free)
-                    timing[name][0] += s
-                    timing[name][1] += sum(r[1] for r in res)
-            for i, schema, (text, _, done) in zip(ids, schemas, results, strict=True):
-                if isinstance(done, Failed):
-                    failures.append(f"schema {i}: failed {done}")
-                    continue
-                assert isinstance(done, Done)
-                if done.finish_reason is FinishReason.LENGTH:
-                    truncated += 1
-                    continue
-                finished += 1
-                try:
-                    jsonschema.validate(json.loads(text), schema)
-                    valid += 1
-                except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
-                    failures.append(f"schema {i}: {type(exc).__name__}: {str(exc)[:120]} :: {text[:200]!r}")
-            print(f"schemas {ids[0]}-{ids[-1]}: finished={finished} valid={valid} cut={truncated} "
-                  f"failed={len(failures)} ({time.perf_counter() - t_start:.0f} s)", flush=True)  # fmt: skip
-    finally:
-        engine.stop()
-    print(f"model={info.model_id} device={a.device} schemas={a.count} batch={a.batch} max_tokens={a.max_tokens}")
-    print(f"finished={finished} valid={valid} ({100.0 * valid / max(finished, 1):.1f}% of finished) "
-          f"cut_by_max_tokens={truncated} failed={len(failures)}")  # fmt: skip
-    for f in failures[:20]:
-        print("  ", f)
-    print(f"{'requests':<14}{'tokens':>8}{'seconds':>10}{'ms/token':>10}{'tok/s':>9}")
-    for name, (secs, toks) in timing.items():
-        if toks:
-            print(f"{name:<14}{int(toks):>8}{secs:>10.2f}{1000 * secs / toks:>10.2f}{toks / secs:>9.1f}")
+    with stack_at(a.url, a.port, a.max_context) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=1800)
+        t_start = time.perf_counter()
+
+        def one(i: int) -> None:
+            o = ask(client, i, a.max_tokens)
+            with lock:
+                outcomes.append(o)
+                n = len(outcomes)
+                where = f"[{n:>3}/{len(ids)} {time.perf_counter() - t_start:6.0f} s] schema {i}"
+                print(f"{where}: {o.verdict} ({o.finish_reason}, {o.completion_tokens} tokens, {o.seconds:.0f} s) "
+                      f"{o.detail}", flush=True)  # fmt: skip
+
+        with ThreadPoolExecutor(a.concurrency) as pool:
+            list(pool.map(one, ids))
+    wall = time.perf_counter() - t_start
+    outcomes.sort(key=lambda o: o.schema_id)
+    counts = {v: sum(o.verdict == v for o in outcomes) for v in ("valid", "invalid", "truncated", "error")}
+    tokens = [o.completion_tokens for o in outcomes]
+    summary = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": os.environ.get("KVMEM_COMMIT") or commit(),
+        "model": MODEL, "schemas": a.ids or f"{ids[0]}..{ids[-1]}", "concurrency": a.concurrency,
+        "max_tokens": a.max_tokens, "max_context": a.max_context,
+        "wall_s": round(wall, 1), "completion_tokens_total": sum(tokens),
+        "completion_tokens_max": max(tokens, default=0), **counts,
+    }  # fmt: skip
+    print(json.dumps(summary))
+    for o in outcomes:
+        if o.verdict != "valid":
+            print(f"  schema {o.schema_id}: {o.verdict} {o.detail} :: {o.text[:300]!r}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"summary": summary, "outcomes": [asdict(o) for o in outcomes]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The limits every service agrees on: gRPC message sizes between the services.
+"""The limits every service agrees on: gRPC message sizes between the services, and request limits that more than
+one service checks (MAX_STOP_STRINGS: the gateway's schema answers a 400 first, the engine's sampler refuses it too).
 
 Long prompts travel as token lists or long chat histories, so internal channels lift gRPC's 4 MiB
 default to GRPC_MAX_MESSAGE_BYTES, the same on both ends of every hop (gateway -> guard -> engine).
@@ -15,6 +16,7 @@ GRPC_CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
 ]
 MAX_STATUS_DETAILS_CHARS = 1024
+MAX_STOP_STRINGS = 16  # stop strings one request may carry
 
 
 def cut_details(details: str) -> str:

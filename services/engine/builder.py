@@ -107,6 +107,7 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
         ring_chunk=config.ring_chunk if config.ring_enabled else 0,
         decode_burst=config.burst_for(device),
         decode_overlap=config.decode_overlap,
+        split_bursts=config.split_bursts,
     )
     states = recurrent_states(model_config, config, device)
     runner = ModelRunner(

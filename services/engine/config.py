@@ -84,6 +84,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     decode_burst: int = 0  # greedy decode steps per host round trip (1: off; 0: auto, BURST_ON_CUDA on CUDA, 1 on CPU)
     decode_overlap: bool = True  # launch the next greedy burst before reading the last one's tokens (engine.py)
+    split_bursts: bool = False  # split steps around host-sampled requests (scheduler.py); off: unproven on the GPU
     kernels: str = "auto"  # page kernel set: auto (from the device capability), triton, cupy, torch
 
     def __post_init__(self) -> None:
@@ -308,6 +309,13 @@ class EngineConfig:
             f"{BURST_ON_CUDA} on CUDA, 1 on the CPU)",
         )
         p.add_argument(
+            "--split-bursts",
+            action="store_true",
+            default=env("KVMEM_SPLIT_BURSTS", "0") == "1",
+            help="let greedy requests burst beside host-sampled ones (split steps, scheduler.py; off by default: on "
+            "the CPU it slowed the host-sampled request 4-5x for no measured gain, the GPU is not measured)",
+        )
+        p.add_argument(
             "--no-decode-overlap",
             action="store_true",
             default=env("KVMEM_DECODE_OVERLAP", "1") == "0",
@@ -365,6 +373,7 @@ class EngineConfig:
             audit_dir=a.audit_dir,
             cuda_graphs=not a.no_cuda_graphs,
             decode_overlap=not a.no_decode_overlap,
+            split_bursts=a.split_bursts,
             decode_burst=a.decode_burst,
             kernels=a.kernels,
             local_ring=not a.no_local_ring,

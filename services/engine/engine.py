@@ -27,7 +27,7 @@ import torch
 from services.common.pagehash import page_hash, root_hash
 from services.common.tokenizer import Tokenizer
 from services.engine.detokenizer import Detokenizer
-from services.engine.grammar import GrammarCompiler, GrammarError, compiler_for
+from services.engine.grammar import GrammarCompiler, GrammarError, GrammarTables
 from services.engine.kv_pool import KVPool
 from services.engine.model_runner import Launched, ModelRunner
 from services.engine.ring import PagesLostError, RingLimits, RingManager, SeqRing
@@ -67,6 +67,7 @@ class EngineLimits:
     ring_chunk: int = 0
     decode_burst: int = 1  # greedy decode steps one step may run on the device (scheduler.py: decode bursts)
     decode_overlap: bool = True  # launch the next burst before reading the last one's tokens (module docstring)
+    split_bursts: bool = False  # split steps around host-sampled requests (scheduler.py)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.slots, limits.page_size, limits.prefill_chunk, limits.max_running, limits.model_id,
             limits.kv_format, self.ring, limits.ring_chunk, self._new_ring if self.ring else None, self.pool,
-            runner.host, limits.decode_burst, runner.accepts_burst, runner.states,
+            runner.host, limits.decode_burst, runner.accepts_burst, runner.states, limits.split_bursts,
         )  # fmt: skip
         self.stats = EngineStats()
         self.ring_snapshot = RingSnapshot()
@@ -123,6 +124,7 @@ class Engine:
         self._aborts: set[Sequence] = set()
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self.grammar_tables = GrammarTables.of(tokenizer, limits.vocab_size)  # built from start() on, off the loop
 
     # -- API (any thread) ------------------------------------------------------------------------
 
@@ -186,11 +188,17 @@ class Engine:
         return seq
 
     def _grammar_compiler(self) -> GrammarCompiler:
-        """Built at the first constrained request (seconds: it reads the vocabulary), shared by the process."""
+        """The grammar compiler, built on a background thread since `start` (a first constrained request waits
+        for what is left of that build, never builds it again)."""
+        return self.grammar_tables.compiler()
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's own bytes (logprobs' `bytes`), from the grammar tables' reading of the vocabulary; where
+        those cannot be built (xgrammar missing: constrained requests are refused too), its text's UTF-8."""
         try:
-            return compiler_for(self.tokenizer, self.limits.vocab_size)
-        except ImportError as exc:
-            raise GrammarError(f"constrained decoding is not installed on this engine ({exc})") from None
+            return self.grammar_tables.token_bytes(token)
+        except GrammarError:
+            return self.tokenizer.decode([token]).encode("utf-8")
 
     def abort(self, seq: Sequence) -> None:
         """Stop a request (client went away); its slots are released at the next step."""
@@ -199,6 +207,7 @@ class Engine:
             self._lock.notify()
 
     def start(self) -> None:
+        self.grammar_tables.start()  # seconds of reading the vocabulary, before any constrained request
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 

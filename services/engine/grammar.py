@@ -13,6 +13,11 @@ A request's grammar becomes a `GrammarMatcher` on its Sequence (engine.submit): 
 sampler asks it for the bitmask of allowed tokens (`fill`), applies it to the logits row on the device
 (`apply_token_bitmask`, a torch op: CPU and CUDA alike) and the engine advances it with the chosen token. When the
 grammar is complete only the model's end-of-sequence tokens are allowed, so the answer stops there.
+
+Reading the vocabulary for xgrammar takes seconds: the engine's `GrammarTables` builds the compiler (and every
+token's bytes, which logprobs report) on a background thread from Engine.start; a first constrained request waits
+for what is left of that build. A constrained request's tokens are chosen on the host, so it cannot run inside a
+decode burst; split steps (scheduler.py) let the greedy requests beside it keep bursting.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -100,8 +107,13 @@ class GrammarCompiler:
         )
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        self._token_bytes: list[bytes] = list(info.decoded_vocab)  # byte-level / byte-fallback pieces as bytes
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token as the vocabulary holds them (b"" past the tokenizer's own vocabulary)."""
+        return self._token_bytes[token] if 0 <= token < len(self._token_bytes) else b""
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher at the start of `spec`; raises GrammarError when it does not compile."""
@@ -148,6 +160,70 @@ class GrammarCompiler:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with a description
             raise GrammarError(f"the {spec.kind} grammar does not compile: {str(exc)[:300]}") from None
+
+
+class GrammarTables:
+    """The grammar compiler of one tokenizer and every token's bytes (xgrammar's reading of the vocabulary), built
+    once: `start` builds them on a background thread (the engine does at start-up: reading the vocabulary takes
+    seconds, off every request's path); `compiler` and `token_bytes` wait for that build, or build on the calling
+    thread when nothing was started (tests driving an engine by hand). A failed build (xgrammar not installed)
+    is a GrammarError on every call."""
+
+    def __init__(self, build: Callable[[], GrammarCompiler]) -> None:
+        self._build = build
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._started = False
+        self._compiler: GrammarCompiler | None = None
+        self._error: GrammarError | None = None
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, vocab_size: int) -> GrammarTables:
+        return cls(lambda: compiler_for(tokenizer, vocab_size))
+
+    def start(self) -> threading.Thread | None:
+        """Begin the build on a daemon thread (None when it was already begun)."""
+        with self._lock:
+            if self._started:
+                return None
+            self._started = True
+        thread = threading.Thread(target=self._run, name="grammar-tables", daemon=True)
+        thread.start()
+        return thread
+
+    @property
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    def compiler(self) -> GrammarCompiler:
+        """The compiler, once built (waits for the build; raises GrammarError when it failed)."""
+        with self._lock:
+            inline = not self._started
+            self._started = True
+        if inline:
+            self._run()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._compiler is not None
+        return self._compiler
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's own bytes (a piece of a multi-byte character is its bytes, not replacement text)."""
+        return self.compiler().token_bytes(token)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._compiler = self._build()
+            logger.info("grammar tables built in %.1f s", time.perf_counter() - t0)
+        except ImportError as exc:
+            self._error = GrammarError(f"constrained decoding is not installed on this engine ({exc})")
+        except Exception as exc:  # never leave a waiting request hanging
+            logger.exception("building the grammar tables failed")
+            self._error = GrammarError(f"the grammar tables could not be built: {str(exc)[:200]}")
+        finally:
+            self._done.set()
 
 
 _compilers: dict[tuple[int, int], GrammarCompiler] = {}

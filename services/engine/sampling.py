@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from services.common.limits import MAX_STOP_STRINGS
+
 if TYPE_CHECKING:
     from services.engine.grammar import GrammarMatcher, GrammarSpec
 
@@ -70,8 +72,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if len(self.stop) > 16 or any(not s for s in self.stop):
-            raise InvalidRequestError(f"stop takes at most 16 non-empty strings, got {list(self.stop)!r}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise InvalidRequestError(
+                f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {list(self.stop)!r}"
+            )
         for tid in (*self.stop_token_ids, *self.logit_bias):
             if not 0 <= tid < vocab_size:
                 raise InvalidRequestError(f"token id {tid} is outside the vocabulary [0, {vocab_size})")

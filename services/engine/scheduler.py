@@ -21,6 +21,15 @@ whatever the burst size, so a sparse answer does not depend on it. A stop token
 mid-burst ends the sequence there: the tokens after it are dropped, their K/V rows lie past
 num_computed and are never read.
 
+Split steps: a sequence whose tokens the host chooses (a grammar, penalties, logprobs, sampling) cannot run in a
+burst. When every running sequence decodes and only some are greedy, steps alternate: one leaves the host-sampled
+sequences out (they rest: nothing of theirs is scheduled, so their clocks, pages and rings do not move) and the
+greedy ones burst; the next runs every sequence one step, the host sampling its rows. The greedy neighbours keep
+most of their burst speed; a host-sampled sequence gets one token per burst + one steps of the device. Each
+sequence still runs exactly its own steps, so its tokens and the pages its steps attend are those of the
+unsplit schedule. Off by default (`split_bursts`): on the CPU (bench/neighbour_decode.py) it slowed the
+host-sampled request 4-5x and the neighbours' gain was within the noise; the GPU, where bursts matter, is unmeasured.
+
 Overlapped bursts: `continue_decode` schedules the decode step (or burst) after one still on the device,
 for the same sequences, before its tokens are read (engine.py): the launched burst's tokens hold their
 places as PENDING (Sequence.add_pending) and its K/V counts as computed, so the plan, the clock and the
@@ -99,7 +108,9 @@ class Scheduler:
         decode_burst: int = 1,
         burst_ok: Callable[[list[Work]], bool] | None = None,
         states: RecurrentStates | None = None,
+        split_bursts: bool = False,
     ) -> None:
+        self.split_bursts = split_bursts  # split steps around host-sampled decodes (module docstring)
         self.states = states  # linear-attention layers' states (qwen3_5): prefixes end where a snapshot is
         self.num_state_restores = 0  # prefixes that restored a recurrent-state snapshot
         self.decode_burst = decode_burst  # most decode steps one step may run (1: no bursts)
@@ -124,6 +135,7 @@ class Scheduler:
         # ring sequence -> (page table, pages, evidence, skeleton) of its last room-making
         self._room_keys: dict[Sequence, tuple[object, ...]] = {}
         self._failures: list[tuple[Sequence, str]] = []
+        self._rest_turn = False  # split steps: this step leaves the host-sampled decodes out (_resting)
 
     def take_failures(self) -> list[tuple[Sequence, str]]:
         """Sequences the ring could not make room for since the last call (to be failed with 429)."""
@@ -140,10 +152,13 @@ class Scheduler:
         """The work of the next step; allocates (and, with a ring, demotes and restores) slots."""
         works: list[Work] = []
         budget = self.prefill_chunk
+        resting = self._resting()
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             decoding = seq.num_uncomputed == 1 and not seq.in_prefill
+            if decoding and seq in resting:
+                continue  # a split step: the greedy decodes burst without it (module docstring)
             want = 1 if decoding else self._chunk(seq, budget)
             if want == 0:
                 continue
@@ -170,6 +185,25 @@ class Scheduler:
             works.append(self._work(seq, want))
             budget -= want
         return self._stamp(self._burst(works))
+
+    def _resting(self) -> set[Sequence]:
+        """The host-sampled decodes that sit out this step (split steps, module docstring): when bursts are on,
+        nothing waits, every running sequence decodes and some but not all of them choose their tokens on the
+        host, every other step leaves those out so that the greedy ones run as a burst; the step between runs
+        every sequence once. Empty otherwise (and the alternation starts afresh)."""
+        if not self.split_bursts or self.decode_burst <= 1 or self.burst_ok is None or self.waiting:
+            self._rest_turn = False
+            return set()
+        running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+        if not all(s.num_uncomputed == 1 and not s.in_prefill for s in running):
+            self._rest_turn = False
+            return set()
+        host = {s for s in running if not s.params.device_greedy}
+        if not host or len(host) == len(running):
+            self._rest_turn = False
+            return set()
+        self._rest_turn = not self._rest_turn
+        return host if self._rest_turn else set()
 
     def continue_decode(self, prev: list[Work]) -> list[Work] | None:
         """The decode step or burst after `prev`, a greedy decode launched on the device whose tokens are

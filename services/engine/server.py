@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import grpc
@@ -61,26 +61,33 @@ def _grammar(g: pb.Grammar) -> GrammarSpec:
     return GrammarSpec(g.kind, g.text, g.prefix, g.suffix, g.separator, max(1, g.max_repeats))
 
 
-def _token_text(tokenizer: Tokenizer | None, token: int) -> tuple[str, bytes]:
+TokenBytes = Callable[[int], bytes]
+
+
+def _token_piece(tokenizer: Tokenizer | None, token_bytes: TokenBytes | None, token: int) -> tuple[str, bytes]:
+    """A token's text and its own bytes (from the vocabulary: a piece of a multi-byte character is its bytes, where
+    its decoded text is a replacement character); without a vocabulary table, the text's UTF-8."""
     if tokenizer is None:
         return "", b""
     text = tokenizer.decode([token])
-    return text, text.encode("utf-8", errors="replace")
+    return text, token_bytes(token) if token_bytes is not None else text.encode("utf-8")
 
 
-def logprob_to_proto(s: Sampled, tokenizer: Tokenizer | None) -> pb.TokenLogprob:
-    """A chosen token's log-probability and its alternatives, each with its text."""
-    text, raw = _token_text(tokenizer, s.token)
+def logprob_to_proto(s: Sampled, tokenizer: Tokenizer | None, token_bytes: TokenBytes | None = None) -> pb.TokenLogprob:
+    """A chosen token's log-probability and its alternatives, each with its text and bytes."""
+    text, raw = _token_piece(tokenizer, token_bytes, s.token)
     top = []
     for token, logprob in s.top:
-        t, b = _token_text(tokenizer, token)
+        t, b = _token_piece(tokenizer, token_bytes, token)
         top.append(pb.TopLogprob(token_id=token, token=t, token_bytes=b, logprob=logprob))
     return pb.TokenLogprob(token_id=s.token, token=text, token_bytes=raw, logprob=s.logprob or 0.0, top=top)
 
 
-def event_to_proto(ev: Event, tokenizer: Tokenizer | None = None) -> pb.GenerateEvent:
+def event_to_proto(
+    ev: Event, tokenizer: Tokenizer | None = None, token_bytes: TokenBytes | None = None
+) -> pb.GenerateEvent:
     if isinstance(ev, Chunk):
-        logprobs = [logprob_to_proto(s, tokenizer) for s in ev.logprobs]
+        logprobs = [logprob_to_proto(s, tokenizer, token_bytes) for s in ev.logprobs]
         return pb.GenerateEvent(chunk=pb.TokenChunk(token_ids=ev.token_ids, text=ev.text, logprobs=logprobs))
     if isinstance(ev, Done):
         usage = pb.Usage(
@@ -136,7 +143,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                 if not context.is_active():
                     return
                 continue
-            yield event_to_proto(ev, self.engine.tokenizer)
+            yield event_to_proto(ev, self.engine.tokenizer, self.engine.token_bytes)
             if not isinstance(ev, Chunk):
                 return
 

@@ -1,8 +1,8 @@
 """The gateway's FastAPI app: OpenAI routes in front of the cache guard, API keys, metrics.
 
 A request: AuthMiddleware checks the bearer key (/v1/* only) and names the tenant -> the route
-validates the body (schemas.py), converts it (convert.py) and opens the guard's Generate stream
-(guard_client.py) -> events come back as one JSON response or as SSE chunks -> MetricsMiddleware
+validates the body (schemas.py), converts it (convert.py; the way back: builders.py) and opens the guard's Generate
+stream (guard_client.py) -> events come back as one JSON response or as SSE chunks -> MetricsMiddleware
 (metrics.py) records route, status and latency.
 """
 
@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.common.protos import cacheguard_pb2, engine_pb2
-from services.gateway import convert, edge, planning
+from services.gateway import builders, convert, edge, planning, responses
 from services.gateway.config import GatewayConfig
 from services.gateway.edge import BodyLimitMiddleware, RequestIdMiddleware
 from services.gateway.errors import (
@@ -191,7 +191,7 @@ class _Generation:
     def __init__(
         self,
         request: Request,
-        builder: convert.ChatBuilder | convert.CompletionBuilder,
+        builder: builders.ChatBuilder | builders.CompletionBuilder,
         greqs: list[cacheguard_pb2.GuardGenerateRequest],
         guard: GuardClient,
         metrics: GatewayMetrics,
@@ -318,7 +318,7 @@ class _Generation:
 async def _generate(
     request: Request,
     greqs: list[cacheguard_pb2.GuardGenerateRequest],
-    builder: convert.ChatBuilder | convert.CompletionBuilder,
+    builder: builders.ChatBuilder | builders.CompletionBuilder,
     *,
     stream: bool,
     include_usage: bool,
@@ -355,7 +355,7 @@ async def _planned(
     request: Request,
     planner: Planner,
     decision: planning.Decision,
-    builder: convert.ResponseBuilder,
+    builder: builders.ResponseBuilder,
     greq: cacheguard_pb2.GuardGenerateRequest,
     *,
     stream: bool,
@@ -413,7 +413,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     greq = convert.chat_request(
         body, request_id=response_id, session_id=_session_id(request), tenant=request.state.tenant, tool_format=fmt
     )
-    builder = convert.ChatBuilder(response_id, int(time.time()), model)
+    builder = builders.ChatBuilder(response_id, int(time.time()), model)
     n = body.n or 1
     builder.setup(n, n, bool(body.logprobs), convert.tool_mode(body, fmt), convert.request_tools(body), fmt)
     plan = convert.plan_request(body, request.app.state.config.planner)
@@ -433,7 +433,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         for i in range(len(body.prompts))
     ]  # fmt: skip
     n = body.n or 1
-    builder = convert.CompletionBuilder(response_id, int(time.time()), model)
+    builder = builders.CompletionBuilder(response_id, int(time.time()), model)
     builder.setup(len(prompts) * n, n, body.logprobs is not None)
     plan = convert.plan_request(body, request.app.state.config.planner)
     greqs = convert.choice_requests(prompts, n)
@@ -443,7 +443,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
 async def list_models(request: Request) -> JSONResponse:
     """GET /v1/models: the one served model, with its context and pool sizes under `kvmem`."""
     info = await _guard(request).model_info()
-    return _json(ModelList(data=[convert.model_card(info)]))
+    return _json(ModelList(data=[responses.model_card(info)]))
 
 
 async def get_model(request: Request, model_id: str) -> JSONResponse:
@@ -453,7 +453,7 @@ async def get_model(request: Request, model_id: str) -> JSONResponse:
         raise GatewayError(
             404, "invalid_request_error", f"The model '{model_id}' does not exist", "model", "model_not_found"
         )
-    return _json(convert.model_card(info))
+    return _json(responses.model_card(info))
 
 
 async def metrics(request: Request) -> Response:

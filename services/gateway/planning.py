@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from services.common.protos import cacheguard_pb2
-from services.gateway import convert
+from services.gateway import builders, convert, responses
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError, internal_error
 from services.gateway.guard_client import GuardClient
@@ -49,7 +49,7 @@ async def decide(
 
 
 async def whole(
-    planner: Planner, decision: Decision, builder: convert.ResponseBuilder, session_id: str
+    planner: Planner, decision: Decision, builder: builders.ResponseBuilder, session_id: str
 ) -> tuple[BaseModel, cacheguard_pb2.GuardDone]:
     """Run the plan; the non-streamed response and the done standing for it."""
     answer = await planner.run(decision)
@@ -60,7 +60,7 @@ async def whole(
 async def sse_body(
     planner: Planner,
     decision: Decision,
-    builder: convert.ResponseBuilder,
+    builder: builders.ResponseBuilder,
     session_id: str,
     include_usage: bool,
     on_done: OnDone,
@@ -104,9 +104,9 @@ async def sse_body(
     yield "data: [DONE]\n\n"
 
 
-def _finish(builder: convert.ResponseBuilder, answer: PlannedAnswer, session_id: str) -> cacheguard_pb2.GuardDone:
+def _finish(builder: builders.ResponseBuilder, answer: PlannedAnswer, session_id: str) -> cacheguard_pb2.GuardDone:
     builder.plan = answer.report
-    return convert.planned_done(answer, session_id)
+    return responses.planned_done(answer, session_id)
 
 
 def _sse(payload: BaseModel | dict[str, Any]) -> str:

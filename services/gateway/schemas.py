@@ -13,10 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
+from services.common.limits import MAX_STOP_STRINGS  # the engine's limit too, checked here first: a 400 naming it
+
 logger = logging.getLogger(__name__)
 
 INT32_MAX = 2**31 - 1
-MAX_STOP_STRINGS = 16  # the engine's limit (services/engine/sampling.py), checked here first: a 400 naming it
 MAX_STOP_BYTES = 1024  # one stop string, UTF-8 bytes
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -55,8 +55,9 @@ class ParsedCall:
 
 @dataclass(frozen=True)
 class Parsed:
-    content: str | None  # text before the calls (None when there is none)
+    content: str | None  # the text outside the calls, before and after them (None when there is none)
     calls: list[ParsedCall] = field(default_factory=list)
+    trailing: str = ""  # the text after the calls (part of content; streamed once the answer is parsed)
 
 
 class MalformedToolCall(Exception):
@@ -234,7 +235,7 @@ def _hermes(text: str, tools: list[Tool], truncated: bool) -> Parsed:
     if before.strip() and not before.rstrip().endswith((".", ":", "\n")) and "\n" not in before:
         return Parsed(text)  # a tag mentioned in a sentence: text
     calls: list[ParsedCall] = []
-    pos = start
+    pos, after = start, ""
     while pos < len(text):
         rest = masked[pos:]
         if not rest.strip():
@@ -243,7 +244,8 @@ def _hermes(text: str, tools: list[Tool], truncated: bool) -> Parsed:
             if re.search(r"</?(tool_call|function|parameter)\b", rest):
                 raise MalformedToolCall("a broken tool-call tag after the calls", _intended(text[pos:], tools),
                                         _ex(tools, text[pos:]), text)  # fmt: skip
-            break  # plain text after the calls: dropped (the calls are the answer)
+            after = text[pos:].strip()  # plain text after the calls: content beside them (as OpenAI's)
+            break
         open_at = pos + (len(rest) - len(rest.lstrip())) + len(OPEN)
         end = masked.find(CLOSE, open_at)
         if end < 0:
@@ -252,7 +254,8 @@ def _hermes(text: str, tools: list[Tool], truncated: bool) -> Parsed:
             raise MalformedToolCall(reason, _intended(body, tools), _ex(tools, body), text)
         calls.append(_parse_block(text[open_at:end], tools, text))
         pos = end + len(CLOSE)
-    return Parsed(before.strip() or None, calls)
+    content = "\n".join(part for part in (before.strip(), after) if part)
+    return Parsed(content or None, calls, after)
 
 
 def _llama3(text: str, tools: list[Tool], truncated: bool) -> Parsed:
@@ -386,7 +389,11 @@ class StreamParser:
             if raw_args is not None and len(raw_args) > streamed["sent"]:
                 out.append(StreamEvent(index=k, arguments=raw_args[streamed["sent"] :]))
             calls.append(ParsedCall(streamed["id"], call.name, raw_args if raw_args is not None else call.arguments))
-        return Parsed(parsed.content, calls), out
+        if parsed.trailing:  # text after the calls goes out once the calls are known to be well-formed
+            before = self.text[: self.text.find(OPEN)]
+            sep = "\n" if before.strip() and not before.endswith("\n") else ""
+            out.append(StreamEvent(content=sep + parsed.trailing))
+        return Parsed(parsed.content, calls, parsed.trailing), out
 
 
 def _raw_arguments(text: str, k: int) -> str | None:

@@ -178,6 +178,35 @@ def test_response_format_json_schema_and_json_object(client: openai.OpenAI) -> N
         )  # fmt: skip
 
 
+def test_greedy_answers_beside_a_constrained_one_are_their_answers_alone(client: openai.OpenAI) -> None:
+    """Decode bursts of 4 (the stack's setting): greedy requests running beside a constrained one (which takes their
+    steps off the burst path) answer exactly what they answer alone; the constrained answer still validates."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    schema = {"type": "object", "properties": {"story": {"type": "string", "minLength": 60, "maxLength": 80}},
+              "required": ["story"], "additionalProperties": False}  # fmt: skip
+    prompts = [[{"role": "user", "content": f"Count from {k} to {k + 9}."}] for k in (1, 20)]
+
+    def plain(q: list) -> str:  # type: ignore[type-arg]
+        r = client.chat.completions.create(model=MODEL, messages=q, temperature=0, max_tokens=24)
+        return r.choices[0].message.content or ""
+
+    def constrained() -> str:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell a story as JSON."}], temperature=0, max_tokens=60,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}},
+        )  # fmt: skip
+        assert r.choices[0].finish_reason == "stop"
+        return r.choices[0].message.content or ""
+
+    alone = [plain(q) for q in prompts]
+    with ThreadPoolExecutor(3) as pool:
+        odd = pool.submit(constrained)
+        beside = [f.result() for f in [pool.submit(plain, q) for q in prompts]]
+        jsonschema.validate(json.loads(odd.result()), schema)
+    assert beside == alone and all(alone)
+
+
 def test_logprobs_chat_and_completions(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL, messages=ASK, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3
@@ -193,6 +222,18 @@ def test_logprobs_chat_and_completions(client: openai.OpenAI) -> None:
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens
     assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == 0
+
+
+def test_logprob_bytes_are_the_tokens_own_bytes(client: openai.OpenAI) -> None:
+    """🙂 is two SmolLM2 tokens, F0 9F | 99 82: the first alone decodes to a replacement character, and its
+    logprob's bytes are its own two bytes (logit_bias makes it the answer), not that character's UTF-8."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0, max_tokens=1, logprobs=True, top_logprobs=1,
+        logit_bias={"10813": 100},
+    )  # fmt: skip
+    [item] = r.choices[0].logprobs.content
+    assert item.bytes == [0xF0, 0x9F] and item.top_logprobs[0].bytes == [0xF0, 0x9F]
+    assert item.token == "\ufffd"
 
 
 def test_n_choices_share_the_prompt_pages(client: openai.OpenAI, stack: Stack) -> None:

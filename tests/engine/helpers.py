@@ -81,6 +81,7 @@ def make_engine(
     decode_overlap: bool = True,
     device: str = "cpu",
     cuda_graphs: bool = True,
+    split_bursts: bool = False,
 ) -> Engine:
     """An engine on `device` (the model already there; on CUDA the decode runner captures its steps unless
     `cuda_graphs` is False); with `ring`, pages go through a real kvstore process at `store_address`.
@@ -116,6 +117,7 @@ def make_engine(
         ring_chunk=ring_chunk,
         decode_burst=decode_burst,
         decode_overlap=decode_overlap,
+        split_bursts=split_bursts,
     )
     runner = ModelRunner(model, pool, torch.device(device), host, cuda_graphs=cuda_graphs)
     engine = Engine(limits, runner, tokenizer, write_through)

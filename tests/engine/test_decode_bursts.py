@@ -1,8 +1,9 @@
 """Decode bursts through the engine (several greedy steps per host round trip, scheduler.py) and overlapped
 bursts (each launched before the one before it is read, engine.py), on tiny Llama and tiny Gemma 3 (also with
 local rings): the same tokens, finish reasons and reusable K/V as one step at a time; bursts kept inside a
-page, ended at re-selection steps and where a re-selection takes effect, never for sampled requests; a chain
-of overlapped bursts ends for an arriving request or an abort. The runner-level burst checks are in
+page, ended at re-selection steps and where a re-selection takes effect, never for sampled requests unless split
+steps are on (greedy neighbours burst without the host-sampled request, then everyone steps once); a chain of
+overlapped bursts ends for an arriving request or an abort. The runner-level burst checks are in
 test_decode_graph.py.
 """
 
@@ -91,10 +92,63 @@ def test_bursts_give_the_tokens_of_single_steps(model, smol_tokenizer: Tokenizer
     assert all(len(t) == 20 for t, _ in burst)
 
 
-def test_a_sampled_request_keeps_the_step_one_token_at_a_time(model, smol_tokenizer: Tokenizer) -> None:
+def _split_pattern(steps: list[list[Work]], odd: str, others: set[str]) -> list[str]:
+    """Per decode step while the odd request and every other decode together: "burst" (the others only, several
+    steps), "rest" (the others only, one step: a page end or re-selection capped it) or "all" (everyone, one step)."""
+    out = []
+    for works in steps:
+        ids = {w.seq.request_id for w in works}
+        if not all(w.num_new == 1 and w.start >= len(w.seq.prompt_ids) for w in works) or not others <= ids:
+            continue
+        if ids == others | {odd}:
+            assert all(w.num_steps == 1 and not w.device_argmax for w in works), works
+            out.append("all")
+        elif ids == others:
+            assert all(w.seq.params.device_greedy for w in works)
+            out.append("burst" if works[0].num_steps > 1 else "rest")
+    return out
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2),
+    ],
+    ids=["sampled", "penalised", "logprobs"],
+)
+def test_split_steps_let_greedy_neighbours_burst_beside_a_host_sampled_request(
+    model, smol_tokenizer: Tokenizer, odd: SamplingParams
+) -> None:
+    """Split steps (scheduler.py): while a host-sampled request decodes beside greedy ones, steps alternate between
+    a burst of the greedy ones alone and one step of everyone; every request's tokens are those of single steps
+    (the sampled one's too: its generator draws once per own step)."""
+    params = [greedy(12), odd, greedy(12)]
+    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "split1", num_slots=64)
+    split, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "split4", num_slots=64, split_bursts=True)
+    assert [t for t, _ in split] == [t for t, _ in single] and [len(t) for t, _ in split] == [12, 12, 12]
+    pattern = _split_pattern(steps, "b1", {"b0", "b2"})
+    assert pattern.count("burst") >= 2
+    assert all(a != "all" or b != "all" for a, b in zip(pattern, pattern[1:], strict=False))  # never two in a row
+    assert all(a == "all" or b == "all" for a, b in zip(pattern, pattern[1:], strict=False))  # alternating
+    assert _check_bursts(steps) >= 2
+
+
+def test_a_sampled_request_keeps_the_step_one_token_at_a_time_by_default(model, smol_tokenizer: Tokenizer) -> None:
     params = [greedy(12), SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True), greedy(12)]
     _, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "sampled", num_slots=64)
     assert _check_bursts(steps[:-12]) == 0  # while the sampled request runs (it decodes to the end with the others)
+
+
+def test_without_greedy_neighbours_host_sampled_requests_step_together(model, smol_tokenizer: Tokenizer) -> None:
+    """Nothing to burst: every step runs every request (no request ever rests)."""
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
+    _, steps, _ = _burst_run(
+        model, smol_tokenizer, 4, [sampled] * 2, "nosplit", num_slots=64, lengths=(7, 9), split_bursts=True
+    )
+    decoding = [ws for ws in steps if all(w.num_new == 1 for w in ws)]
+    assert decoding and all(len(ws) == 2 for ws in decoding[:-1]) and _check_bursts(steps) == 0
 
 
 def test_a_stop_token_mid_burst_ends_the_sequence_there(smol_tokenizer: Tokenizer) -> None:
@@ -138,11 +192,18 @@ def test_ring_bursts_end_at_re_selection_steps(
     address = start_store(host_kv_mib=32).address
     kw = dict(num_slots=40, ring=ring_limits(8, rescore_interval=4), ring_chunk=8, store_address=address)
     params = [greedy(20)] * len(lengths)
+    if len(lengths) > 1:  # and one host-sampled request: split steps around it (the sequences' own steps stay)
+        params[1] = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+        kw["split_bursts"] = True
     single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "ring1", lengths=lengths, **kw)
     burst, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "ring4", lengths=lengths, **kw)
     assert _check_bursts(steps) >= 3
     scoring = [ws for ws in steps if any(w.score_tokens for w in ws) and all(w.num_new == 1 for w in ws)]
-    assert scoring and all(w.score_tokens <= 1 and w.device_argmax for ws in scoring for w in ws)
+    assert scoring and all(w.score_tokens <= 1 for ws in scoring for w in ws)
+    greedy_scoring = [ws for ws in scoring if all(w.seq.params.device_greedy for w in ws)]  # not an "all" step
+    assert all(w.device_argmax for ws in greedy_scoring for w in ws)
+    if len(lengths) > 1:
+        assert "burst" in _split_pattern(steps, "b1", {"b0", "b2"})  # the greedy two burst beside the sampled one
     if len(lengths) == 1:
         assert any(ws[0].num_steps > 1 for ws in scoring), "a burst must end on a re-selection step"
     assert [t for t, _ in burst] == [t for t, _ in single]

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from services.common.protos import cacheguard_pb2, engine_pb2
-from services.gateway import convert
+from services.gateway import builders, convert, responses
 from services.gateway.errors import GatewayError
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -149,11 +149,11 @@ def _done(reason: int = engine_pb2.FINISH_REASON_STOP) -> cacheguard_pb2.GuardDo
     ],
 )
 def test_finish_reason(reason: int, name: str) -> None:
-    assert convert.finish_reason(reason) == name
+    assert responses.finish_reason(reason) == name
 
 
 def test_chat_builder() -> None:
-    b = convert.ChatBuilder("chatcmpl-1", 1700000000, "m")
+    b = builders.ChatBuilder("chatcmpl-1", 1700000000, "m")
     whole = b.whole("hey", _done(engine_pb2.FINISH_REASON_LENGTH)).model_dump(mode="json")
     assert whole["choices"][0] == {
         "index": 0,
@@ -187,7 +187,7 @@ def test_chat_builder() -> None:
 
 
 def test_completion_builder() -> None:
-    b = convert.CompletionBuilder("cmpl-1", 1, "m")
+    b = builders.CompletionBuilder("cmpl-1", 1, "m")
     assert b.opening() is None
     assert b.delta("ab").model_dump(mode="json") == {
         "id": "cmpl-1",
@@ -204,7 +204,7 @@ def test_model_card() -> None:
     info = engine_pb2.GetModelInfoResponse(
         model_id="smollm2", architecture="llama", max_context=8192, kv_capacity=4096, page_size=64, kv_format="fp8"
     )
-    card = convert.model_card(info).model_dump(mode="json")
+    card = responses.model_card(info).model_dump(mode="json")
     assert card["id"] == "smollm2" and card["object"] == "model"
     assert card["kvmem"] == {
         "architecture": "llama",

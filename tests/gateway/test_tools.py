@@ -161,3 +161,26 @@ def test_forced_grammar_frames_the_call_schema() -> None:
     assert g.schema["properties"]["name"] == {"const": "get_weather"}
     assert g.schema["required"] == ["name", "arguments"]
     assert "anyOf" in tools.forced_grammar(TOOLS, "hermes", parallel=False).schema
+
+
+def test_text_after_the_calls_is_content_beside_them() -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    parsed = parse(call + "\nI will tell you once I know.", TOOLS, "hermes")
+    assert parsed.content == "I will tell you once I know." and parsed.trailing == "I will tell you once I know."
+    assert [c.name for c in parsed.calls] == ["get_weather"]
+    both = parse("Let me check.\n" + call + "\n\nBack soon.\n", TOOLS, "hermes")
+    assert (both.content, both.trailing) == ("Let me check.\nBack soon.", "Back soon.")
+    assert parse(call + "\n", TOOLS, "hermes").content is None
+
+
+@pytest.mark.parametrize("step", [1, 5, 400])
+def test_stream_sends_text_after_the_calls_once_they_are_parsed(step: int) -> None:
+    text = 'Checking.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\nOne moment.'
+    parser = StreamParser(TOOLS, "hermes")
+    fed: list[tools.StreamEvent] = []
+    for i in range(0, len(text), step):
+        fed += parser.feed(text[i : i + step])
+    assert "".join(e.content for e in fed if e.index < 0) == "Checking.\n"  # nothing after the calls yet
+    parsed, rest = parser.finish(truncated=False)
+    assert [e.content for e in rest if e.index < 0 and e.content] == ["One moment."]
+    assert parsed.content == "Checking.\nOne moment." and [c.name for c in parsed.calls] == ["get_time"]
