@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -124,7 +124,7 @@ class EnginePool:
 
     async def generate(
         self, replica: Replica, request: engine_pb2.GenerateRequest, timeout_s: float | None = None
-    ) -> AsyncIterator[engine_pb2.GenerateEvent]:
+    ) -> AsyncGenerator[engine_pb2.GenerateEvent, None]:
         """The engine's event stream; closing or cancelling the iterator cancels the engine call.
         `timeout_s`: the caller's remaining deadline (the gateway's per-request deadline goes on)."""
         call = replica.stub.Generate(request, timeout=timeout_s)

@@ -304,9 +304,9 @@ class _Generation:
         except Exception:
             logger.exception("request %s: error while streaming", self.builder.id)
             self.metrics.stream_errors.labels(self.route, "server_error").inc()
-            err = internal_error()
-            err.request_id = self.builder.id
-            yield _sse(err.body())
+            failure = internal_error()
+            failure.request_id = self.builder.id
+            yield _sse(failure.body())
         finally:
             for p in pumps:
                 p.cancel()

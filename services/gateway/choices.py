@@ -14,6 +14,7 @@ from services.gateway import schemas, tools
 from services.gateway.errors import GatewayError
 from services.gateway.planner.plan import PlanReport
 from services.gateway.responses import finish_reason, kvmem_info
+from services.gateway.tools import Tool
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +102,12 @@ class MultiChoice:
     n = 1  # choices per prompt
     want_logprobs = False
     tool_mode = ""  # "", "auto", "forced" (convert.tool_mode)
-    tools: list[tools.Tool] = []
+    tools: list[Tool] = []
     tool_format = ""
     choices: list[ChoiceState]
 
     def setup(self, num_choices: int, n: int, want_logprobs: bool, tool_mode: str = "",
-              tool_list: list[tools.Tool] | None = None, tool_format: str = "") -> None:  # fmt: skip
+              tool_list: list[Tool] | None = None, tool_format: str = "") -> None:  # fmt: skip
         self.n, self.want_logprobs = n, want_logprobs
         self.tool_mode, self.tools, self.tool_format = tool_mode, tool_list or [], tool_format
         self.choices = [

@@ -187,13 +187,13 @@ def _parse_block(body: str, tools: list[Tool], raw: str) -> ParsedCall:
                                     example(tool, HERMES) if tool else "", raw) from None  # fmt: skip
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             raise MalformedToolCall('the call has no "name"', _intended(body, tools), _ex(tools, body), raw)
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
+        call_args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(call_args, str):
             try:
-                args = json.loads(args)
+                call_args = json.loads(call_args)
             except json.JSONDecodeError:
                 pass
-        return _check(obj["name"], args, tools, HERMES, raw, body)
+        return _check(obj["name"], call_args, tools, HERMES, raw, body)
     fn = _FUNCTION.search(stripped)
     if fn is None or not fn.group(1).strip():
         raise MalformedToolCall("the call has no <function=NAME> tag", _intended(body, tools), _ex(tools, body), raw)
