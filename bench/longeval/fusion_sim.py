@@ -12,22 +12,7 @@ import itertools
 
 import torch
 
-from services.engine.summaries import fuse_heads
-
-
-def chosen_pages(scores: torch.Tensor, excluded: set[int], evidence: int, reach: int) -> set[int]:
-    """RingManager.select's loop: best pages first, each with `reach` neighbours either side."""
-    num = scores.shape[0]
-    chosen: list[int] = []
-    for p in torch.argsort(scores, descending=True, stable=True).tolist():
-        if p in excluded:
-            continue
-        for q in [p, *range(p + 1, p + 1 + reach), *range(p - 1, p - 1 - reach, -1)]:
-            if len(chosen) < evidence and 0 <= q < num and q not in excluded and q not in chosen:
-                chosen.append(q)
-        if len(chosen) >= evidence:
-            break
-    return set(chosen)
+from services.engine.ring import page_ranking, pick_pages
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,9 +37,9 @@ def main(argv: list[str] | None = None) -> None:
             excluded = set(c["excluded"])
             if recent_out:  # the recent window holds the prompt's last pages; the scored pages end where it starts
                 excluded |= set(range(max(0, num - (a.recent_pages - 1)), num))
-            candidate = torch.ones(num, dtype=torch.bool)
-            candidate[[q for q in excluded if q < num]] = False
-            chosen = chosen_pages(fuse_heads(mass, candidate, rule), excluded, a.evidence_pages, reach)
+            scores = page_ranking(mass, num, excluded, rule)
+            order = [p for p in torch.argsort(scores, descending=True, stable=True).tolist() if p not in excluded]
+            chosen = pick_pages(order, num, excluded, a.evidence_pages, reach)
             hits += all(n in chosen for n in c["needle_pages"])
         print(f"{rule:8s} {reach:5d} {recent_out!s:>10s} {first_layer:8d} {hits:>10d}/{len(cases)}")
 

@@ -29,10 +29,9 @@ from bench.needle import start_store
 from services.cacheguard.core import GuardCore, PromptRequest
 from services.engine.builder import build_engine
 from services.engine.config import EngineConfig
-from services.engine.ring import RingManager
+from services.engine.ring import RingManager, page_ranking
 from services.engine.sampling import SamplingParams
 from services.engine.sequence import Chunk, Done, Failed
-from services.engine.summaries import fuse_heads
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +73,8 @@ class SelectionSpy:
             final = ring.final_scored and not ring.anchor and ring.scores is not None
             ranked = []
             if final:
-                scores = ring.scores[..., :num_candidate_pages]
-                if scores.dim() == 2:  # per-head masses: fused as select fuses them
-                    candidate = torch.ones(scores.shape[-1], dtype=torch.bool)
-                    excluded = [p for p in set(range(mgr.limits.protect_pages)) | ring.skeleton if p < len(candidate)]
-                    candidate[excluded] = False
-                    scores = fuse_heads(scores, candidate, mgr.limits.head_fusion)
+                excluded = set(range(mgr.limits.protect_pages)) | ring.skeleton
+                scores = page_ranking(ring.scores, num_candidate_pages, excluded, mgr.limits.head_fusion)
                 ranked = torch.argsort(scores, descending=True, stable=True).tolist()
             spy._orig(mgr, ring, num_candidate_pages, request_id, step, end_tokens)
             if final:

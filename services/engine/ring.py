@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,6 +150,33 @@ class SeqRing:
     @property
     def unverified(self) -> bool:
         return self.policy == "sparse" and self.hidden_pages > 0
+
+
+def page_ranking(scores: torch.Tensor, num_pages: int, excluded: set[int], head_fusion: str) -> torch.Tensor:
+    """Page scores [num_pages] to rank candidates by: accumulated scores as they are, or per-head masses
+    [heads, pages] (an attention query pass) fused over the candidate pages only (summaries.fuse_heads)."""
+    if scores.dim() == 1:
+        return scores[:num_pages]
+    mass = scores[:, :num_pages]
+    candidate = torch.ones(mass.shape[-1], dtype=torch.bool)
+    candidate[[p for p in excluded if p < mass.shape[-1]]] = False
+    return fuse_heads(mass, candidate, head_fusion)
+
+
+def pick_pages(
+    order: list[int], num_pages: int, excluded: set[int], room: int, reach: int, anchored: Sequence[int] = ()
+) -> list[int]:
+    """Evidence in `order` (best first): each page with `reach` seam neighbours either side (anchored pages
+    without: they came with theirs already), skipping excluded ones and pages past num_pages, up to `room`."""
+    chosen: list[int] = []
+    for p in order:
+        r = 0 if p in anchored else reach
+        for q in [p, *range(p + 1, p + 1 + r), *range(p - 1, p - 1 - r, -1)]:
+            if len(chosen) >= room:
+                return chosen
+            if 0 <= q < num_pages and q not in excluded and q not in chosen:
+                chosen.append(q)
+    return chosen
 
 
 def restore_pages(host: HostPages, pool: KVPool, slots: SlotAllocator, page_hashes: list[bytes]) -> list[int]:
@@ -416,27 +444,12 @@ class RingManager:
         if lim.exclude_recent and end_tokens:
             first_recent = -(-end_tokens // lim.page_size) - lim.recent_pages
             excluded |= set(range(max(0, first_recent), num_candidate_pages))
-        if ring.scores.dim() == 2:  # per-head masses: fused over the candidates only
-            mass = ring.scores[:, :num_candidate_pages]
-            candidate = torch.ones(mass.shape[-1], dtype=torch.bool)
-            candidate[[p for p in excluded if p < mass.shape[-1]]] = False
-            scores = fuse_heads(mass, candidate, lim.head_fusion)
-        else:
-            scores = ring.scores[:num_candidate_pages]
+        scores = page_ranking(ring.scores, num_candidate_pages, excluded, lim.head_fusion)
         ranked: list[int] = torch.argsort(scores, descending=True, stable=True).tolist()
         decoding = ring.final_scored and bool(ring.anchor)
         kept = [p for p in ring.anchor[: lim.anchor_pages] if p not in excluded] if decoding else []
         order = kept + [p for p in ranked if p not in excluded and p not in kept]
-        chosen: list[int] = []
-        for p in order:
-            reach = 0 if p in kept else lim.neighbor_pages  # anchors came with their neighbours already
-            for q in [p, *range(p + 1, p + 1 + reach), *range(p - 1, p - 1 - reach, -1)]:
-                if len(chosen) >= lim.evidence_pages:
-                    break
-                if 0 <= q < num_candidate_pages and q not in excluded and q not in chosen:
-                    chosen.append(q)
-            if len(chosen) >= lim.evidence_pages:
-                break
+        chosen = pick_pages(order, num_candidate_pages, excluded, lim.evidence_pages, lim.neighbor_pages, kept)
         ring.evidence = set(chosen)
         if not decoding and ring.final_scored:
             ring.anchor = chosen  # the prompt's final selection, best first

@@ -218,20 +218,13 @@ def page_votes(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: f
     page instead (page_scores) lets the long tail of many uninformative heads outweigh the few that
     know where to look. Plain torch on any device (the [T, Hq, Np] bounds are small at the T of a
     question or a decode step)."""
-    if kmin.shape[0] == 0:
+    num_pages = kmin.shape[0]
+    if num_pages == 0:
         return torch.zeros(0, dtype=torch.float32, device=q.device)
-    return head_votes(torch.softmax(page_bounds(q, kmin, kmax) * scale, dim=-1), top)
-
-
-def head_votes(probs: torch.Tensor, top: int) -> torch.Tensor:
-    """probs [T, Hq, Np] (each query head's distribution, or real attention mass, over pages per token) ->
-    [Np]: each head's mass averaged over its tokens, given to its `top` best pages only (top 0: summed over
-    every page, page_scores' rule)."""
-    if top <= 0:
-        return probs.sum(dim=(0, 1))
-    per_head = probs.mean(dim=0)  # [Hq, Np]
-    mass, pages = per_head.topk(min(top, per_head.shape[-1]), dim=-1)
-    return torch.zeros(per_head.shape[-1], dtype=torch.float32, device=probs.device).index_add_(
+    probs = torch.softmax(page_bounds(q, kmin, kmax) * scale, dim=-1).mean(dim=0)  # [Hq, Np]
+    k = min(top, num_pages)
+    mass, pages = probs.topk(k, dim=-1)
+    return torch.zeros(num_pages, dtype=torch.float32, device=q.device).index_add_(
         0, pages.reshape(-1), mass.reshape(-1)
     )
 
