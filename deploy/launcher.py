@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.common import auth
@@ -60,6 +60,9 @@ class LaunchConfig:
     restart_backoff_s: float = 0.5  # first restart delay; doubles while a child keeps dying young
     max_backoff_s: float = 10.0
     internal_secret: str = field(default="", repr=False)  # "": a fresh one per launch
+    # extra environment for every service (name, value), over the launcher's own: how benches start stacks with
+    # different engine options side by side in one process
+    extra_env: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> LaunchConfig:
@@ -196,6 +199,8 @@ def service_specs(cfg: LaunchConfig, redis_url: str, ports: dict[str, int], secr
             },
         )
     )
+    if cfg.extra_env:
+        specs = [replace(s, env={**s.env, **dict(cfg.extra_env)}) for s in specs]
     return specs
 
 

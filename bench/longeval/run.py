@@ -31,10 +31,9 @@ from typing import Any
 
 import openai
 
-import deploy.launcher
 from bench.longeval.split import SPLITS
 from bench.longeval.tasks import NUMERIC, SHAPES, TASKS, Case, make_case, score
-from deploy.launcher import LaunchConfig, ServiceSpec, Stack
+from deploy.launcher import LaunchConfig, Stack
 from services.common.model_files import resolve_model_path
 from services.common.tokenizer import load_tokenizer
 
@@ -58,18 +57,6 @@ VARIANTS: dict[str, dict[str, str]] = {
            "KVMEM_RING_SCORE_FROM": "0.5", "KVMEM_NEIGHBOR_PAGES": "0", "KVMEM_RING_ANCHOR_PAGES": "4",
            "KVMEM_RING_VOTE_TOP": "0", "KVMEM_RING_EXCLUDE_RECENT": "0"},
 }  # fmt: skip
-_STACK_ENV: dict[int, dict[str, str]] = {}  # gateway port -> extra environment of that stack's services
-_service_specs = deploy.launcher.service_specs
-
-
-def _specs(cfg: LaunchConfig, redis_url: str, ports: dict[str, int]) -> list[ServiceSpec]:
-    """The launcher's services with their stack's extra environment (stacks start at once, so os.environ
-    cannot carry it)."""
-    extra = _STACK_ENV.get(cfg.port, {})
-    return [dataclasses.replace(s, env={**s.env, **extra}) for s in _service_specs(cfg, redis_url, ports)]
-
-
-deploy.launcher.service_specs = _specs
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -149,16 +136,19 @@ def stack_for(config: str, args: argparse.Namespace) -> tuple[str, LaunchConfig,
         key, cfg, env = stack_for(name, args)
         return config if args.stack_per_config else f"{key}@{variant}", cfg, {**env, **VARIANTS[variant]}
     if config == "dense":
-        return "dense", LaunchConfig(port=args.port, max_context=max_context, kv_capacity=max_context,
-                                     host_kv_mib=args.host_kv_mib, ready_timeout_s=600), {}  # fmt: skip
-    cfg = LaunchConfig(port=args.port, max_context=max_context, kv_capacity=args.pool, host_kv_mib=args.host_kv_mib,
-                       ready_timeout_s=600)  # fmt: skip
+        dense = LaunchConfig(model=args.model, port=args.port, max_context=max_context, kv_capacity=max_context,
+                             host_kv_mib=args.host_kv_mib, ready_timeout_s=600)  # fmt: skip
+        return "dense", dense, {}
+    cfg = LaunchConfig(model=args.model, port=args.port, max_context=max_context, kv_capacity=args.pool,
+                       host_kv_mib=args.host_kv_mib, ready_timeout_s=600)  # fmt: skip
     if config == "off":
         return "off", cfg, {"KVMEM_RETRIEVAL": "0"}
     return config if args.stack_per_config else "ring", cfg, {}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, partial: Path | None = None) -> dict[str, Any]:
+    """Every configuration's answers; with `partial`, what has been answered so far is rewritten there after each
+    configuration (a run cut short keeps it)."""
     tok = load_tokenizer(resolve_model_path(args.model))
     count = lambda s: len(tok.encode(s))  # noqa: E731
     t0 = time.time()
@@ -177,8 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def one_stack(key: str, port: int) -> None:
         cfg, env = launch[key]
-        cfg = dataclasses.replace(cfg, port=port)
-        _STACK_ENV[port] = env
+        cfg = dataclasses.replace(cfg, port=port, extra_env=tuple(sorted(env.items())))
         stack = Stack(cfg, echo=False)
         stack.start()
         try:
@@ -196,6 +185,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 with ThreadPoolExecutor(args.concurrency) as pool:
                     done = [r for r in pool.map(job, cases) if r is not None]
                 results[config] = done
+                if partial is not None:
+                    partial.write_text(json.dumps({"cases": {c.case_id: c.to_json() for c in cases},
+                                                   "results": results}, indent=1))  # fmt: skip
                 right = sum(r["correct"] for r in done)
                 logger.info("%s: %d/%d right (%d asked) in %.0f s", config, right, len(done), len(cases),
                             time.time() - t1)  # fmt: skip
@@ -259,7 +251,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    out = run(args)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    name = f"longeval_{args.split}_{args.label or time.strftime('%H%M')}"
+    out = run(args, partial=Path(args.out, name + ".partial.json"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     head = (f"longeval {args.split} split, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, "
             f"{platform.node()} python {platform.python_version()}, pool {args.pool}, "
@@ -272,8 +266,6 @@ def main(argv: list[str] | None = None) -> None:
             ts = sorted(ts)
             text.append(f"TTFT {config}: median {ts[len(ts) // 2]:.2f} s over {len(ts)} chat cases")
     print("\n".join(text))
-    name = f"longeval_{args.split}_{args.label or time.strftime('%H%M')}"
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     del out["by_id"]
     Path(args.out, name + ".json").write_text(json.dumps({"head": head, **out}, indent=1))
     Path(args.out, name + ".txt").write_text("\n".join(text) + "\n")
