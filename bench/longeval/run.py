@@ -162,6 +162,9 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict[str, Any]
         key, cfg, env = stack_for(c, args)
         groups[key].append(c)
         launch[key] = (cfg, env)
+    # asked in one seeded shuffled order, the same for every configuration: a run cut by --budget-s keeps a uniform
+    # sample of the grid, paired across configurations as far as each got
+    asked = random.Random(0).sample(cases, len(cases))
     results: dict[str, list[dict[str, Any]]] = {}
     ttfts: dict[str, list[float]] = {}
 
@@ -183,7 +186,7 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict[str, Any]
                     return ask(client, model, case, policy) if time.time() < stop_at else None
 
                 with ThreadPoolExecutor(args.concurrency) as pool:
-                    done = [r for r in pool.map(job, cases) if r is not None]
+                    done = [r for r in pool.map(job, asked) if r is not None]
                 results[config] = done
                 if partial is not None:
                     partial.write_text(json.dumps({"cases": {c.case_id: c.to_json() for c in cases},
