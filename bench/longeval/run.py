@@ -77,13 +77,17 @@ def build_cases(args: argparse.Namespace, count) -> list[Case]:
     shapes = args.shapes.split(",")
     cases = []
     for length in (int(x) for x in args.lengths.split(",")):
+        # k: the length's running case number; task k mod T and shape (k + k // lcm(T, S)) mod S give each
+        # (task, shape) pair once in every T x S cases, and consecutive cases (one depth's cell) differ in both
+        k, lcm = 0, math.lcm(len(tasks), len(shapes))
         for depth in (float(x) for x in args.depths.split(",")):
             for i in range(args.per_cell):
-                # a balanced, seeded assignment of task, shape and haystack to the cell's cases
+                # a balanced, seeded assignment of task, shape and haystack to the cell's cases (an earlier rule,
+                # before 2026-12-02, tied each task to one shape whenever the depths were alike modulo the tasks)
                 rng = random.Random(f"{split.seed}:{length}:{depth}:{i}")
-                j = i + int(depth * 100) + length
-                task = tasks[j % len(tasks)]
-                shape = shapes[(j // len(tasks) + i) % len(shapes)]
+                task = tasks[k % len(tasks)]
+                shape = shapes[(k + k // lcm) % len(shapes)]
+                k += 1
                 if shape == "completion_digits" and task not in NUMERIC:
                     shape = "completion"
                 kind, half = kinds[rng.randrange(len(kinds))]
@@ -130,7 +134,7 @@ def ttft(client: openai.OpenAI, model: str, case: Case, policy: str | None) -> f
 
 def stack_for(config: str, args: argparse.Namespace) -> tuple[str, LaunchConfig, dict[str, str]]:
     """(stack key, launch config, extra environment) of a configuration (`name` or `name@variant`)."""
-    max_context = max(int(x) for x in args.lengths.split(",")) + 2048
+    max_context = min(max(int(x) for x in args.lengths.split(",")) + 2048, args.max_context)
     name, _, variant = config.partition("@")
     if variant:
         key, cfg, env = stack_for(name, args)
@@ -241,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--kinds", default="", help="haystack kinds to keep (default: the split's)")
     p.add_argument("--configs", default="dense,sparse,off")
+    p.add_argument("--max-context", type=int, default=8192, help="the stacks' cap (SmolLM2 has 8,192 positions)")
     p.add_argument("--pool", type=int, default=1024, help="ring stacks' kv capacity in tokens")
     p.add_argument("--host-kv-mib", type=int, default=1024)
     p.add_argument("--port", type=int, default=18000)

@@ -1,0 +1,37 @@
+"""bench/longeval's grid: every (task, shape) pair asked equally often, cases reproducible from the split's seed,
+the held-out and tuning splits sharing no template."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+from bench.longeval import run
+from bench.longeval.split import SPLITS
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = dict(split="heldout", kinds="", tasks="single_code,single_number,multikey,codeqa",
+                shapes="chat_qlast,chat_qfirst,chat_doc_earlier,completion,completion_digits", lengths="1024",
+                depths="0.1,0.3,0.5,0.7,0.9", per_cell=4)  # fmt: skip
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _count(text: str) -> int:
+    return len(text) // 4  # a stand-in tokenizer: the grid's balance does not depend on it
+
+
+def test_each_task_meets_each_shape_once_per_block() -> None:
+    cases = run.build_cases(_args(), _count)
+    assert len(cases) == 20
+    assert set(Counter((c.task, c.shape) for c in cases).values()) == {1}  # 4 tasks x 5 shapes, each once
+    assert set(Counter((c.shape, c.depth) for c in cases).values()) == {1}  # a depth's cell is not one shape
+
+
+def test_the_grid_is_reproducible_and_the_splits_differ() -> None:
+    a = run.build_cases(_args(per_cell=2), _count)
+    b = run.build_cases(_args(per_cell=2), _count)
+    assert [c.to_json() for c in a] == [c.to_json() for c in b]
+    tuning = run.build_cases(_args(per_cell=2, split="tuning"), _count)
+    assert {c.case_id for c in a}.isdisjoint({c.case_id for c in tuning})
+    assert set(SPLITS["heldout"].templates).isdisjoint(SPLITS["tuning"].templates)
