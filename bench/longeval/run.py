@@ -41,16 +41,18 @@ logger = logging.getLogger("bench.longeval")
 CONFIGS = ("dense", "sparse", "off", "exact", "shard")
 RETRIEVAL_TASKS = tuple(t for t in TASKS if t != "fwe")
 # selection variants (a configuration `sparse@v1` runs the ring stack with that environment): v0 is the ring
-# before issue 25 (the query from the start of the last user turn, mass summed over heads, recent pages
-# competing, decode re-selections replacing the set); v1 the question's span, recent pages out, decode
-# re-selections keeping the prompt's best 4 pages; v2 = v1 with per-head votes (top 4); v3 below
+# before issue 25 (the query from the start of the last user turn, the Quest bound, mass summed over heads, recent
+# pages competing, three picks with seam neighbours, decode re-selections replacing the set); v1 the question's
+# span, recent pages out, decode re-selections keeping the prompt's best 4 pages; v2 = v1 with per-head votes
+# (top 4); v3 (the defaults since 2026-12-02, spelled out) below. Each variant sets every option it depends on.
+_BOUND = {"KVMEM_RING_QUERY_PASS": "bound", "KVMEM_RING_SCORE_FROM": "0", "KVMEM_NEIGHBOR_PAGES": "1"}
 VARIANTS: dict[str, dict[str, str]] = {
-    "v0": {"KVMEM_CACHEGUARD_QUERY_SPAN": "turn", "KVMEM_RING_VOTE_TOP": "0", "KVMEM_RING_ANCHOR_PAGES": "0",
+    "v0": {**_BOUND, "KVMEM_CACHEGUARD_QUERY_SPAN": "turn", "KVMEM_RING_VOTE_TOP": "0", "KVMEM_RING_ANCHOR_PAGES": "0",
            "KVMEM_RING_EXCLUDE_RECENT": "0"},
-    "v1": {"KVMEM_CACHEGUARD_QUERY_SPAN": "question", "KVMEM_RING_VOTE_TOP": "0", "KVMEM_RING_ANCHOR_PAGES": "4",
-           "KVMEM_RING_EXCLUDE_RECENT": "1"},
-    "v2": {"KVMEM_CACHEGUARD_QUERY_SPAN": "question", "KVMEM_RING_VOTE_TOP": "4", "KVMEM_RING_ANCHOR_PAGES": "4",
-           "KVMEM_RING_EXCLUDE_RECENT": "1"},
+    "v1": {**_BOUND, "KVMEM_CACHEGUARD_QUERY_SPAN": "question", "KVMEM_RING_VOTE_TOP": "0",
+           "KVMEM_RING_ANCHOR_PAGES": "4", "KVMEM_RING_EXCLUDE_RECENT": "1"},
+    "v2": {**_BOUND, "KVMEM_CACHEGUARD_QUERY_SPAN": "question", "KVMEM_RING_VOTE_TOP": "4",
+           "KVMEM_RING_ANCHOR_PAGES": "4", "KVMEM_RING_EXCLUDE_RECENT": "1"},
     # v3: the question's own real attention picks the pages (the last chunk attends every page), the upper half
     # of the layers' heads summed, no seam neighbours (nine picks, not three), decode keeping the best 4
     "v3": {"KVMEM_CACHEGUARD_QUERY_SPAN": "question", "KVMEM_RING_QUERY_PASS": "exact", "KVMEM_RING_HEAD_FUSION": "sum",

@@ -50,7 +50,8 @@ class CacheGuardConfig:
     session_ttl_s: float = 3600.0  # an idle session's affinity is forgotten after this
     normalizations: tuple[str, ...] = NORMALIZATIONS  # see normalize.py; () turns them all off
     chat_template: str = ""  # path of a Jinja chat template replacing the model's own; "": the model's
-    query_span: str = "turn"  # the ring's query: "turn" (the last user turn) or "question" (core.question_start)
+    # the ring's query: "question" (core.question_start; the default since 2026-12-02) or "turn" (the last user turn)
+    query_span: str = "question"
     internal_secret: str = field(default="", repr=False)  # required on calls in, sent on calls out (auth.py)
 
     def __post_init__(self) -> None:

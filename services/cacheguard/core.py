@@ -86,7 +86,7 @@ class GuardCore:
         max_sessions: int,
         normalizations: Sequence[str] = NORMALIZATIONS,
         chat_template: str | None = None,
-        query_span: str = "turn",
+        query_span: str = "question",
     ) -> None:
         """chat_template: replaces the model's own template (None: the model's); query_span: "question"
         (question_start) or "turn" (the start of the last user message) is where the ring's query starts."""

@@ -54,7 +54,7 @@ class EngineConfig:
     recent_tokens: int = 0  # trailing window; 0: one ring chunk + one page
     skeleton_tokens: int = 256  # query span (last user turn) kept resident
     retrieval_share: float = 1.0  # evidence budget = share x (budget - protect - recent); bench/RESULTS.md
-    neighbor_pages: int = 1  # seam completion reach
+    neighbor_pages: int = 0  # seam completion reach (1 until 2026-12-02: three picks + their neighbours ranked worse)
     query_tail: int = 64  # scored tokens when no query span is known
     rescore_interval: int = 16  # decode steps between re-selections (0: select at prefill only)
     # decode re-selections take effect this many steps later, their host pages fetched meanwhile. Two bursts of 8:
@@ -66,14 +66,16 @@ class EngineConfig:
     # selection (ring.RingLimits): each head votes its top k pages (0: mass summed over heads), a decode
     # re-selection keeps the prompt's best anchor pages, recent pages are no candidates (bench/longeval)
     ring_vote_top: int = 0
-    ring_anchor_pages: int = 0
+    ring_anchor_pages: int = 4
     ring_exclude_recent: bool = False
     # how the last prompt chunk's query picks the prompt's evidence (RingLimits.query_pass): "bound" (a scoring
     # pass over the page summaries' Quest bound), "attention" (the scoring pass attends every page, host ones
     # streamed, and pages are ranked by its real attention mass), "exact" (no scoring pass: the last chunk itself
-    # attends every page and its real attention ranks them)
-    ring_query_pass: str = "bound"
-    ring_score_from: float = 0.0  # layers below this fraction of the model's depth score no pages
+    # attends every page and its real attention ranks them). The defaults since 2026-12-02 (exact, the upper half
+    # of the layers, no seam neighbours, 4 anchors; longeval's `v3`) answered like dense on the held-out split
+    # through the stack where the Quest bound (`v0`) lost two thirds (bench/RESULTS.md, "Long-context evaluation")
+    ring_query_pass: str = "exact"
+    ring_score_from: float = 0.5  # layers below this fraction of the model's depth score no pages
     ring_head_fusion: str = "sum"  # how those heads' masses rank pages (summaries.fuse_heads: sum, norm, rrf:K)
     audit_dir: str = ""  # write per-selection scores and choices here
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
@@ -273,7 +275,7 @@ class EngineConfig:
         p.add_argument("--recent-tokens", type=int, default=int(env("KVMEM_RECENT_TOKENS", "0")))
         p.add_argument("--skeleton-tokens", type=int, default=int(env("KVMEM_SKELETON_TOKENS", "256")))
         p.add_argument("--retrieval-share", type=float, default=float(env("KVMEM_RETRIEVAL_SHARE", "1.0")))
-        p.add_argument("--neighbor-pages", type=int, default=int(env("KVMEM_NEIGHBOR_PAGES", "1")))
+        p.add_argument("--neighbor-pages", type=int, default=int(env("KVMEM_NEIGHBOR_PAGES", str(cls.neighbor_pages))))
         p.add_argument("--rescore-interval", type=int, default=int(env("KVMEM_RESCORE_INTERVAL", "16")))
         p.add_argument(
             "--ring-prefetch-steps",
@@ -289,10 +291,16 @@ class EngineConfig:
             help="negative control: the ring keeps no evidence pages",
         )
         p.add_argument("--ring-vote-top", type=int, default=int(env("KVMEM_RING_VOTE_TOP", "0")))
-        p.add_argument("--ring-anchor-pages", type=int, default=int(env("KVMEM_RING_ANCHOR_PAGES", "0")))
+        p.add_argument(
+            "--ring-anchor-pages", type=int, default=int(env("KVMEM_RING_ANCHOR_PAGES", str(cls.ring_anchor_pages)))
+        )
         p.add_argument("--ring-exclude-recent", type=int, default=int(env("KVMEM_RING_EXCLUDE_RECENT", "0")))
-        p.add_argument("--ring-query-pass", default=env("KVMEM_RING_QUERY_PASS", "bound"), choices=QUERY_PASSES)
-        p.add_argument("--ring-score-from", type=float, default=float(env("KVMEM_RING_SCORE_FROM", "0")))
+        p.add_argument(
+            "--ring-query-pass", default=env("KVMEM_RING_QUERY_PASS", cls.ring_query_pass), choices=QUERY_PASSES
+        )
+        p.add_argument(
+            "--ring-score-from", type=float, default=float(env("KVMEM_RING_SCORE_FROM", str(cls.ring_score_from)))
+        )
         p.add_argument("--ring-head-fusion", default=env("KVMEM_RING_HEAD_FUSION", "sum"))
         p.add_argument("--audit-dir", default=env("KVMEM_RING_AUDIT_DIR", ""))
         p.add_argument(
