@@ -34,3 +34,35 @@ def test_fla_matches_the_reference(lengths: list[int]) -> None:
     scale = ref_out.float().abs().max().item()
     assert (out.float() - ref_out.float()).abs().max().item() <= 2e-2 * scale  # bf16 inputs, fp32 states
     assert (final - ref_final).abs().max().item() <= 2e-2 * ref_final.abs().max().item()
+
+
+def test_decode_graphs_replay_as_the_eager_runner() -> None:
+    """The decode runner with qwen3_5's steps captured in CUDA graphs (KVMEM_RECURRENT_GRAPHS=1) answers as the
+    same runner run eagerly, token for token, over two requests in turn (the second reuses the captured graphs
+    and its state slot); the graphs were replayed, not only captured."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("fla")
+    from bench.qwen3_5_h200 import build, our_engine, speed_prompt, time_ours
+
+    dev = torch.device("cuda")
+    use_tier(select_tier(dev))
+    _, ours = build("tiny", dev)
+    vocab, ctx, decode = ours.config.vocab_size, 640, 24
+    answers: dict[str, list[list[int]]] = {}
+    for kind in ("graphs", "runner"):
+        engine = our_engine(ours, ctx, decode, dev, kind)
+        try:
+            answers[kind] = [
+                time_ours(engine, speed_prompt(vocab, ctx, decode, trial), decode, dev, f"{kind}{trial}")["tokens"]
+                for trial in range(2)
+            ]
+            runner = engine.runner.decode
+            assert runner is not None
+            if kind == "graphs":
+                assert runner.num_captures >= 1 and runner.num_replays >= 2 * decode - 4, vars(runner)
+            else:
+                assert runner.num_captures == 0 and runner.num_eager > 0
+        finally:
+            engine.stop()
+    assert answers["graphs"] == answers["runner"]

@@ -223,9 +223,13 @@ class ModelConfig:
         """From a gguf.GGUFReader: `{arch}.*` keys, tokenizer ids, and which tensors exist."""
         meta = _GgufMeta(reader)
         arch = str(meta.get("general.architecture", "?"))
+        tensor_shapes = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
+        if arch == QWEN3_5_GGUF_ARCH:
+            from services.engine.models.qwen3_5_config import qwen3_5_config, qwen3_5_gguf_hf_config
+
+            return qwen3_5_config(cls, qwen3_5_gguf_hf_config(meta, tensor_shapes))
         if arch not in ARCHITECTURES:
             raise UnsupportedModelError(arch)
-        tensor_shapes = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
         hidden = int(meta.arch("embedding_length"))
         num_heads = int(meta.arch("attention.head_count"))
         head_dim = meta.arch("attention.key_length", None) or meta.arch("rope.dimension_count", None)
@@ -346,6 +350,7 @@ def _gguf_rope_scaling(arch: str, meta: _GgufMeta, reader: Any, head_dim: int) -
 
 
 QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+QWEN3_5_GGUF_ARCH = "qwen35"  # llama.cpp's name (gguf.MODEL_ARCH.QWEN35)
 
 # --- Gemma 3 -------------------------------------------------------------------------------------
 

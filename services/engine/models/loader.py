@@ -1,9 +1,10 @@
-"""Load a Llama-family or Gemma 3 model from a GGUF file (dequantised) or an HF safetensors directory.
+"""Load a Llama-family, Gemma 3 or Qwen3.5 model from a GGUF file (dequantised) or an HF safetensors directory.
 
 Both formats are first read as HF-named float tensors (`model.layers.3.self_attn.q_proj.weight`),
 then fused into our parameters (qkv_proj, gate_up_proj), cast and moved tensor by tensor.
 Gemma 3 norm weights are kept as transformers keeps them (used as 1 + w): llama.cpp's GGUF stores
-w + 1, so 1 is subtracted from them (in float32, as transformers' GGUF loader does).
+w + 1, so 1 is subtracted from them (in float32, as transformers' GGUF loader does). Qwen3.5 (llama.cpp's
+`qwen35`): the converter's changes are undone in qwen3_5_from_gguf.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import Tensor
 from services.engine.models.config import ModelConfig, UnsupportedModelError
 from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
-from services.engine.models.qwen3_5 import Qwen3_5ForCausalLM, qwen3_5_tensors
+from services.engine.models.qwen3_5 import Qwen3_5ForCausalLM, qwen3_5_from_gguf, qwen3_5_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,21 @@ _GGUF_GEMMA3_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Qwen3.5 hybrids (llama.cpp `qwen35`): gguf's TensorNameMap for MODEL_ARCH.QWEN35
+_GGUF_QWEN3_5_LAYER_NAMES = {
+    **{k: v for k, v in _GGUF_LAYER_NAMES.items() if not k.endswith(".bias") and k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+_GGUF_ARCH_LAYER_NAMES = {"gemma3": _GGUF_GEMMA3_LAYER_NAMES, "qwen3_5": _GGUF_QWEN3_5_LAYER_NAMES}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -207,19 +223,25 @@ def _open_gguf(path: Path) -> Iterator[tuple[ModelConfig, TensorSource]]:
     reader = gguf.GGUFReader(str(path))
     config = ModelConfig.from_gguf_metadata(reader)
     tensors = {}
+    extra_blocks = 0  # qwen35: the multi-token-prediction blocks after the model's layers
     for tensor in reader.tensors:
         hf_name = _gguf_to_hf_name(tensor.name, config.architecture)
-        if hf_name is not None:
+        match = _GGUF_LAYER_RE.fullmatch(tensor.name)
+        if match is not None and int(match.group(1)) >= config.num_layers:
+            extra_blocks += 1
+        elif hf_name is not None:
             tensors[hf_name] = tensor
         elif tensor.name != "rope_freqs.weight":  # read into the config's rope scaling
             logger.warning("GGUF tensor %s is not used", tensor.name)
+    if extra_blocks:
+        logger.info("%d GGUF tensors of blocks past the %d layers (MTP) are not used", extra_blocks, config.num_layers)
     yield config, lambda name: _gguf_tensor(config, name, tensors[name])
 
 
 def _gguf_to_hf_name(name: str, arch: str) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
-    layer_names = _GGUF_GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    layer_names = _GGUF_ARCH_LAYER_NAMES.get(arch, _GGUF_LAYER_NAMES)
     match = _GGUF_LAYER_RE.fullmatch(name)
     if match is None or match.group(2) not in layer_names:
         return None
@@ -240,6 +262,8 @@ def _gguf_tensor(config: ModelConfig, hf_name: str, tensor: Any) -> Tensor:
         array = _unpermute_rope(array, num_heads)
     if config.architecture == "gemma3" and hf_name.endswith("norm.weight"):
         array = array - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w)
+    if config.architecture == "qwen3_5":
+        array = qwen3_5_from_gguf(config, hf_name, array)
     return torch.from_numpy(array)
 
 

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -241,3 +242,40 @@ def qwen3_5_tensors(
             yield mine + "o_proj.weight", need(get, sa + "o_proj.weight")
             for norm in ("q_norm", "k_norm"):
                 yield mine + f"{norm}.weight", need(get, sa + f"{norm}.weight")
+
+
+def qwen3_5_from_gguf(config: ModelConfig, hf_name: str, array: np.ndarray) -> np.ndarray:
+    """A `qwen35` GGUF tensor (float32, torch's dim order) as transformers names and holds it: llama.cpp's
+    converter (convert_hf_to_gguf: Qwen3NextModel, _LinearAttentionVReorderBase) stores zero-centred norm
+    weights as 1 + w (not the linear layers' gated norm), A_log as -exp(A_log), the conv weight squeezed, and,
+    when there are more value heads than key heads, the value heads of every linear-layer tensor in tiled
+    order (v0 of each key head, then v1 of each, ...) instead of grouped by key head."""
+    shape = config.linear
+    assert shape is not None
+    if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+        array = array - np.float32(1.0)
+    if ".linear_attn." not in hf_name:
+        return array
+    if hf_name.endswith(".A_log"):
+        array = np.log(-array)
+    k, per_k = shape.num_k_heads, shape.num_v_heads // shape.num_k_heads
+    if per_k > 1:
+        v_rows = 2 * shape.key_dim  # q and k come first in in_proj_qkv and the conv's channels
+        if hf_name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            array = np.concatenate([array[:v_rows], _grouped(array[v_rows:], 0, k, per_k, shape.v_head_dim)])
+        elif hf_name.endswith("in_proj_z.weight"):
+            array = _grouped(array, 0, k, per_k, shape.v_head_dim)
+        elif hf_name.endswith(("in_proj_a.weight", "in_proj_b.weight", ".A_log", ".dt_bias")):
+            array = _grouped(array, 0, k, per_k, 1)
+        elif hf_name.endswith("out_proj.weight"):
+            array = _grouped(array, 1, k, per_k, shape.v_head_dim)
+    if hf_name.endswith("conv1d.weight"):
+        array = array.reshape(array.shape[0], 1, -1)  # transformers' Conv1d weight [C, 1, K]
+    return np.ascontiguousarray(array)
+
+
+def _grouped(array: np.ndarray, axis: int, num_k: int, per_k: int, head_dim: int) -> np.ndarray:
+    """Value heads along `axis` from tiled order [per_k, num_k, head_dim] to grouped [num_k, per_k, head_dim]."""
+    shape = array.shape
+    split = (*shape[:axis], per_k, num_k, head_dim, *shape[axis + 1 :])
+    return np.swapaxes(array.reshape(split), axis, axis + 1).reshape(shape)

@@ -35,6 +35,46 @@ def qwen3_5_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**QWEN3_5_TEXT_DEFAULTS, **outer, **text}
 
 
+def qwen3_5_gguf_hf_config(meta: Any, tensor_shapes: dict[str, list[int]]) -> dict[str, Any]:
+    """The HF text config of a llama.cpp `qwen35` GGUF, from the keys its converter writes (convert_hf_to_gguf:
+    Qwen3NextModel's ssm.* and full_attention_interval, TextModel's). `meta`: config._GgufMeta. MTP blocks
+    (nextn_predict_layers) follow the model's layers in block_count and are not counted."""
+    head_dim = int(meta.arch("attention.key_length"))
+    num_v_heads = int(meta.arch("ssm.time_step_rank"))
+    sections = meta.arch("rope.dimension_sections", None)
+    rotary = int(meta.arch("rope.dimension_count"))
+    if sections is not None and 2 * sum(int(s) for s in sections) != rotary:
+        logger.warning("qwen35 GGUF: mrope sections %s do not cover the %d rotary dims", list(sections), rotary)
+    from services.engine.models.config import _first_id
+
+    return {
+        "model_type": "qwen3_5_text",
+        "vocab_size": int(meta.arch("vocab_size", None) or tensor_shapes["token_embd.weight"][1]),
+        "hidden_size": int(meta.arch("embedding_length")),
+        "intermediate_size": int(meta.arch("feed_forward_length")),
+        "num_hidden_layers": int(meta.arch("block_count")) - int(meta.arch("nextn_predict_layers", 0)),
+        "num_attention_heads": int(meta.arch("attention.head_count")),
+        "num_key_value_heads": int(meta.arch("attention.head_count_kv")),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(meta.arch("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(meta.arch("context_length", 32_768)),
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "linear_conv_kernel_dim": int(meta.arch("ssm.conv_kernel")),
+        "linear_key_head_dim": int(meta.arch("ssm.state_size")),
+        "linear_num_key_heads": int(meta.arch("ssm.group_count")),
+        "linear_num_value_heads": num_v_heads,
+        "linear_value_head_dim": int(meta.arch("ssm.inner_size")) // num_v_heads,
+        "full_attention_interval": int(meta.arch("full_attention_interval", 4)),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(meta.arch("rope.freq_base", 10_000_000.0)),
+            "partial_rotary_factor": rotary / head_dim,
+        },  # fmt: skip
+        "bos_token_id": _first_id(meta.get("tokenizer.ggml.bos_token_id", None)),
+        "eos_token_id": _first_id(meta.get("tokenizer.ggml.eos_token_id", None)),
+    }
+
+
 def qwen3_5_config(cls: type[ModelConfig], raw: dict[str, Any]) -> ModelConfig:
     cfg = qwen3_5_text_config(raw)
     arch = "qwen3_5"
