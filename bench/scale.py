@@ -93,10 +93,20 @@ class Run:
             "concurrent": prompts_of(self.gen, self.shape.vocab, conc, conc_len),
         }
         self.engine_tokens: list[int] = []
+        self.t_start = time.perf_counter()
         self.save: Callable[[], None] = lambda: None  # main's: the rows so far to --out
 
     def row(self, key: str) -> dict[str, Any]:
         return self.rows.setdefault(self.names[key], {})
+
+    def past_deadline(self, what: str, row: dict[str, Any], key: str) -> bool:
+        """Whether --deadline-s has passed (then `row[key]` says so and `what` is not run: a device call's time
+        left for the rows that matter more)."""
+        if not self.a.deadline_s or time.perf_counter() - self.t_start < self.a.deadline_s:
+            return False
+        row[key] = f"not run: --deadline-s {self.a.deadline_s} passed before {what}"
+        print(row[key], flush=True)
+        return True
 
     def limit_prefill_s(self, tokens: int, past: int = 0) -> float:
         return self.shape.prefill_flops(tokens, past) / (self.tflops * 1e12) if self.tflops else float("nan")
@@ -155,6 +165,12 @@ def main() -> int:
     p.add_argument("--ring-sessions", type=int, default=32, help="sessions of the ring row (ring and dense)")
     p.add_argument("--ring-len", type=int, default=32_768, help="prompt + new tokens of each ring-row session")
     p.add_argument("--ring-budget", type=int, default=4096, help="resident tokens per sequence through the ring")
+    p.add_argument(
+        "--ring-new-tokens", type=int, default=256, help="new tokens of each ring-row session (outlast the prefill)"
+    )
+    p.add_argument(
+        "--deadline-s", type=float, default=0.0, help="--rows ring: a long session not started by then is skipped"
+    )
     p.add_argument("--ring-arena-dir", default=scale_ring.arena_dir_default(), help="the kvstore's arena")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="JSON file for the rows")

@@ -92,6 +92,18 @@ def aggregate_decode(streams: list[Stream]) -> float:
     return tokens / max(end - start, 1e-9)
 
 
+def decoding_together(streams: list[Stream]) -> tuple[float, float, int]:
+    """(tok/s, seconds, tokens) between the last first token and the first stream's last token: the window where
+    every stream decodes (no prefill left, nobody finished), so the batch is the whole set; (0, 0, 0) when that
+    window is empty (a stream finished before the last one started: ask for more new tokens)."""
+    start = max(s.arrivals[0][0] for s in streams)
+    end = min(s.arrivals[-1][0] for s in streams)
+    if end <= start:
+        return 0.0, 0.0, 0
+    tokens = sum(n for s in streams for t, n in s.arrivals if start < t <= end)
+    return tokens / (end - start), end - start, tokens
+
+
 def single_decode(st: Stream, new_tokens: int) -> float:
     return (new_tokens - 1) / max(st.end - st.arrivals[0][0], 1e-9)
 
@@ -206,8 +218,6 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
             new_tokens=a.new_tokens,
         )
         run.save()
-        if a.profile and out_dir is not None and run.device.type == "cuda":
-            _profile().prefill_and_decode(run, engine, out_dir)
     if "concurrent" in rows:
         row = run.row("concurrent")
         for chunk in [int(c) for c in a.concurrent_chunks.split(",")]:
@@ -262,6 +272,10 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
         run.save()
     if "logits" in rows:
         _engine_logits(run, engine)
+    if a.profile and out_dir is not None and run.device.type == "cuda" and rows & {"ttft", "decode"}:
+        # last: torch.profiler leaves CUPTI's callbacks installed after it ends (pytorch/pytorch#144455), so the
+        # rows timed after it in 2a15acb's run (32 x 8K among them) may have run slower
+        _profile().prefill_and_decode(run, engine, out_dir)
 
 
 def _engine_logits(run: Run, engine) -> None:  # type: ignore[no-untyped-def]
