@@ -46,5 +46,5 @@ log "ring rows (fp8 in place)"
 KVMEM_FP8_ATTENTION=1 python3 bench/scale.py --model-dir /tmp/m8b --reuse-model --rows ring --no-peer \
   --long-len 131072 --ring-sessions 32 --ring-new-tokens 256 --deadline-s "${1:-0}" --out-dir "$OUT" \
   --shape "${SCALE_SHAPE:-llama8b}" --device "${SCALE_DEVICE:-cuda}" ${SCALE_EXTRA:-} 2>&1 \
-  | grep -v "Writing model\|Loading weights\|^ \|^{\|^}" | tee -a "$LOG"
+  | grep --line-buffered -v "Writing model\|Loading weights\|^ \|^{\|^}" | tee -a "$LOG"
 log "done"
