@@ -30,7 +30,16 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.scale_engine import aggregate_decode, built, decoding_together, engine_requests, prompts_of, single_decode
+from bench.scale_engine import (
+    Captures,
+    aggregate_decode,
+    built,
+    decoding_together,
+    engine_requests,
+    prompts_of,
+    single_decode,
+    warm_graphs,
+)
 from bench.scale_model import HBM_BYTES_PER_S
 from services.engine.kv_pool import fp8_in_place
 
@@ -108,6 +117,10 @@ def ring_rows(run: Run, model_dir: Path) -> None:
 def _sessions(run: Run, engine, kind: str, prompts: list[list[int]], row: dict[str, Any], resident: list[int]) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
     """All prompts at once on `engine`; the row's keys are prefixed `dense_` for the dense engine."""
     pre = "" if kind == "ring" else "dense_"
+    new = run.a.ring_new_tokens
+    contexts = [resident[0]] if kind == "ring" else [len(prompts[0]) + 1, len(prompts[0]) + new]
+    row.update({f"{pre}{k}": v for k, v in warm_graphs(run, engine, len(prompts), contexts).items()})
+    caps = Captures(engine)
     t0 = time.perf_counter()
     try:
         res = engine_requests(engine, prompts, run.a.ring_new_tokens, f"{kind}-sessions", strict=False)
@@ -115,7 +128,8 @@ def _sessions(run: Run, engine, kind: str, prompts: list[list[int]], row: dict[s
         row[f"{pre}error"] = f"{type(exc).__name__}: {exc}"[:300]
         print(f"{kind} sessions failed: {row[f'{pre}error']}", flush=True)
         return
-    ok = [s for s in res if not s.error and len(s.tokens) == run.a.ring_new_tokens]
+    row.update({f"{pre}{k}": v for k, v in caps.since().items()})
+    ok = [s for s in res if not s.error and len(s.tokens) == new]
     row[f"{pre}completed"] = len(ok)
     row[f"{pre}failed"] = len(res) - len(ok)
     if len(ok) < len(res):
@@ -138,12 +152,16 @@ def _sessions(run: Run, engine, kind: str, prompts: list[list[int]], row: dict[s
 def _long(run: Run, engine, kind: str, prompt: list[list[int]], row: dict[str, Any], resident: int) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
     if run.past_deadline(f"the {kind} long session", row, f"{kind}_not_run"):
         return
+    contexts = [resident] if kind == "ring" else [len(prompt[0]) + 1, len(prompt[0]) + run.a.new_tokens]
+    warm_graphs(run, engine, 1, contexts)
+    caps = Captures(engine)
     try:
         st = engine_requests(engine, prompt, run.a.new_tokens, f"{kind}-long")[0]
     except Exception as exc:  # noqa: BLE001 -- recorded, not a number
         row[f"{kind}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         print(f"{kind} long failed: {row[f'{kind}_error']}", flush=True)
         return
+    row[f"{kind}_captures_in_row"] = caps.since()["captures_in_row"]
     row[f"{kind}_ttft_s"] = round(st.ttft, 3)
     row[f"{kind}_decode_tok_s"] = round(single_decode(st, run.a.new_tokens), 1)
     row[f"{kind}_limit_decode_tok_s"] = round(step_limit_tok_s(run, [resident]), 1)
