@@ -29,13 +29,18 @@ Rows (written to --out as {"date", "commit", "device", "rows": {NAME: {...}}}):
   <shape>_decode_batch       per batch B: aggregate decode tok/s of B sequences of --batch-len tokens, limit
   <shape>_128k               dense_ttft_s, dense_decode_tok_s (engine, bf16, everything in HBM); with --rows ring
                              also ring_* and dense_fp8_* (bench/scale_ring.py)
-  <shape>_ring_32x32k        --rows ring: --ring-sessions fp8 sessions through the ring and dense (scale_ring.py)
+  <shape>_ring_32x32k        --rows ring: --ring-sessions fp8 sessions through the ring and dense (scale_ring.py):
+                             completed, mean_ttft_s, agg_decode_tok_s (every session decoding), tail_decode_tok_s,
+                             the same with dense_; fp8_attention_in_place (KVMEM_FP8_ATTENTION)
   <shape>_logits_2k          cosine and argmax of the engine's forward against transformers' on one prompt
   attention_<n>x<T>          the prefill attention alone (--attn-bench / --only-attn) on the last n-token chunk
                              of a T-token prompt: masked memory-efficient SDPA (the engine before issue 26),
                              causal_sdpa (torch's FlashAttention-2), flex_attention with a block mask (compiled),
                              kernels/prefill_attention_triton.py over scattered pool rows in five configurations
                              (the engine's default now), and the K/V gather the non-Triton paths need, as TFLOP/s
+Before each timed row the decode graphs it will replay are captured (scale_engine.warm_graphs: every batch bucket
+up to the row's batch at its window bucket, as the peer's compiled step is warmed first); the rows record
+captures_in_row (0 when the warm-up covered the row) and --no-warm-graphs restores capture at first use.
 --prefill-modes runs the TTFT row once per KVMEM_PREFILL_ATTENTION value (triton, flash, masked).
 --profile adds kernel tables by phase (bench/scale_profile.py). The pieces: scale_engine.py (the engine side),
 scale_peer.py (transformers), scale_ring.py, scale_attention.py, scale_profile.py, scale_model.py (shapes, the
@@ -93,10 +98,20 @@ class Run:
             "concurrent": prompts_of(self.gen, self.shape.vocab, conc, conc_len),
         }
         self.engine_tokens: list[int] = []
+        self.t_start = time.perf_counter()
         self.save: Callable[[], None] = lambda: None  # main's: the rows so far to --out
 
     def row(self, key: str) -> dict[str, Any]:
         return self.rows.setdefault(self.names[key], {})
+
+    def past_deadline(self, what: str, row: dict[str, Any], key: str) -> bool:
+        """Whether --deadline-s has passed (then `row[key]` says so and `what` is not run: a device call's time
+        left for the rows that matter more)."""
+        if not self.a.deadline_s or time.perf_counter() - self.t_start < self.a.deadline_s:
+            return False
+        row[key] = f"not run: --deadline-s {self.a.deadline_s} passed before {what}"
+        print(row[key], flush=True)
+        return True
 
     def limit_prefill_s(self, tokens: int, past: int = 0) -> float:
         return self.shape.prefill_flops(tokens, past) / (self.tflops * 1e12) if self.tflops else float("nan")
@@ -155,7 +170,16 @@ def main() -> int:
     p.add_argument("--ring-sessions", type=int, default=32, help="sessions of the ring row (ring and dense)")
     p.add_argument("--ring-len", type=int, default=32_768, help="prompt + new tokens of each ring-row session")
     p.add_argument("--ring-budget", type=int, default=4096, help="resident tokens per sequence through the ring")
+    p.add_argument(
+        "--ring-new-tokens", type=int, default=256, help="new tokens of each ring-row session (outlast the prefill)"
+    )
+    p.add_argument(
+        "--deadline-s", type=float, default=0.0, help="--rows ring: a long session not started by then is skipped"
+    )
     p.add_argument("--ring-arena-dir", default=scale_ring.arena_dir_default(), help="the kvstore's arena")
+    p.add_argument(
+        "--no-warm-graphs", action="store_true", help="no decode-graph capture before each row (warm_graphs)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="JSON file for the rows")
     p.add_argument("--out-dir", default=os.environ.get("OUT", ""), help="profiles go here")

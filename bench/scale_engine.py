@@ -92,8 +92,52 @@ def aggregate_decode(streams: list[Stream]) -> float:
     return tokens / max(end - start, 1e-9)
 
 
+def decoding_together(streams: list[Stream]) -> tuple[float, float, int]:
+    """(tok/s, seconds, tokens) between the last first token and the first stream's last token: the window where
+    every stream decodes (no prefill left, nobody finished), so the batch is the whole set; (0, 0, 0) when that
+    window is empty (a stream finished before the last one started: ask for more new tokens)."""
+    start = max(s.arrivals[0][0] for s in streams)
+    end = min(s.arrivals[-1][0] for s in streams)
+    if end <= start:
+        return 0.0, 0.0, 0
+    tokens = sum(n for s in streams for t, n in s.arrivals if start < t <= end)
+    return tokens / (end - start), end - start, tokens
+
+
 def single_decode(st: Stream, new_tokens: int) -> float:
     return (new_tokens - 1) / max(st.end - st.arrivals[0][0], 1e-9)
+
+
+def warm_graphs(run: Run, engine, max_batch: int, contexts: list[int]) -> dict[str, Any]:  # type: ignore[no-untyped-def]  # noqa: E501
+    """Capture, before a row is timed, the decode graphs it will replay: every batch bucket up to `max_batch`
+    (sequences finish one by one, so a row of N meets each power of two below N) at the window buckets of
+    `contexts` tokens, as transformers' compiled step is warmed before its timed run. Without it the engine
+    captures a bucket at its first step, inside the row (host time: an eager step, a synchronize, the capture).
+    --no-warm-graphs: the old behaviour. Only between rows (DecodeGraphs.warm_up: no live sequence)."""
+    decode = engine.runner.decode
+    if run.a.no_warm_graphs or decode is None or not decode.capture:
+        return {}
+    t0 = time.perf_counter()
+    size = engine.pool.page_size
+    widths = [-(-c // size) * size for c in contexts]  # a read set holds whole pages
+    batches = [1 << k for k in range(max(max_batch, 1).bit_length() + 1) if 1 << k < 2 * max_batch]
+    n = decode.warm_up(batches, widths)
+    return {"warm_captures": n, "warm_capture_s": round(time.perf_counter() - t0, 2)}
+
+
+class Captures:
+    """The decode graphs captured while a row ran (a capture inside a timed row is host time the row pays)."""
+
+    def __init__(self, engine) -> None:  # type: ignore[no-untyped-def]
+        self.decode = engine.runner.decode
+        self.n0, self.s0 = self._now()
+
+    def _now(self) -> tuple[int, float]:
+        return (self.decode.num_captures, self.decode.capture_s) if self.decode is not None else (0, 0.0)
+
+    def since(self) -> dict[str, Any]:
+        n, sec = self._now()
+        return {"captures_in_row": n - self.n0, "capture_s_in_row": round(sec - self.s0, 2)}
 
 
 def tag_len(n: int) -> str:
@@ -206,21 +250,22 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
             new_tokens=a.new_tokens,
         )
         run.save()
-        if a.profile and out_dir is not None and run.device.type == "cuda":
-            _profile().prefill_and_decode(run, engine, out_dir)
     if "concurrent" in rows:
         row = run.row("concurrent")
         for chunk in [int(c) for c in a.concurrent_chunks.split(",")]:
             _chunked(engine, chunk)
             prompts = prompts_of(run.gen, sh.vocab, run.conc, run.conc_len)  # fresh: no prefix reuse
+            warm = warm_graphs(run, engine, run.conc, [run.conc_len + 1, run.conc_len + a.new_tokens])
+            caps = Captures(engine)
             t0 = time.perf_counter()
             res = engine_requests(engine, prompts, a.new_tokens, f"conc-{chunk}")
             wall = max(s.end for s in res) - t0
+            warm |= caps.since()
             last_first = max(s.arrivals[0][0] for s in res) - t0
             row[f"engine_wall_s_chunk{chunk}"] = round(wall, 3)
             print(
                 f"engine concurrent {run.conc}x{run.conc_len} chunk {chunk}: wall {wall:.2f} s, "
-                f"prefill {run.conc * run.conc_len / last_first:.0f} tok/s, ttft max {last_first:.2f} s",
+                f"prefill {run.conc * run.conc_len / last_first:.0f} tok/s, ttft max {last_first:.2f} s; {warm}",
                 flush=True,
             )
             if "engine_wall_s" not in row or wall < row["engine_wall_s"]:
@@ -231,6 +276,7 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
                     ttft_mean_s=round(statistics.mean(s.ttft for s in res), 3),
                     decode_agg_tok_s=round(aggregate_decode(res), 1),
                     chunk=chunk,
+                    **warm,
                 )
         _chunked(engine, chunks[0])
         row["limit_prefill_s"] = round(run.conc * run.limit_prefill_s(run.conc_len), 3)
@@ -240,8 +286,11 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
         for b in a.batch_list:
             if b == a.profile_batch and out_dir is not None:
                 _profile().batch(run, engine, b, out_dir)
+            warm = warm_graphs(run, engine, b, [a.batch_len + 1, a.batch_len + a.new_tokens])
+            caps = Captures(engine)
             res = engine_requests(engine, prompts_of(run.gen, sh.vocab, b, a.batch_len), a.new_tokens, f"b{b}")
             agg = aggregate_decode(res)
+            row[f"b{b}_captures_in_row"] = caps.since()["captures_in_row"]
             limit = HBM_BYTES_PER_S / sh.decode_bytes([a.batch_len] * b) * b
             row[f"b{b}_tok_s"] = round(agg, 1)
             row[f"b{b}_limit_tok_s"] = round(limit, 1)
@@ -250,7 +299,10 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
         run.save()
     if "long" in rows and a.long_len:
         row = run.row("long")
+        warm_graphs(run, engine, 1, [a.long_len - a.new_tokens + 1, a.long_len])
+        caps = Captures(engine)
         res = engine_requests(engine, prompts_of(run.gen, sh.vocab, 1, a.long_len - a.new_tokens), a.new_tokens, "long")
+        row["dense_captures_in_row"] = caps.since()["captures_in_row"]
         st = res[0]
         row.update(
             dense_ttft_s=round(st.ttft, 3),
@@ -262,6 +314,10 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
         run.save()
     if "logits" in rows:
         _engine_logits(run, engine)
+    if a.profile and out_dir is not None and run.device.type == "cuda" and rows & {"ttft", "decode"}:
+        # last: torch.profiler leaves CUPTI's callbacks installed after it ends (pytorch/pytorch#144455), so the
+        # rows timed after it in 2a15acb's run (32 x 8K among them) may have run slower
+        _profile().prefill_and_decode(run, engine, out_dir)
 
 
 def _engine_logits(run: Run, engine) -> None:  # type: ignore[no-untyped-def]

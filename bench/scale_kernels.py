@@ -1,6 +1,6 @@
 """Decode kernels at Llama-3.1-8B's shapes (issue 26), CUDA: what a batch-1 or batched decode step spends.
 
-    PYTHONPATH=. python3 bench/scale_kernels.py [--only linear|attention] [--sweep]
+    PYTHONPATH=. python3 bench/scale_kernels.py [--only linear,attention,head,swiglu,fp8] [--sweep]
 
 - linear: each projection of a decode step (qkv 6144 x 4096, o 4096 x 4096, gate/up 2 x 14336 x 4096 with the
   SiLU product, down 4096 x 14336) at M rows: cuBLAS (F.linear; gate/up then the torch product), the Triton
@@ -9,6 +9,12 @@
 - attention: the flash-decoding kernel (kernels/decode_attention_triton.py) over 32 layers' pools, Hq 32 / Hkv 8
   of 128, at the decode graphs' padded windows (W a power of two >= the rows, as DecodeGraphs pads them), for
   MAX_SPLIT_ROWS in a few values (rows per split program at most). TB/s counts the real K/V bytes.
+
+- swiglu: the SwiGLU of prefill rows (M x 2 x 14336 -> M x 14336): torch's silu then multiply (two launches) against
+  kernels/norm_triton.py `silu_mul` (one), and the largest difference between them. GB/s counts 3 x M x 14336 x 2 B.
+- fp8: both attention kernels over fp8 rows read in place (`fp8=True`, uint8 [R, 8, 4 + 128]) against the same rows
+  in bf16: decode at B x rows (the ring's 32 x 4K, one 128K session) and the last 8K chunk of a 32K prefill; TB/s
+  counts the K/V bytes in each format, TFLOP/s the causal attention FLOPs.
 
 Times are microseconds per layer, from CUDA-graph replays of 32 calls on 32 distinct weights / pools (one decode
 step's layers; nothing stays in L2). bench/kernel_sweep.py is the same method at Gemma 3 270M's shapes.
@@ -166,18 +172,108 @@ def head_table(dev: torch.device) -> None:
     print(line, flush=True)
 
 
+def swiglu_table(dev: torch.device, ms: tuple[int, ...] = (2048, 8192), inter: int = 14_336) -> None:
+    """silu(gate) * up of prefill-sized rows: torch (the engine before norm_triton.silu_mul) and the kernel."""
+    from services.engine.kernels import norm_triton
+
+    for m in ms:
+        calls = 4
+        xs = [torch.randn(m, 2 * inter, device=dev, dtype=torch.bfloat16) * 3 for _ in range(calls)]
+
+        def torch_path(x: torch.Tensor) -> torch.Tensor:
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        diff = max((norm_triton.silu_mul(x).float() - torch_path(x).float()).abs().max().item() for x in xs)
+        ulps = max((norm_triton.silu_mul(x) != torch_path(x)).float().mean().item() for x in xs)
+        base = per_call_us(lambda xs=xs: [torch_path(x) for x in xs], calls=calls)
+        kern = per_call_us(lambda xs=xs: [norm_triton.silu_mul(x) for x in xs], calls=calls)
+        gb = 3 * m * inter * 2 / 1e9
+        print(
+            f"swiglu M={m} I={inter}: torch {base:7.1f} us ({gb / base * 1e6:5.0f} GB/s) | silu_mul {kern:7.1f} us "
+            f"({gb / kern * 1e6:5.0f} GB/s) | max |diff| {diff:.3g}, elements differing {ulps:.2e}",
+            flush=True,
+        )
+        del xs
+
+
+def _decode_us(
+    q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], reads: tuple[torch.Tensor, ...], fp8: bool
+) -> float:
+    """Microseconds of one decode attention call over each layer's stores (reads: rows, key_pos, q_pos)."""
+    scale = q.shape[-1] ** -0.5
+    return per_call_us(
+        lambda: [
+            dat.decode_attention(q, k, v, *reads, scale, sorted_keys=True, fp8=fp8) for k, v in zip(ks, vs, strict=True)
+        ],
+        calls=len(ks),
+    )
+
+
+def fp8_table(
+    dev: torch.device,
+    cases: tuple[tuple[int, int], ...] = ((32, 4096), (1, 131_072)),
+    chunk: tuple[int, int] = (8192, 24_576),
+    layers: int = 8,
+) -> None:
+    """The attention kernels over fp8 rows in place against the same rows in bf16 (`layers` distinct pools):
+    decode of `cases` (batch, rows each), prefill of a `chunk` (new tokens, past tokens)."""
+    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kv_formats import parse_format
+
+    fmt = parse_format("fp8")
+    heads, kv_heads, d = 32, 8, 128
+    for batch, length in cases:
+        total = batch * length
+        ks = [torch.randn(total, kv_heads, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+        vs = [torch.randn(total, kv_heads, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+        k8s, v8s = [fmt.quantize(k) for k in ks], [fmt.quantize(v) for v in vs]
+        q = torch.randn(batch, heads, d, device=dev, dtype=torch.bfloat16)
+        rows = torch.arange(total, device=dev).view(batch, length).contiguous()
+        key_pos = torch.arange(length, device=dev).expand(batch, -1).contiguous()
+        q_pos = torch.full((batch,), length - 1, device=dev)
+        want = dat.decode_attention(q, ks[0], vs[0], rows, key_pos, q_pos, d**-0.5, sorted_keys=True)
+        got = dat.decode_attention(q, k8s[0], v8s[0], rows, key_pos, q_pos, d**-0.5, sorted_keys=True, fp8=True)
+        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        cells = []
+        for name, kk, vv, f8 in (("bf16", ks, vs, False), ("fp8", k8s, v8s, True)):
+            t = _decode_us(q, kk, vv, (rows, key_pos, q_pos), f8)
+            nbytes = 2 * total * kv_heads * kk[0].shape[-1] * kk[0].element_size()
+            cells.append(f"{name} {t:7.1f} us {nbytes / t / 1e6:4.2f} TB/s")
+        print(f"decode attention B={batch} rows {length}: " + " | ".join(cells) + f" | rel diff {rel:.2e}", flush=True)
+        del ks, vs, k8s, v8s
+        torch.cuda.empty_cache()
+    n, past = chunk
+    t_all = n + past
+    k, v = (torch.randn(t_all, kv_heads, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    k8, v8 = fmt.quantize(k), fmt.quantize(v)
+    q = torch.randn(n, heads, d, device=dev, dtype=torch.bfloat16)
+    rows = torch.arange(t_all, device=dev)
+    flops = 2 * heads * d * (t_all**2 - past**2)
+    cells = []
+    for name, kk, vv, f8 in (("bf16", k, v, False), ("fp8", k8, v8, True)):
+        t = per_call_us(lambda kk=kk, vv=vv, f8=f8: [pat.prefill_attention(q, kk, vv, rows, d**-0.5, fp8=f8)], calls=1)
+        cells.append(f"{name} {t / 1e3:6.2f} ms {flops / t / 1e6:5.0f} TFLOP/s")
+    print(f"prefill attention {n} of {t_all}: " + " | ".join(cells), flush=True)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("scale_kernels.py needs a CUDA device")
         return 2
-    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    tables = {"attention", "linear", "head", "swiglu", "fp8"}
+    only = set(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else tables
     dev = torch.device("cuda")
-    if only in (None, "attention"):
+    if "attention" in only:
         attention_table(dev)
-    if only in (None, "linear"):
+    if "linear" in only:
         linear_table(dev, "--sweep" in sys.argv)
-    if only in (None, "head"):
+    if "head" in only:
         head_table(dev)
+    if "swiglu" in only:
+        swiglu_table(dev)
+    if "fp8" in only:
+        fp8_table(dev)
     return 0
 
 

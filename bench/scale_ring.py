@@ -8,10 +8,14 @@ HBM beside the weights):
   shared-memory arena (--ring-arena-dir), the engine writing through to it;
 - dense: a pool holding every session whole, no kvstore.
 
-Each engine takes --ring-sessions prompts of --ring-len tokens at once (greedy, --new-tokens each, no EOS), then
-one prompt of --long-len tokens alone. Reported: completed requests, mean and max TTFT, aggregate decode tok/s
-(bench/scale_engine.py `aggregate_decode`: tokens after the last first token / the time to the last token), the
-long session's TTFT and decode tok/s; and the limits (bytes a step must read / 4.8 TB/s: weights plus each
+Each engine takes --ring-sessions prompts of --ring-len tokens at once (greedy, --ring-new-tokens each, no EOS),
+then one prompt of --long-len tokens alone (--new-tokens). Reported: completed requests, mean and max TTFT,
+aggregate decode tok/s `agg_decode_tok_s` over the window where every session decodes (bench/scale_engine.py
+`decoding_together`: from the last first token to the first session's last token; sessions admitted early decode
+while later ones prefill, so --ring-new-tokens must outlast the others' prefill: 256 does at 32 x 32K), and
+`tail_decode_tok_s` (`aggregate_decode`: tokens after the last first token / the time to the last token: the
+tail, where fewer and fewer sessions decode; 2a15acb's 344 tok/s was this one), the long session's TTFT and
+decode tok/s; and the limits (bytes a step must read / 4.8 TB/s: weights plus each
 sequence's resident K/V in the pool's format). A request refused at admission (the pool or the host store full:
 a typed error, never an out-of-memory) is counted and its message kept.
 """
@@ -26,8 +30,18 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.scale_engine import aggregate_decode, built, engine_requests, prompts_of, single_decode
+from bench.scale_engine import (
+    Captures,
+    aggregate_decode,
+    built,
+    decoding_together,
+    engine_requests,
+    prompts_of,
+    single_decode,
+    warm_graphs,
+)
 from bench.scale_model import HBM_BYTES_PER_S
+from services.engine.kv_pool import fp8_in_place
 
 if TYPE_CHECKING:
     from bench.scale import Run
@@ -52,8 +66,9 @@ def ring_rows(run: Run, model_dir: Path) -> None:
     n, length, budget = a.ring_sessions, a.ring_len, a.ring_budget
     row = run.rows.setdefault(run.names["ring"], {})
     long_row = run.rows.setdefault(run.names["long"], {})
-    row.update(sessions=n, prompt_tokens=length - a.new_tokens, new_tokens=a.new_tokens, kv_format="fp8",
-               ring_budget=budget)  # fmt: skip
+    new = a.ring_new_tokens
+    row.update(sessions=n, prompt_tokens=length - new, new_tokens=new, kv_format="fp8", ring_budget=budget,
+               fp8_attention_in_place=fp8_in_place())  # fmt: skip
     per_token = fp8_token_bytes(run)
     host_bytes = (n * (length + 256) + (a.long_len + 256)) * per_token
     host_mib = int(host_bytes * 1.1 / 2**20) + 1024
@@ -66,7 +81,7 @@ def ring_rows(run: Run, model_dir: Path) -> None:
         print(f"ring rows not run: {row['not_run']}", flush=True)
         return
     max_context = max(length, a.long_len)
-    gen_prompts = prompts_of(run.gen, sh.vocab, n, length - a.new_tokens)
+    gen_prompts = prompts_of(run.gen, sh.vocab, n, length - new)
     long_prompt = prompts_of(run.gen, sh.vocab, 1, a.long_len - a.new_tokens) if a.long_len else []
     from bench.store import kvstore, redis_server
 
@@ -102,14 +117,19 @@ def ring_rows(run: Run, model_dir: Path) -> None:
 def _sessions(run: Run, engine, kind: str, prompts: list[list[int]], row: dict[str, Any], resident: list[int]) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
     """All prompts at once on `engine`; the row's keys are prefixed `dense_` for the dense engine."""
     pre = "" if kind == "ring" else "dense_"
+    new = run.a.ring_new_tokens
+    contexts = [resident[0]] if kind == "ring" else [len(prompts[0]) + 1, len(prompts[0]) + new]
+    row.update({f"{pre}{k}": v for k, v in warm_graphs(run, engine, len(prompts), contexts).items()})
+    caps = Captures(engine)
     t0 = time.perf_counter()
     try:
-        res = engine_requests(engine, prompts, run.a.new_tokens, f"{kind}-sessions", strict=False)
+        res = engine_requests(engine, prompts, run.a.ring_new_tokens, f"{kind}-sessions", strict=False)
     except Exception as exc:  # noqa: BLE001 -- the row records what refused the sessions (admission), no number
         row[f"{pre}error"] = f"{type(exc).__name__}: {exc}"[:300]
         print(f"{kind} sessions failed: {row[f'{pre}error']}", flush=True)
         return
-    ok = [s for s in res if not s.error and len(s.tokens) == run.a.new_tokens]
+    row.update({f"{pre}{k}": v for k, v in caps.since().items()})
+    ok = [s for s in res if not s.error and len(s.tokens) == new]
     row[f"{pre}completed"] = len(ok)
     row[f"{pre}failed"] = len(res) - len(ok)
     if len(ok) < len(res):
@@ -118,7 +138,10 @@ def _sessions(run: Run, engine, kind: str, prompts: list[list[int]], row: dict[s
         row[f"{pre}wall_s"] = round(max(s.end for s in ok) - t0, 3)
         row[f"{pre}mean_ttft_s"] = round(statistics.mean(s.ttft for s in ok), 3)
         row[f"{pre}max_ttft_s"] = round(max(s.ttft for s in ok), 3)
-        row[f"{pre}agg_decode_tok_s"] = round(aggregate_decode(ok), 1)
+        together, window, tokens = decoding_together(ok)
+        row[f"{pre}agg_decode_tok_s"] = round(together, 1) if window else None
+        row[f"{pre}together_s"], row[f"{pre}together_tokens"] = round(window, 3), tokens
+        row[f"{pre}tail_decode_tok_s"] = round(aggregate_decode(ok), 1)
         row[f"{pre}prefill_tok_s"] = round(sum(len(p) for p in prompts) / max(s.ttft for s in ok))
     row[f"{pre}limit_agg_decode_tok_s"] = round(step_limit_tok_s(run, resident), 1)
     print(f"{kind} {len(prompts)} x {len(prompts[0])}: {({k: v for k, v in row.items() if k.startswith(pre)})}",
@@ -127,12 +150,18 @@ def _sessions(run: Run, engine, kind: str, prompts: list[list[int]], row: dict[s
 
 
 def _long(run: Run, engine, kind: str, prompt: list[list[int]], row: dict[str, Any], resident: int) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
+    if run.past_deadline(f"the {kind} long session", row, f"{kind}_not_run"):
+        return
+    contexts = [resident] if kind == "ring" else [len(prompt[0]) + 1, len(prompt[0]) + run.a.new_tokens]
+    warm_graphs(run, engine, 1, contexts)
+    caps = Captures(engine)
     try:
         st = engine_requests(engine, prompt, run.a.new_tokens, f"{kind}-long")[0]
     except Exception as exc:  # noqa: BLE001 -- recorded, not a number
         row[f"{kind}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         print(f"{kind} long failed: {row[f'{kind}_error']}", flush=True)
         return
+    row[f"{kind}_captures_in_row"] = caps.since()["captures_in_row"]
     row[f"{kind}_ttft_s"] = round(st.ttft, 3)
     row[f"{kind}_decode_tok_s"] = round(single_decode(st, run.a.new_tokens), 1)
     row[f"{kind}_limit_decode_tok_s"] = round(step_limit_tok_s(run, [resident]), 1)

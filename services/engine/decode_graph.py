@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -319,6 +320,7 @@ class DecodeGraphs:
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.num_replays = 0
         self.num_captures = 0
+        self.capture_s = 0.0  # host time in _capture (its eager step, the synchronize, the capture itself)
         self.num_eager = 0
         self._last: _Buffers | None = None  # the buffers of the last step (page_scores reads its queries)
         # the model writes a step's K/V rows in its q/k norm + RoPE launch (KVMEM_KV_SINK=0: KVPool.write
@@ -454,6 +456,7 @@ class DecodeGraphs:
 
     def _capture(self, bufs: _Buffers) -> torch.Tensor:
         """Warm up eagerly on a side stream (this step's real result), then capture the same step."""
+        t0 = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -465,7 +468,9 @@ class DecodeGraphs:
             bufs.out = self._step(bufs)
         bufs.graph = graph
         self.num_captures += 1
-        logger.info("captured the decode graph of batch %d, window %d", bufs.batch, bufs.window)
+        elapsed = time.perf_counter() - t0
+        self.capture_s += elapsed
+        logger.info("captured the decode graph of batch %d, window %d in %.2f s", bufs.batch, bufs.window, elapsed)
         return logits
 
     # -- buffers -----------------------------------------------------------------------------------

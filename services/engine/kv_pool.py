@@ -32,9 +32,10 @@ logger = logging.getLogger(__name__)
 @functools.cache
 def fp8_in_place() -> bool:
     """Whether the attention kernels read fp8 layers in place (`KVPool.fp8_kv`): only with KVMEM_FP8_ATTENTION=1.
-    Off by default: the kernels match their references interpreted on the CPU and compile for sm_90, but their
-    first H200 run (2a15acb) failed to compile (since fixed) and they have not run on a GPU since; off, fp8 layers
-    take the gather + dequantise path. Decided once."""
+    Off by default: on the H200 (f3cc28f) they matched their references at the 8B shape but ran at a quarter of the
+    bf16 kernels' speed (decode 32 x 4K 553 us a layer against 146, prefill 92 TFLOP/s against 422): the codes
+    were loaded byte by byte. They now load as pipelined 4-byte words (tests/engine/test_kernels_compile.py reads
+    the PTX), not yet timed on a GPU; off, fp8 layers take the gather + dequantise path. Decided once."""
     on = os.environ.get("KVMEM_FP8_ATTENTION", "0") == "1"
     logger.info("fp8 KV read in place by the attention kernels: %s", "on" if on else "off (KVMEM_FP8_ATTENTION=1: on)")
     return on

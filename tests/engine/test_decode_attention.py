@@ -489,3 +489,17 @@ def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
     assert got.dtype == dtype
     tol = 2e-5 if dtype == torch.float32 and where == "cpu" else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_fp8_rows_off_four_byte_alignment_keep_the_gather_path() -> None:
+    """The fp8 kernels load the codes as 4-byte words (attention_tiles.load_kv tells the compiler every row starts
+    on 4 bytes): a layer whose rows do not (an odd base) is not theirs, in either kernel."""
+    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels import prefill_attention_triton as pat
+
+    rows, heads, width = 64, 2, 4 + 32
+    aligned = torch.zeros(rows, heads, width, dtype=torch.uint8)
+    odd = torch.zeros(rows * heads * width + 1, dtype=torch.uint8)[1:].view(rows, heads, width)
+    q = torch.zeros(16, 4, 32, dtype=torch.bfloat16)
+    assert dat.supported(aligned, fp8=True) and pat.supported(q, aligned, fp8=True)
+    assert not dat.supported(odd, fp8=True) and not pat.supported(q, odd, fp8=True)

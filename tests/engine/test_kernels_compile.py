@@ -19,14 +19,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _compile(fn, types: dict[str, str], constexprs: dict[str, object]):  # type: ignore[no-untyped-def]
+def _compile(fn, types: dict[str, str], constexprs: dict[str, object], div16: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]  # noqa: E501
+    """`div16`: the arguments the launch specialises as multiples of 16 (Triton does so for every pointer torch
+    allocates and every integer divisible by 16): what the compiler knows of alignment at run time."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = dict(types, **{name: "constexpr" for name in constexprs})
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+
+def _pipelined_word_loads(ptx: str) -> None:
+    """The fp8 codes load as 4-byte words through cp.async (pipelined), not byte by byte: the byte loads of
+    f3cc28f ran the kernels at a quarter of their bf16 speed on the H200 (bench/results/scale_kernels_h200_f3cc28f)."""
+    assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx, "fp8 codes loaded byte by byte"
+    assert "cp.async" in ptx
 
 
 def compile_fp8_attention() -> None:
@@ -39,7 +49,12 @@ def compile_fp8_attention() -> None:
     types.update({name: "i32" for name in ints})
     block_m, block_n, _, _ = pat.config(128)
     constexprs: dict[str, object] = dict(G=4, D=128, BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=False, FP8=True)
-    assert "e4m3" in _compile(pat._prefill_kernel, types, constexprs).asm["ptx"]
+    # at the 8B shape: q/out strides 4096 / 128, pool rows 8 x 132 = 1056 bytes apart, heads 132 (not 16-divisible)
+    div16 = ("q_ptr", "k_ptr", "v_ptr", "rows_ptr", "out_ptr", "stride_qn", "stride_qh", "stride_kr", "stride_vr",
+             "stride_on", "stride_oh")  # fmt: skip
+    ptx = _compile(pat._prefill_kernel, types, constexprs, div16).asm["ptx"]
+    assert "e4m3" in ptx
+    _pipelined_word_loads(ptx)
     ptrs = dict(q_ptr="*bf16", k_ptr="*u8", v_ptr="*u8", rows_ptr="*i64", key_pos_ptr="*i64", q_pos_ptr="*i64",
                 m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", keep_ptr="*bf16")  # fmt: skip
     ints = ["width", "rows_per_split", "num_splits", "window", "span"]
@@ -47,7 +62,11 @@ def compile_fp8_attention() -> None:
     types = dict(ptrs, scale_log2="fp32", **{name: "i32" for name in ints})
     constexprs = dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, HAS_WINDOW=False, RING=False, DIRECT=False, DOT_FP32=False,
                       INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, PDL=True, SORTED=True, FP8=True)  # fmt: skip
-    assert "e4m3" in _compile(dat._split_kernel, types, constexprs).asm["ptx"]
+    div16 = (*ptrs, "width", "rows_per_split", "stride_qb", "stride_qh", "stride_kr", "stride_vr", "stride_ob",
+             "stride_oh")  # fmt: skip
+    ptx = _compile(dat._split_kernel, types, constexprs, div16).asm["ptx"]
+    assert "e4m3" in ptx
+    _pipelined_word_loads(ptx)
 
 
 def compile_silu_mul() -> None:

@@ -14,6 +14,7 @@ kernels/prefill_attention_triton.py (a prompt chunk's rows of one query head) ca
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -26,6 +27,12 @@ def fp8_row_bytes(head_dim: int) -> int:
     return FP8_SCALE_BYTES + head_dim
 
 
+def fp8_rows_aligned(store: torch.Tensor) -> bool:
+    """What load_kv promises the compiler about an fp8 layer [R, Hkv, 4 + D] (uint8): every row, hence its codes,
+    starts on a multiple of 4 bytes (the base and both outer strides), and the last dim is contiguous."""
+    return store.data_ptr() % 4 == 0 and store.stride(0) % 4 == 0 and store.stride(1) % 4 == 0 and store.stride(2) == 1
+
+
 @triton.jit
 def load_kv(  # type: ignore[no-untyped-def]
     k_ptr, v_ptr, row, kv, stride_kr, stride_kh, stride_vr, stride_vh, d, ok, MASKED: tl.constexpr,
@@ -35,8 +42,15 @@ def load_kv(  # type: ignore[no-untyped-def]
     MASKED: rows where `ok` is false are not read (zeros). Plain layers: the stored values, scales 1. FP8 (uint8
     rows: an fp32 scale, then D e4m3fn codes): the codes as bf16 (exact) and the scales, which softmax_step
     applies to the scores and the probabilities instead of to every element."""
-    k_row = k_ptr + row * stride_kr + kv * stride_kh  # [BLOCK_N]
-    v_row = v_ptr + row * stride_vr + kv * stride_vh
+    if FP8:  # every fp8 row starts on 4 bytes (a row is 4 + D bytes, D % 4 == 0: `supported`), so its codes do
+        # too: said to the compiler, the codes load as 4-byte words (and pipeline) instead of byte by byte
+        k_off = tl.multiple_of(row * stride_kr + kv * stride_kh, 4)
+        v_off = tl.multiple_of(row * stride_vr + kv * stride_vh, 4)
+    else:
+        k_off = row * stride_kr + kv * stride_kh
+        v_off = row * stride_vr + kv * stride_vh
+    k_row = k_ptr + k_off  # [BLOCK_N]
+    v_row = v_ptr + v_off
     if FP8:
         k_ptrs = k_row[:, None] + _SCALE_BYTES + d[None, :]
         v_ptrs = v_row[:, None] + _SCALE_BYTES + d[None, :]

@@ -68,7 +68,7 @@ def supported(k_store: torch.Tensor, fp8: bool = False) -> bool:
     if k_store.dim() != 3:
         return False
     if fp8:
-        if k_store.dtype != torch.uint8:
+        if k_store.dtype != torch.uint8 or not tiles.fp8_rows_aligned(k_store):
             return False
         head_dim = k_store.shape[-1] - tiles.FP8_SCALE_BYTES
     elif k_store.dtype in _PLAIN:

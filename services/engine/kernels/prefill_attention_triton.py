@@ -50,7 +50,12 @@ def supported(q: torch.Tensor, k_store: torch.Tensor, fp8: bool = False) -> bool
     fp8 rows, kv_formats.py, under bf16 / fp16 queries), D a power of two in 32..256, last dims contiguous."""
     d = q.shape[-1] if q.dim() == 3 else 0
     if fp8:
-        layer_ok = k_store.dtype == torch.uint8 and k_store.shape[-1] == tiles.fp8_row_bytes(d) and q.dtype in _PLAIN
+        layer_ok = (
+            k_store.dtype == torch.uint8
+            and k_store.shape[-1] == tiles.fp8_row_bytes(d)
+            and q.dtype in _PLAIN
+            and tiles.fp8_rows_aligned(k_store)
+        )
     else:
         layer_ok = k_store.dtype in _PLAIN and q.dtype == k_store.dtype and k_store.shape[-1] == d
     return (
