@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.common.model_files import resolve_model_path  # noqa: E402
 from services.engine.builder import build_engine  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
-from services.engine.host_pages import KVStoreHostPages  # noqa: E402
-from services.engine.sampling import SamplingParams  # noqa: E402
-from services.engine.sequence import Chunk, Done, Failed  # noqa: E402
+from services.engine.ring.host_pages import KVStoreHostPages  # noqa: E402
+from services.engine.step.sampling import SamplingParams  # noqa: E402
+from services.engine.step.sequence import Chunk, Done, Failed  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 RANDOM_GEMMA = "gemma3-270m-random"

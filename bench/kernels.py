@@ -65,8 +65,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.engine.attention import PAD_POS  # noqa: E402
-from services.engine.summaries import page_scores_reference, summary_update_reference  # noqa: E402
+from services.engine.kv.attention import PAD_POS  # noqa: E402
+from services.engine.ring.summaries import page_scores_reference, summary_update_reference  # noqa: E402
 
 logger = logging.getLogger("bench.kernels")
 PAGE = 64

@@ -1,7 +1,7 @@
 """KV format fidelity: what quantising the KV pool costs in next-token distributions, needle accuracy and
 what it saves in device memory.
 
-For each format (a per-layer spec, services/engine/kv_formats.py) against the bf16 pool:
+For each format (a per-layer spec, services/engine/kv/kv_formats.py) against the bf16 pool:
 1. teacher-forced fidelity: `--prompts` windows of `--context` tokens over a fixed long text (the repo's
    markdown docs, then its sources), the next-token distribution at the last `--positions` positions of each:
    mean and max total-variation distance vs bf16, and the number of positions whose argmax flips;
@@ -34,13 +34,13 @@ from services.common.model_files import resolve_model_path  # noqa: E402
 from services.common.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from services.engine.engine import Engine, EngineLimits  # noqa: E402
 from services.engine.kernels import select_tier, use_tier  # noqa: E402
-from services.engine.kv_formats import KVFormat, parse_spec  # noqa: E402
-from services.engine.kv_pool import KVPool  # noqa: E402
-from services.engine.local_ring import ring_span  # noqa: E402
-from services.engine.model_runner import ModelRunner  # noqa: E402
+from services.engine.kv.kv_formats import KVFormat, parse_spec  # noqa: E402
+from services.engine.kv.kv_pool import KVPool  # noqa: E402
+from services.engine.kv.paged_attention import SeqSpan, StepAttention  # noqa: E402
 from services.engine.models.config import ModelConfig  # noqa: E402
 from services.engine.models.loader import load_model  # noqa: E402
-from services.engine.paged_attention import SeqSpan, StepAttention  # noqa: E402
+from services.engine.ring.local_ring import ring_span  # noqa: E402
+from services.engine.step.model_runner import ModelRunner  # noqa: E402
 
 logger = logging.getLogger("kv_fidelity")
 REPO = Path(__file__).resolve().parents[1]

@@ -31,8 +31,8 @@ from services.cacheguard.renderer import ChatRenderer  # noqa: E402
 from services.common.tokenizer import Tokenizer  # noqa: E402
 from services.engine.builder import build_engine  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
-from services.engine.sampling import SamplingParams  # noqa: E402
-from services.engine.sequence import Chunk, Done, Failed  # noqa: E402
+from services.engine.step.sampling import SamplingParams  # noqa: E402
+from services.engine.step.sequence import Chunk, Done, Failed  # noqa: E402
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NAMES = ["ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL"]

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from services.engine.builder import build_engine
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
-from services.engine.grammar import GrammarSpec
-from services.engine.sampling import SamplingParams
-from services.engine.sequence import Chunk, Sequence
+from services.engine.step.grammar import GrammarSpec
+from services.engine.step.sampling import SamplingParams
+from services.engine.step.sequence import Chunk, Sequence
 
 logger = logging.getLogger(__name__)
 

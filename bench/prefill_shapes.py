@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import services.engine.attention as attention  # noqa: E402
+import services.engine.kv.attention as attention  # noqa: E402
 from bench.decode import engine_run, write_random_gemma  # noqa: E402
 from services.engine.builder import build_engine  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode import write_random_gemma  # noqa: E402
 from services.engine.builder import build_engine  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
-from services.engine.sampling import SamplingParams  # noqa: E402
+from services.engine.step.sampling import SamplingParams  # noqa: E402
 
 KNOCKABLE = ("qk", "split", "block", "head")
 

@@ -97,8 +97,8 @@ def build(shape: str, dev: torch.device) -> tuple[Any, Any]:
 
 @torch.inference_mode()
 def our_logits(model: Any, ids: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    from services.engine.attention import ContiguousKV
-    from services.engine.recurrent_state import RecurrentStates
+    from services.engine.kv.attention import ContiguousKV
+    from services.engine.kv.recurrent_state import RecurrentStates
 
     cfg = model.config
     states = RecurrentStates(cfg.linear, 1, ids.device, torch.bfloat16, chunk)
@@ -295,9 +295,9 @@ def our_engine(ours: Any, ctx: int, decode: int, dev: torch.device, runner_kind:
     runner_kind "step": every decode step through StepAttention, eagerly; "runner": the decode runner (static
     buffers) run eagerly; "graphs": the decode runner captured in CUDA graphs (KVMEM_RECURRENT_GRAPHS=1)."""
     from services.engine.engine import Engine, EngineLimits
-    from services.engine.kv_pool import KVPool
-    from services.engine.model_runner import ModelRunner
-    from services.engine.recurrent_state import RecurrentStates
+    from services.engine.kv.kv_pool import KVPool
+    from services.engine.kv.recurrent_state import RecurrentStates
+    from services.engine.step.model_runner import ModelRunner
 
     cfg = ours.config
     page, chunk = 64, min(8192, ctx // 2)
@@ -321,7 +321,7 @@ def our_engine(ours: Any, ctx: int, decode: int, dev: torch.device, runner_kind:
 
 def time_ours(engine: Any, prompt: list[int], decode: int, dev: torch.device, name: str) -> dict[str, Any]:
     """One greedy request through `engine`: TTFT (submit to first token), decode tok/s, the tokens."""
-    from services.engine.sampling import SamplingParams
+    from services.engine.step.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=decode, ignore_eos=True)
     seq = engine.submit(name, prompt, params)

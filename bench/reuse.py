@@ -32,8 +32,8 @@ from dataclasses import replace  # noqa: E402
 
 from services.engine.builder import build_engine  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
-from services.engine.sampling import SamplingParams  # noqa: E402
-from services.engine.sequence import Chunk, Done, Failed  # noqa: E402
+from services.engine.step.sampling import SamplingParams  # noqa: E402
+from services.engine.step.sequence import Chunk, Done, Failed  # noqa: E402
 
 
 def ttft(engine, prompt: list[int], namespace: str, max_tokens: int) -> tuple[float, Done, list[int]]:

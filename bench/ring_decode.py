@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 from bench.needle import make_case, start_store  # noqa: E402
 from services.engine.builder import build_engine  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
-from services.engine.sampling import SamplingParams  # noqa: E402
-from services.engine.sequence import Chunk, Done, Failed  # noqa: E402
-from services.engine.summaries import mean_key_scores, page_scores  # noqa: E402
+from services.engine.ring.summaries import mean_key_scores, page_scores  # noqa: E402
+from services.engine.step.sampling import SamplingParams  # noqa: E402
+from services.engine.step.sequence import Chunk, Done, Failed  # noqa: E402
 
 HEADING = "## Ring: decode re-selection interval (bench/ring_decode.py)"
 

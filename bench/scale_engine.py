@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bench.scale_model import HBM_BYTES_PER_S
-from services.engine.sampling import SamplingParams
-from services.engine.sequence import Chunk, Done, Failed
+from services.engine.step.sampling import SamplingParams
+from services.engine.step.sequence import Chunk, Done, Failed
 
 if TYPE_CHECKING:
     from bench.scale import Run
@@ -321,7 +321,7 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
 
 
 def _engine_logits(run: Run, engine) -> None:  # type: ignore[no-untyped-def]
-    from services.engine.attention import ContiguousKV
+    from services.engine.kv.attention import ContiguousKV
 
     model = engine.runner.model
     run.logit_prompt = prompts_of(run.gen, run.shape.vocab, 1, run.a.logits_len)[0]

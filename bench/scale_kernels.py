@@ -219,7 +219,7 @@ def fp8_table(
     """The attention kernels over fp8 rows in place against the same rows in bf16 (`layers` distinct pools):
     decode of `cases` (batch, rows each), prefill of a `chunk` (new tokens, past tokens)."""
     from services.engine.kernels import prefill_attention_triton as pat
-    from services.engine.kv_formats import parse_format
+    from services.engine.kv.kv_formats import parse_format
 
     fmt = parse_format("fp8")
     heads, kv_heads, d = 32, 8, 128

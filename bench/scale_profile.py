@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.scale_engine import Stream, aggregate_decode, engine_requests, prompts_of
-from services.engine.sampling import SamplingParams
-from services.engine.sequence import Chunk, Done, Failed
+from services.engine.step.sampling import SamplingParams
+from services.engine.step.sequence import Chunk, Done, Failed
 
 if TYPE_CHECKING:
     from bench.scale import Run

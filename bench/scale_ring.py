@@ -41,7 +41,7 @@ from bench.scale_engine import (
     warm_graphs,
 )
 from bench.scale_model import HBM_BYTES_PER_S
-from services.engine.kv_pool import fp8_in_place
+from services.engine.kv.kv_pool import fp8_in_place
 
 if TYPE_CHECKING:
     from bench.scale import Run

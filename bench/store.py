@@ -283,8 +283,8 @@ def bench_fetch_to(
     client: KVStoreClient, path: str, hashes: list[bytes], args: argparse.Namespace, device: torch.device = CUDA
 ) -> dict[str, float]:
     """KVStoreHostPages.fetch_to(cuda) end to end (GetPages, copies, Unpin) vs the old fetch + stack + H2D."""
-    from services.engine.host_pages import KVStoreHostPages
-    from services.engine.write_through import WriteThrough
+    from services.engine.kv.write_through import WriteThrough
+    from services.engine.ring.host_pages import KVStoreHostPages
 
     host = KVStoreHostPages(client, WriteThrough(client, "bf16", 8), args.page_bytes, restore_method="copies")
     out: dict[str, float] = {}
@@ -305,8 +305,8 @@ def real_kv_pages(num_tokens: int) -> torch.Tensor:
     from services.common.pagehash import chain_hashes
     from services.engine.builder import build_engine
     from services.engine.config import EngineConfig
-    from services.engine.sampling import SamplingParams
-    from services.engine.sequence import Done, Failed
+    from services.engine.step.sampling import SamplingParams
+    from services.engine.step.sequence import Done, Failed
 
     engine, info = build_engine(EngineConfig(device="cpu", kv_capacity=2048, max_context=2048, replica_id="bench"))
     try:

@@ -5,7 +5,7 @@ prompt once through a recording attention backend: the post-RoPE queries of the 
 (from the question text to the end) and the post-RoPE keys of every token. Pre-RoPE queries and keys
 are recovered by rotating back (RoPE with the sine negated; checked by rotating forward again).
 Keys are split into 64-token pages, and every scorer ranks the needle's page among the pages before
-the question, aggregated exactly as services/engine/summaries.py does (softmax over pages per
+the question, aggregated exactly as services/engine/ring/summaries.py does (softmax over pages per
 (layer, query token, head), summed):
 
     quest_post  post-RoPE Quest bound (min/max): what the engine uses (summaries.page_scores)
@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))
 from bench.needle import make_case  # noqa: E402
 from services.common.model_files import resolve_model_path  # noqa: E402
 from services.common.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
-from services.engine.attention import ContiguousKV  # noqa: E402
+from services.engine.kv.attention import ContiguousKV  # noqa: E402
 from services.engine.models.llama import apply_rope  # noqa: E402
-from services.engine.summaries import mean_key_scores, page_scores  # noqa: E402
+from services.engine.ring.summaries import mean_key_scores, page_scores  # noqa: E402
 
 SCORERS = ["quest_post", "mean_post", "mean_pre", "quest_pre", "exact"]
 TOPK = (2, 4, 8)

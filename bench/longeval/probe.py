@@ -29,9 +29,9 @@ from bench.needle import start_store
 from services.cacheguard.core import GuardCore, PromptRequest
 from services.engine.builder import build_engine
 from services.engine.config import EngineConfig
-from services.engine.ring import RingManager, page_ranking
-from services.engine.sampling import SamplingParams
-from services.engine.sequence import Chunk, Done, Failed
+from services.engine.ring.ring import RingManager, page_ranking
+from services.engine.step.sampling import SamplingParams
+from services.engine.step.sequence import Chunk, Done, Failed
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class HeadSpy:
     needle page."""
 
     def __init__(self) -> None:
-        from services.engine import paged_attention
+        from services.engine.kv import paged_attention
 
         self.module = paged_attention
         self._orig = paged_attention.page_mass

@@ -14,15 +14,15 @@ from services.common.tokenizer import load_tokenizer
 from services.engine.config import ConfigError, EngineConfig
 from services.engine.engine import Engine, EngineLimits
 from services.engine.kernels import select_tier, use_tier
-from services.engine.kv_formats import KVFormatError
-from services.engine.kv_pool import KVPool
-from services.engine.local_ring import LocalRings, ring_span
-from services.engine.model_runner import ModelRunner
+from services.engine.kv.kv_formats import KVFormatError
+from services.engine.kv.kv_pool import KVPool
+from services.engine.kv.recurrent_state import RecurrentStates
+from services.engine.kv.write_through import WriteThrough
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
-from services.engine.recurrent_state import RecurrentStates
-from services.engine.ring import RingLimits
-from services.engine.write_through import WriteThrough
+from services.engine.ring.local_ring import LocalRings, ring_span
+from services.engine.ring.ring import RingLimits
+from services.engine.step.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
     write_through = _write_through(config)
     host = None
     if write_through is not None:  # the ring's host pages; without a ring, prefixes evicted from the device
-        from services.engine.host_pages import KVStoreHostPages
+        from services.engine.ring.host_pages import KVStoreHostPages
 
         host = KVStoreHostPages(_store_client(config), write_through, pool.page_nbytes, config.replica_name)
         host.prepare(device)  # same-host arenas registered as pinned memory now, not inside a first restore

@@ -11,8 +11,8 @@ import torch
 
 from services.common import auth
 from services.common.model_files import DEFAULT_MODEL
-from services.engine.kv_formats import KVFormatError, KVSpec, parse_spec
-from services.engine.summaries import HEAD_FUSIONS
+from services.engine.kv.kv_formats import KVFormatError, KVSpec, parse_spec
+from services.engine.ring.summaries import HEAD_FUSIONS
 
 
 class ConfigError(ValueError):

@@ -26,20 +26,20 @@ import torch
 
 from services.common.pagehash import page_hash, root_hash
 from services.common.tokenizer import Tokenizer
-from services.engine.detokenizer import Detokenizer
-from services.engine.grammar import GrammarCompiler, GrammarError, GrammarTables
-from services.engine.kv_pool import KVPool
-from services.engine.model_runner import Launched, ModelRunner
-from services.engine.ring import PagesLostError, RingLimits, RingManager, SeqRing
-from services.engine.sampling import InvalidRequestError, Row, Sampled, SamplingParams, sample_batch
-from services.engine.scheduler import Scheduler, Work
-from services.engine.sequence import Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
-from services.engine.slots import SlotAllocator
-from services.engine.summaries import PageSummaries
-from services.engine.transfers import copied, to_host
+from services.engine.kv.kv_pool import KVPool
+from services.engine.kv.slots import SlotAllocator
+from services.engine.kv.transfers import copied, to_host
+from services.engine.ring.ring import PagesLostError, RingLimits, RingManager, SeqRing
+from services.engine.ring.summaries import PageSummaries
+from services.engine.step.detokenizer import Detokenizer
+from services.engine.step.grammar import GrammarCompiler, GrammarError, GrammarTables
+from services.engine.step.model_runner import Launched, ModelRunner
+from services.engine.step.sampling import InvalidRequestError, Row, Sampled, SamplingParams, sample_batch
+from services.engine.step.scheduler import Scheduler, Work
+from services.engine.step.sequence import Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
 
 if TYPE_CHECKING:
-    from services.engine.write_through import WriteThrough
+    from services.engine.kv.write_through import WriteThrough
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from services.common.protos import engine_pb2_grpc as pb_grpc
 from services.common.tokenizer import Tokenizer
 from services.engine.builder import ModelInfo
 from services.engine.engine import ContextLengthError, Engine, OverloadedError
-from services.engine.grammar import GrammarSpec
-from services.engine.sampling import InvalidRequestError, Sampled, SamplingParams
-from services.engine.sequence import Chunk, Done, Event, Failed, FinishReason
+from services.engine.step.grammar import GrammarSpec
+from services.engine.step.sampling import InvalidRequestError, Sampled, SamplingParams
+from services.engine.step.sequence import Chunk, Done, Event, Failed, FinishReason
 
 logger = logging.getLogger(__name__)
 

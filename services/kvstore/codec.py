@@ -26,7 +26,7 @@ MAGIC = b"KVZ1"
 _HEADER = struct.Struct("<4sB3xQ")  # magic, num_planes, raw nbytes
 _FRAME_LEN = struct.Struct("<I")
 # Bytes per element of each page format; unknown formats (mixed per-layer specs such as
-# "fp8,global=bf16") are compressed without shuffling. Quantised rows (services/engine/kv_formats.py)
+# "fp8,global=bf16") are compressed without shuffling. Quantised rows (services/engine/kv/kv_formats.py)
 # mix 1-byte values with their scales: one plane.
 ELEMENT_BYTES = {
     "fp32": 4,

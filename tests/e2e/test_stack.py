@@ -17,7 +17,7 @@ from services.common.pagehash import chain_hashes
 from services.common.protos import engine_pb2 as pb
 from services.common.protos import engine_pb2_grpc as pb_grpc
 from services.common.tokenizer import load_tokenizer
-from services.engine.attention import ContiguousKV
+from services.engine.kv.attention import ContiguousKV
 from services.engine.models.loader import load_model
 from services.kvstore.client import KVStoreClient
 from tests.e2e.conftest import API_KEY, OTHER_KEY, TEAM_KEY

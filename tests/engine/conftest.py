@@ -46,7 +46,7 @@ def triton_tier() -> Iterator[None]:
 @pytest.fixture
 def fp8_in_place(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """KVMEM_FP8_ATTENTION=1 for the duration of a test (the attention kernels read fp8 layers in place)."""
-    from services.engine import kv_pool
+    from services.engine.kv import kv_pool
 
     monkeypatch.setenv("KVMEM_FP8_ATTENTION", "1")
     kv_pool.fp8_in_place.cache_clear()

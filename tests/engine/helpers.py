@@ -9,19 +9,19 @@ import pytest
 import torch
 
 from services.common.tokenizer import Tokenizer, TokenizerInfo
-from services.engine.attention import ContiguousKV
 from services.engine.engine import Engine, EngineLimits
-from services.engine.host_pages import KVStoreHostPages
-from services.engine.kv_formats import parse_format
-from services.engine.kv_pool import KVPool
-from services.engine.local_ring import LocalRings, ring_span
-from services.engine.model_runner import ModelRunner
+from services.engine.kv.attention import ContiguousKV
+from services.engine.kv.kv_formats import parse_format
+from services.engine.kv.kv_pool import KVPool
+from services.engine.kv.write_through import WriteThrough
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM
-from services.engine.ring import RingLimits
-from services.engine.sampling import SamplingParams
-from services.engine.sequence import Chunk, Done, Event, Failed
-from services.engine.write_through import WriteThrough
+from services.engine.ring.host_pages import KVStoreHostPages
+from services.engine.ring.local_ring import LocalRings, ring_span
+from services.engine.ring.ring import RingLimits
+from services.engine.step.model_runner import ModelRunner
+from services.engine.step.sampling import SamplingParams
+from services.engine.step.sequence import Chunk, Done, Event, Failed
 from services.kvstore.client import KVStoreClient
 from tests.conftest import before_stores_stop
 

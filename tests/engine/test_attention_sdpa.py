@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from services.engine.attention import grouped_sdpa, position_mask, sdpa
+from services.engine.kv.attention import grouped_sdpa, position_mask, sdpa
 from tests.engine.helpers import device_or_skip
 
 

@@ -227,8 +227,8 @@ def test_a_one_row_forward_takes_the_block_kernel_and_matches_torch(
     adds) on the (interpreted) Triton tier: every layer's second half is one block launch, the last without a
     qkv, and the logits are the torch tier's; a prompt of several rows keeps the launches."""
     from services.engine import kernels
-    from services.engine.attention import ContiguousKV
     from services.engine.kernels import block_triton
+    from services.engine.kv.attention import ContiguousKV
     from tests.engine.helpers import tiny_gemma, tiny_model
 
     calls: list[bool] = []

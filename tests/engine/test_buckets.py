@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.buckets import Bucket, BucketError, BucketPlan, plan_buckets
+from services.engine.ring.buckets import Bucket, BucketError, BucketPlan, plan_buckets
 
 
 def test_everything_resident_while_it_fits() -> None:

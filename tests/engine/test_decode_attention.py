@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.attention import PAD_POS
+from services.engine.kv.attention import PAD_POS
 from tests.engine.helpers import device_or_skip
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -382,7 +382,7 @@ def test_ring_window_matches_its_reference(
     equals plain attention over those rows: before position 0 nothing is read, a wrapped window reads the
     ring's start, a narrower layer window masks the oldest rows; 32- and 64-row loop steps."""
     from services.engine.kernels import decode_attention_triton as dat
-    from services.engine.local_ring import ring_read_set
+    from services.engine.ring.local_ring import ring_read_set
 
     q, k_store, v_store, ring_base, q_pos = _ring_case(where, dtype, 3, width, span)
     scale = 64**-0.5
@@ -462,7 +462,7 @@ def test_sorted_keys_skip_the_splits_past_the_query(where: str) -> None:
 def _fp8_stores(x: Inputs) -> tuple[torch.Tensor, torch.Tensor, Inputs]:
     """The inputs' K/V rows quantised to fp8 rows (kv_formats.py), and the inputs with their dequantised rows
     (what the gather path attends)."""
-    from services.engine.kv_formats import parse_format
+    from services.engine.kv.kv_formats import parse_format
 
     fmt = parse_format("fp8")
     k8, v8 = fmt.quantize(x.k_store), fmt.quantize(x.v_store)

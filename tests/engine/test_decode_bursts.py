@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from services.common.tokenizer import Tokenizer
-from services.engine.sampling import SamplingParams
-from services.engine.scheduler import Work
-from services.engine.sequence import FinishReason, Sequence
+from services.engine.step.sampling import SamplingParams
+from services.engine.step.scheduler import Work
+from services.engine.step.sequence import FinishReason, Sequence
 from tests.conftest import StartStore
 from tests.engine.helpers import (
     DECODE_MODELS,

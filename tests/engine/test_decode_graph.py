@@ -1,4 +1,4 @@
-"""The decode runner (services/engine/decode_graph.py) against StepAttention and the dense reference.
+"""The decode runner (services/engine/step/decode_graph.py) against StepAttention and the dense reference.
 
 CPU (fp32, eager): the runner's logits equal StepAttention's (max |diff| < 1e-4 on logits whose
 spread is several units), and greedy decoding equals tests/engine/helpers.reference_greedy, for tiny
@@ -21,16 +21,16 @@ import pytest
 import torch
 
 from services.common.tokenizer import Tokenizer
-from services.engine.decode_graph import DecodeGraphs, batch_bucket, window_bucket
-from services.engine.kv_formats import parse_format
-from services.engine.kv_pool import KVPool
-from services.engine.local_ring import LocalRings, ring_span
-from services.engine.model_runner import ModelRunner
-from services.engine.ring import SeqRing
-from services.engine.sampling import SamplingParams
-from services.engine.scheduler import Work
-from services.engine.sequence import NOT_RESIDENT, Sequence
-from services.engine.summaries import PageSummaries
+from services.engine.kv.kv_formats import parse_format
+from services.engine.kv.kv_pool import KVPool
+from services.engine.ring.local_ring import LocalRings, ring_span
+from services.engine.ring.ring import SeqRing
+from services.engine.ring.summaries import PageSummaries
+from services.engine.step.decode_graph import DecodeGraphs, batch_bucket, window_bucket
+from services.engine.step.model_runner import ModelRunner
+from services.engine.step.sampling import SamplingParams
+from services.engine.step.scheduler import Work
+from services.engine.step.sequence import NOT_RESIDENT, Sequence
 from tests.conftest import StartStore
 from tests.engine.helpers import (
     DECODE_MODELS,
@@ -57,7 +57,7 @@ def model(request: pytest.FixtureRequest) -> torch.nn.Module:
 
 
 def _seq(prompt: list[int], name: str) -> Sequence:
-    from services.engine.detokenizer import Detokenizer
+    from services.engine.step.detokenizer import Detokenizer
 
     return Sequence(
         request_id=name, prompt_ids=prompt, params=SamplingParams(temperature=0.0), namespace="",
@@ -371,8 +371,8 @@ def _decode_with_the_fused_kernel(model: torch.nn.Module, monkeypatch: pytest.Mo
     """Two decode steps of two sequences on the runner with the Triton decode-attention kernel (interpreted
     on the CPU; the other kernels stay torch), each equal to StepAttention's, then greedy equal to the
     reference; returns the [B, W] row shapes the kernel was called with, ("ring", B, W) for a local ring."""
-    from services.engine import decode_graph
     from services.engine.kernels import decode_attention_triton
+    from services.engine.step import decode_graph
 
     calls: list[tuple[object, ...]] = []
     real, real_ring = decode_attention_triton.decode_attention, decode_attention_triton.decode_attention_ring
@@ -428,13 +428,13 @@ def test_fused_decode_attention_reads_fp8_rows_in_place(
     """An fp8 pool (every layer): with KVMEM_FP8_ATTENTION=1 the decode kernel reads the uint8 rows in place
     (fp8=True on every paged layer's call), and each step's logits are StepAttention's (which gathers and
     dequantises the rows); without it (the default) the fp8 layers keep the gather path (no kernel call)."""
-    from services.engine import kv_pool
+    from services.engine.kv import kv_pool
 
     monkeypatch.setenv("KVMEM_FP8_ATTENTION", "1" if on else "0")
     kv_pool.fp8_in_place.cache_clear()
     request.addfinalizer(kv_pool.fp8_in_place.cache_clear)
-    from services.engine import decode_graph
     from services.engine.kernels import decode_attention_triton
+    from services.engine.step import decode_graph
 
     if getattr(model, "test_local_rings", False):
         pytest.skip("local rings keep plain rows")

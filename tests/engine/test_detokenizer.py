@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.tokenizer import Tokenizer
-from services.engine.detokenizer import Detokenizer
+from services.engine.step.detokenizer import Detokenizer
 
 
 def _stream(tok: Tokenizer, text: str, stop: tuple[str, ...]) -> tuple[list[str], Detokenizer]:

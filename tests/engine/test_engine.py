@@ -9,8 +9,8 @@ import pytest
 
 from services.common.tokenizer import Tokenizer
 from services.engine.engine import ContextLengthError, OverloadedError
-from services.engine.sampling import InvalidRequestError, SamplingParams
-from services.engine.sequence import Done, FinishReason
+from services.engine.step.sampling import InvalidRequestError, SamplingParams
+from services.engine.step.sequence import Done, FinishReason
 from tests.engine.helpers import drain, events_of, greedy, make_engine, reference_greedy, run_until_done, tiny_model
 
 VOCAB = 49152  # the real tokenizer's vocabulary: detokenization runs for real

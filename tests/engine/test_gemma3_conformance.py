@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig
 from transformers.masking_utils import sliding_window_causal_mask_function
 
 from services.common.tokenizer import load_tokenizer
-from services.engine.attention import ContiguousKV, causal_mask, grouped_sdpa, position_mask
+from services.engine.kv.attention import ContiguousKV, causal_mask, grouped_sdpa, position_mask
 from services.engine.models.config import ModelConfig, UnsupportedModelError
 from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.loader import load_model

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from services.common.tokenizer import Tokenizer
-from services.engine.grammar import GrammarError, GrammarSpec, GrammarTables
-from services.engine.sampling import SamplingParams
+from services.engine.step.grammar import GrammarError, GrammarSpec, GrammarTables
+from services.engine.step.sampling import SamplingParams
 from tests.engine.helpers import make_engine, tiny_model
 
 
@@ -98,8 +98,8 @@ def test_token_bytes_are_the_vocabularys_not_the_decoded_text(smol_tokenizer: To
 
 
 def test_logprob_protos_carry_each_tokens_own_bytes(smol_tokenizer: Tokenizer) -> None:
-    from services.engine.sampling import Sampled
     from services.engine.server import logprob_to_proto
+    from services.engine.step.sampling import Sampled
 
     tables = GrammarTables.of(smol_tokenizer, 49152)
     lp = logprob_to_proto(Sampled(10813, -0.5, [(10813, -0.5), (38887, -1.0)]), smol_tokenizer, tables.token_bytes)

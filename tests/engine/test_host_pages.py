@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-import services.engine.host_pages as host_pages
-from services.engine.host_pages import ArenaRegistration, KVStoreHostPages
+import services.engine.ring.host_pages as host_pages
 from services.engine.kernels.restore import RestoreError
-from services.engine.write_through import WriteThrough
+from services.engine.kv.write_through import WriteThrough
+from services.engine.ring.host_pages import ArenaRegistration, KVStoreHostPages
 from services.kvstore.client import KVStoreClient, PageMeta
 from services.kvstore.cluster import KVStoreCluster
 from services.kvstore.mapping import ArenaRange, mapped_arenas

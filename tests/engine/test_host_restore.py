@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.host_pages import KVStoreHostPages
 from services.engine.kernels.restore import RestoreError, Run, copy_runs, restore_pages, restore_reference
-from services.engine.ring import PagesLostError
-from services.engine.write_through import WriteThrough
+from services.engine.kv.write_through import WriteThrough
+from services.engine.ring.host_pages import KVStoreHostPages
+from services.engine.ring.ring import PagesLostError
 from services.kvstore.client import KVStoreClient, PageMeta
 from tests.conftest import StartStore
 
@@ -168,7 +168,7 @@ def test_device_path_groups_arena_pages_and_stages_the_rest(
     """The CUDA path's bookkeeping, run on CPU tensors with cudaHostRegister mocked: arena views are
     restored from their (registered once) arena by offset, streamed pages through the staging buffer;
     the registration goes before the client unmaps the arena."""
-    import services.engine.host_pages as host_pages
+    import services.engine.ring.host_pages as host_pages
 
     calls: list[tuple[str, int]] = []
     monkeypatch.setattr(host_pages, "register_host", lambda address, nbytes: calls.append(("register", address)))

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
 from services.engine import kernels  # noqa: E402
-from services.engine.summaries import PageSummaries, page_scores_reference, summary_update_reference  # noqa: E402
+from services.engine.ring.summaries import PageSummaries, page_scores_reference, summary_update_reference  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -188,7 +188,7 @@ def tier() -> Iterator[Callable[[str], None]]:
 @pytest.mark.skipif(not INTERPRETED, reason="runs the Triton interpreter on the CPU")
 def test_page_summaries_dispatch_to_the_triton_tier(tier: Callable[[str], None], monkeypatch) -> None:
     """update, update_rows and page_scores reach the Triton kernels when the tier says triton."""
-    from services.engine import summaries
+    from services.engine.ring.ring import summaries
 
     triton_kernels = _backend("triton-interpreter")[0]
     calls: list[str] = []

@@ -1,4 +1,4 @@
-"""KV formats (services/engine/kv_formats.py) in the pool: round-trip error bounds, Triton kernels equal
+"""KV formats (services/engine/kv/kv_formats.py) in the pool: round-trip error bounds, Triton kernels equal
 to the torch reference (interpreter on the CPU), page bytes, per-layer specs, and engines on tiny models
 with quantised pools (teacher-forced logits near the fp32 pool, a ring whose restored pages are exact)."""
 
@@ -15,7 +15,7 @@ from services.common.tokenizer import Tokenizer  # noqa: E402
 from services.engine.config import ConfigError, EngineConfig  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
 from services.engine.kernels import KernelTier, active_tier, use_tier  # noqa: E402
-from services.engine.kv_formats import (  # noqa: E402
+from services.engine.kv.kv_formats import (  # noqa: E402
     KVFormat,
     KVFormatError,
     e4m3_encode,
@@ -24,9 +24,9 @@ from services.engine.kv_formats import (  # noqa: E402
     parse_spec,
     resolve_formats,
 )
-from services.engine.kv_pool import KVPool  # noqa: E402
-from services.engine.paged_attention import SeqSpan, StepAttention  # noqa: E402
-from services.engine.ring import RingLimits  # noqa: E402
+from services.engine.kv.kv_pool import KVPool  # noqa: E402
+from services.engine.kv.paged_attention import SeqSpan, StepAttention  # noqa: E402
+from services.engine.ring.ring import RingLimits  # noqa: E402
 from services.kvstore.client import KVStoreClient  # noqa: E402
 from tests.conftest import StartStore  # noqa: E402
 from tests.engine.helpers import (  # noqa: E402

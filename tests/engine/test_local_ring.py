@@ -1,4 +1,4 @@
-"""Local rings (services/engine/local_ring.py): Gemma's sliding-window layers keep a small ring per running
+"""Local rings (services/engine/ring/local_ring.py): Gemma's sliding-window layers keep a small ring per running
 sequence; only the global layers' K/V occupies pool slots. Row arithmetic, pool bytes, pages that
 still carry every layer on the host, and engines (with and without a host store, with the KVMem ring)
 whose greedy output equals the dense reference."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from services.common.tokenizer import Tokenizer
-from services.engine.kv_formats import parse_format
-from services.engine.kv_pool import KVPool
-from services.engine.local_ring import LocalRings, LocalRingsExhaustedError, ParkedRing, ring_span
-from services.engine.sampling import SamplingParams
-from services.engine.sequence import FinishReason
+from services.engine.kv.kv_formats import parse_format
+from services.engine.kv.kv_pool import KVPool
+from services.engine.ring.local_ring import LocalRings, LocalRingsExhaustedError, ParkedRing, ring_span
+from services.engine.step.sampling import SamplingParams
+from services.engine.step.sequence import FinishReason
 from tests.conftest import StartStore
 from tests.engine.helpers import (
     drain,

@@ -17,7 +17,7 @@ import torch
 from gguf.quants import dequantize, quantize
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from services.engine.attention import ContiguousKV
+from services.engine.kv.attention import ContiguousKV
 from services.engine.models.config import ModelConfig, UnsupportedModelError
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.loader import load_model

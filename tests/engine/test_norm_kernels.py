@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.engine import kernels
-from services.engine.attention import ContiguousKV
+from services.engine.kv.attention import ContiguousKV
 from services.engine.models.config import ModelConfig
 from services.engine.models.gemma3 import GemmaRMSNorm
 from services.engine.models.llama import RMSNorm, RotaryEmbedding, apply_rope

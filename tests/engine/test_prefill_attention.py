@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.attention import causal_sdpa, grouped_sdpa, position_mask
+from services.engine.kv.attention import causal_sdpa, grouped_sdpa, position_mask
 from tests.engine.helpers import device_or_skip
 
 
@@ -112,9 +112,9 @@ def test_step_attention_modes_match_masked(
     kernel (interpreted here) on the two chunks, not on the single token; an fp8 pool layer too (read in place
     by the kernel, with fp8=True, under KVMEM_FP8_ATTENTION=1; gathered and dequantised by the other paths)."""
     from services.engine.kernels import prefill_attention_triton as pat
-    from services.engine.kv_formats import parse_format
-    from services.engine.kv_pool import KVPool
-    from services.engine.paged_attention import SeqSpan, StepAttention
+    from services.engine.kv.kv_formats import parse_format
+    from services.engine.kv.kv_pool import KVPool
+    from services.engine.kv.paged_attention import SeqSpan, StepAttention
 
     page, hq, hkv, d = 8, 4, 2, 32
     pool = KVPool(1, 24, page, hkv, d, torch.float16, torch.device("cpu"), [parse_format(kv)])
@@ -162,7 +162,7 @@ def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
     """An fp8 pool layer read in place (codes in the dots, the row scales on the scores and the probabilities):
     the reference's output over the dequantised rows."""
     from services.engine.kernels import prefill_attention_triton as pat
-    from services.engine.kv_formats import parse_format
+    from services.engine.kv.kv_formats import parse_format
 
     dev = device_or_skip(where)
     q, k_store, v_store, rows = _pool(n_past, n, heads, d, torch.bfloat16, dev, seed=n)

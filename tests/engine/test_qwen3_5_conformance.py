@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from bench.tiny_qwen3_5 import random_model, tiny_text_config
-from services.engine.attention import ContiguousKV
 from services.engine.kernels.gated_delta import reference_gated_delta_rule
+from services.engine.kv.attention import ContiguousKV
+from services.engine.kv.recurrent_state import RecurrentStates
 from services.engine.models.config import ModelConfig, UnsupportedModelError
 from services.engine.models.loader import load_model
 from services.engine.models.qwen3_5 import Qwen3_5ForCausalLM
-from services.engine.recurrent_state import RecurrentStates
 
 VOCAB = 300
 

@@ -13,16 +13,16 @@ import torch
 
 from bench.tiny_qwen3_5 import random_model, tiny_text_config
 from services.common.tokenizer import Tokenizer
-from services.engine.attention import ContiguousKV
 from services.engine.engine import Engine, EngineLimits
-from services.engine.host_pages import KVStoreHostPages
-from services.engine.kv_pool import KVPool
-from services.engine.model_runner import ModelRunner
+from services.engine.kv.attention import ContiguousKV
+from services.engine.kv.kv_pool import KVPool
+from services.engine.kv.recurrent_state import RecurrentStates, state_key
+from services.engine.kv.write_through import WriteThrough
 from services.engine.models.loader import load_model
 from services.engine.models.qwen3_5 import Qwen3_5ForCausalLM
-from services.engine.recurrent_state import RecurrentStates, state_key
-from services.engine.ring import RingLimits
-from services.engine.write_through import WriteThrough
+from services.engine.ring.host_pages import KVStoreHostPages
+from services.engine.ring.ring import RingLimits
+from services.engine.step.model_runner import ModelRunner
 from services.kvstore.client import KVStoreClient
 from tests.conftest import StartStore, before_stores_stop
 from tests.engine.helpers import drain, events_of, greedy, made_engines, ring_limits, run_until_done

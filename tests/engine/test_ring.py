@@ -16,11 +16,11 @@ import torch
 
 from services.common.protos import engine_pb2 as pb
 from services.common.tokenizer import Tokenizer
-from services.engine.ring import RingManager, SeqRing
-from services.engine.sequence import Done
+from services.engine.kv.slots import SlotAllocator
+from services.engine.ring.ring import RingManager, SeqRing
+from services.engine.ring.summaries import PageSummaries
 from services.engine.server import EngineServicer
-from services.engine.slots import SlotAllocator
-from services.engine.summaries import PageSummaries
+from services.engine.step.sequence import Done
 from tests.conftest import StartStore
 from tests.engine.helpers import drain, events_of, greedy, make_engine, reference_greedy, ring_limits, tiny_model
 

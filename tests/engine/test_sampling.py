@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.sampling import InvalidRequestError, SamplingParams, sample_one
+from services.engine.step.sampling import InvalidRequestError, SamplingParams, sample_one
 
 
 def _logits() -> torch.Tensor:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.ring import RingManager, SeqRing
-from services.engine.slots import SlotAllocator
-from services.engine.summaries import PageSummaries, page_scores, page_votes
+from services.engine.kv.slots import SlotAllocator
+from services.engine.ring.ring import RingManager, SeqRing
+from services.engine.ring.summaries import PageSummaries, page_scores, page_votes
 from tests.engine.helpers import ring_limits
 
 
@@ -100,7 +100,7 @@ def test_decode_reselection_keeps_the_prompts_anchor_pages() -> None:
 def test_page_mass_is_the_softmax_over_all_parts_summed_per_page() -> None:
     """Two parts (resident rows with a causal mask, host pages without) against a brute-force softmax over
     their union: per query head, the mass on each page; keys past num_pages count in the softmax only."""
-    from services.engine.exact_attention import page_mass
+    from services.engine.ring.exact_attention import page_mass
 
     torch.manual_seed(0)
     size, hkv, group, d = 4, 2, 3, 8
@@ -126,7 +126,7 @@ def test_page_mass_is_the_softmax_over_all_parts_summed_per_page() -> None:
 
 
 def test_fuse_heads_rules() -> None:
-    from services.engine.summaries import fuse_heads
+    from services.engine.ring.summaries import fuse_heads
 
     # 3 heads over 4 pages; page 0 excluded (a sink every head loves)
     mass = torch.tensor([[0.90, 0.02, 0.05, 0.03], [0.50, 0.30, 0.11, 0.10], [0.80, 0.01, 0.02, 0.18]])

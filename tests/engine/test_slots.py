@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.slots import IntegrityError, PoolExhaustedError, SlotAllocator
+from services.engine.kv.slots import IntegrityError, PoolExhaustedError, SlotAllocator
 
 
 def test_allocates_lowest_slots_first_and_exhausts() -> None:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from services.common.model_files import resolve_model_path
 from services.common.tokenizer import load_tokenizer
-from services.engine.attention import ContiguousKV
+from services.engine.kv.attention import ContiguousKV
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.loader import load_model
 

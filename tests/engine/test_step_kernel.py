@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from services.engine.decode_graph import advance_inputs
+from services.engine.step.decode_graph import advance_inputs
 from tests.engine.helpers import device_or_skip
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

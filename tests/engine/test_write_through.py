@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.common.pagehash import chain_hashes
-from services.engine.write_through import WriteThrough
+from services.engine.kv.write_through import WriteThrough
 from services.kvstore.client import KVStoreClient, PageNotFoundError
 from tests.conftest import StartStore
 from tests.engine.helpers import greedy, make_engine, run_until_done, tiny_model

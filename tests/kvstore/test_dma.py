@@ -194,8 +194,8 @@ def test_a_refused_registration_raises_and_leaves_no_error_behind() -> None:
 def test_fetch_to_cuda_is_byte_identical_to_the_cpu_read(
     _redis_server: None, gpu_store: StartStore, shared: bool, method: str
 ) -> None:
-    from services.engine.host_pages import KVStoreHostPages, pinned_arenas
-    from services.engine.write_through import WriteThrough
+    from services.engine.kv.write_through import WriteThrough
+    from services.engine.ring.host_pages import KVStoreHostPages, pinned_arenas
     from services.kvstore.client import KVStoreClient
 
     # the arena on tmpfs, as deployed (/dev/shm is the store's default): cudaHostRegister refused an
@@ -231,8 +231,8 @@ def test_fetch_to_cuda_is_byte_identical_to_the_cpu_read(
 @pytest.mark.gpu
 @needs_cuda
 def test_prepare_registers_the_arena_before_the_first_fetch(_redis_server: None, gpu_store: StartStore) -> None:
-    from services.engine.host_pages import KVStoreHostPages, pinned_arenas
-    from services.engine.write_through import WriteThrough
+    from services.engine.kv.write_through import WriteThrough
+    from services.engine.ring.host_pages import KVStoreHostPages, pinned_arenas
     from services.kvstore.client import KVStoreClient
 
     store = gpu_store(host_kv_mib=128, args=("--arena-dir", "/dev/shm"))  # tmpfs, as deployed (see above)

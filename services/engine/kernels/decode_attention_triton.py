@@ -40,7 +40,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from services.engine.kernels import attention_tiles as tiles
 from services.engine.kernels import pdl
-from services.engine.local_ring import ring_read_set
+from services.engine.ring.local_ring import ring_read_set
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Triton kernels of the quantised KV formats: fused quantise + scatter (write) and gather + dequantise.
 
 One program per (token, KV head) row. The arithmetic is that of the torch reference in
-services/engine/kv_formats.py (e4m3 by integer operations on the fp32 bits, E2M1 by thresholds,
+services/engine/kv/kv_formats.py (e4m3 by integer operations on the fp32 bits, E2M1 by thresholds,
 int8 rounding half away from zero), so both produce the same bytes; only fp32 division may round
 differently on a GPU (a rare one-code difference). The Hadamard rotation of `+h` formats stays in
 torch around these kernels (a [D, D] matmul). Shapes: store uint8 [R, Hkv, row_bytes], x [N, Hkv, D],
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kv_formats import NVFP4_GROUP, KVFormat, int8_group
+from services.engine.kv.kv_formats import NVFP4_GROUP, KVFormat, int8_group
 
 
 def supported(fmt: KVFormat, head_dim: int) -> bool:

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from services.engine.attention import grouped_sdpa, position_mask
 from services.engine.kernels import attention_tiles as tiles
+from services.engine.kv.attention import grouped_sdpa, position_mask
 
 LOG2E = 1.4426950408889634
 _PLAIN = (torch.bfloat16, torch.float16)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from services.engine.transfers import device_index
+from services.engine.kv.transfers import device_index
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """CuPy RawKernels for page summaries and page scoring: the kernel set of CUDA cards below sm_80.
 
 The same two operations as summaries_triton.py, against the same torch references
-(services/engine/summaries.py: `summary_update_reference`, `page_scores_reference`):
+(services/engine/ring/summaries.py: `summary_update_reference`, `page_scores_reference`):
 
 - summary update: one block per (page, KV head, 256 dims), one thread per dimension walks the
   page's rows (gathered from the source at `rows`, or consecutive) keeping min/max/sum of the

@@ -1,6 +1,6 @@
 """Triton kernels for page summaries (min/max/mean of a page's keys) and page scoring (Quest bound,
 softmax over pages per (query token, head), summed). The torch references are in
-services/engine/summaries.py (`summary_update_reference`, `page_scores_reference`).
+services/engine/ring/summaries.py (`summary_update_reference`, `page_scores_reference`).
 
 Summary update: one program per (page, KV head, block of head_dim) reads the page's rows straight
 from a token-major source ([R, Hkv, D]: a pool layer, or the gathered keys viewed flat), keeps the

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor, nn
 
-from services.engine.attention import AttentionBackend
+from services.engine.kv.attention import AttentionBackend
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import (
     MLP,

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.engine.attention import AttentionBackend
 from services.engine.kernels import triton_module
+from services.engine.kv.attention import AttentionBackend
 from services.engine.models.config import ModelConfig
 
 if TYPE_CHECKING:

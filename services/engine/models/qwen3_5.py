@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.engine.attention import AttentionBackend
 from services.engine.kernels.gated_delta import gated_delta_rule
+from services.engine.kv.attention import AttentionBackend
 from services.engine.models.config import ModelConfig
 from services.engine.models.gemma3 import GemmaRMSNorm
 from services.engine.models.llama import MLP, Rope, RotaryEmbedding, apply_rope, project, vocab_head
@@ -32,7 +32,7 @@ from services.engine.models.llama import MLP, Rope, RotaryEmbedding, apply_rope,
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from services.engine.recurrent_state import RecurrentBatch
+    from services.engine.kv.recurrent_state import RecurrentBatch
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import torch
 from services.engine.kernels import active_tier
 
 if TYPE_CHECKING:
-    from services.engine.kv_pool import KVPool
+    from services.engine.kv.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ sequence instead of the slots: their tensors have the rings' row space, the slot
 (paged) layers only, and a page's host copy still carries every layer (read_pages takes the pages'
 local rows from `local_stage` when the step that finished them staged them, else from the ring).
 
-Each layer keeps its own format (services/engine/kv_formats.py): plain formats as tensors of their
+Each layer keeps its own format (services/engine/kv/kv_formats.py): plain formats as tensors of their
 dtype (the fast path, unchanged), quantised ones as packed uint8 rows with their scales. Tokens are
 quantised when written and dequantised when gathered (the attention window, page summaries); whole
 pages move as bytes in the stored format. Quantised layers use the Triton kernels when the process's
@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from services.engine.kernels import active_tier, triton_module
-from services.engine.kv_formats import KVFormat, fp4_table, hadamard, hadamard_matrix
-from services.engine.local_ring import LocalRings
-from services.engine.transfers import device_index
+from services.engine.kv.kv_formats import KVFormat, fp4_table, hadamard, hadamard_matrix
+from services.engine.kv.transfers import device_index
+from services.engine.ring.local_ring import LocalRings
 
 logger = logging.getLogger(__name__)
 

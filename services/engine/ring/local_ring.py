@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from services.engine.attention import PAD_POS
+from services.engine.kv.attention import PAD_POS
 
 logger = logging.getLogger(__name__)
 

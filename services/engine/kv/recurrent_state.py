@@ -29,7 +29,7 @@ from torch import Tensor
 from services.engine.models.config import LinearAttentionShape
 
 if TYPE_CHECKING:
-    from services.engine.write_through import WriteThrough
+    from services.engine.kv.write_through import WriteThrough
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from typing import Protocol
 
 import torch
 
-from services.engine.buckets import BucketCounts, BucketPlan, plan_buckets
-from services.engine.kv_pool import KVPool
-from services.engine.sequence import NOT_RESIDENT
-from services.engine.slots import SlotAllocator
-from services.engine.summaries import PageSummaries, fuse_heads
-from services.engine.transfers import device_index
+from services.engine.kv.kv_pool import KVPool
+from services.engine.kv.slots import SlotAllocator
+from services.engine.kv.transfers import device_index
+from services.engine.ring.buckets import BucketCounts, BucketPlan, plan_buckets
+from services.engine.ring.summaries import PageSummaries, fuse_heads
+from services.engine.step.sequence import NOT_RESIDENT
 
 logger = logging.getLogger(__name__)
 

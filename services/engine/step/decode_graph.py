@@ -67,15 +67,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.attention import PAD_POS, KVSink, sdpa
 from services.engine.kernels import triton_module
-from services.engine.kv_pool import KVPool
-from services.engine.local_ring import ring_read_set
+from services.engine.kv.attention import PAD_POS, KVSink, sdpa
+from services.engine.kv.kv_pool import KVPool
+from services.engine.kv.recurrent_state import RecurrentBatch, RecurrentStates
+from services.engine.kv.transfers import to_host
 from services.engine.models.loader import CausalLM
-from services.engine.recurrent_state import RecurrentBatch, RecurrentStates
-from services.engine.scheduler import Work
-from services.engine.sequence import NOT_RESIDENT, Sequence
-from services.engine.transfers import to_host
+from services.engine.ring.local_ring import ring_read_set
+from services.engine.step.scheduler import Work
+from services.engine.step.sequence import NOT_RESIDENT, Sequence
 
 if TYPE_CHECKING:
     from services.engine.kernels.decode_attention_triton import Partials

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.engine.sampling import InvalidRequestError
+from services.engine.step.sampling import InvalidRequestError
 
 if TYPE_CHECKING:
     from services.common.tokenizer import Tokenizer

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from services.engine.detokenizer import Detokenizer
-from services.engine.sampling import Sampled, SamplingParams
+from services.engine.step.detokenizer import Detokenizer
+from services.engine.step.sampling import Sampled, SamplingParams
 
 if TYPE_CHECKING:
-    from services.engine.grammar import GrammarMatcher
-    from services.engine.ring import SeqRing
+    from services.engine.ring.ring import SeqRing
+    from services.engine.step.grammar import GrammarMatcher
 
 
 class SeqStatus(enum.Enum):

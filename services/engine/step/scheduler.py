@@ -50,15 +50,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from services.common.pagehash import chain_hashes, root_hash
-from services.engine.kv_pool import KVPool
-from services.engine.recurrent_state import RecurrentStates, state_key
-from services.engine.ring import HostPages, PagesLostError, RingExhaustedError, RingManager, restore_pages
-from services.engine.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
-from services.engine.slots import SlotAllocator
+from services.engine.kv.kv_pool import KVPool
+from services.engine.kv.recurrent_state import RecurrentStates, state_key
+from services.engine.kv.slots import SlotAllocator
+from services.engine.ring.ring import HostPages, PagesLostError, RingExhaustedError, RingManager, restore_pages
+from services.engine.step.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
 from services.kvstore.pages import KVStoreError
 
 if TYPE_CHECKING:
-    from services.engine.host_pages import KVStoreHostPages
+    from services.engine.ring.host_pages import KVStoreHostPages
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 from services.common.limits import MAX_STOP_STRINGS
 
 if TYPE_CHECKING:
-    from services.engine.grammar import GrammarMatcher, GrammarSpec
+    from services.engine.step.grammar import GrammarMatcher, GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
 
@@ -137,7 +137,7 @@ def process(logits: torch.Tensor, row: Row, bitmask: torch.Tensor | None = None)
         counts = counts[: logits.shape[0]].to(logits.dtype)
         logits = logits - counts * p.frequency_penalty - (counts > 0).to(logits.dtype) * p.presence_penalty
     if bitmask is not None:
-        from services.engine.grammar import apply_token_bitmask
+        from services.engine.step.grammar import apply_token_bitmask
 
         logits = apply_token_bitmask(logits.unsqueeze(0), bitmask.unsqueeze(0))[0]
     return logits
@@ -194,7 +194,7 @@ def sample_batch(logits: torch.Tensor, rows: list[Row]) -> list[Sampled]:
     constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
     masks: dict[int, torch.Tensor] = {}
     if constrained:
-        from services.engine.grammar import bitmask_words
+        from services.engine.step.grammar import bitmask_words
 
         bitmask = torch.zeros(len(constrained), bitmask_words(logits.shape[1]), dtype=torch.int32)
         for k, i in enumerate(constrained):

@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.decode_graph import DecodeGraphs
-from services.engine.kv_pool import KVPool
+from services.engine.kv.kv_pool import KVPool
+from services.engine.kv.paged_attention import SeqSpan, StepAttention
+from services.engine.kv.recurrent_state import RecurrentStates
+from services.engine.kv.transfers import copied, to_host
 from services.engine.models.loader import CausalLM
-from services.engine.paged_attention import SeqSpan, StepAttention
-from services.engine.recurrent_state import RecurrentStates
-from services.engine.ring import HostPages
-from services.engine.scheduler import Work
-from services.engine.sequence import NOT_RESIDENT
-from services.engine.transfers import copied, to_host
+from services.engine.ring.ring import HostPages
+from services.engine.step.decode_graph import DecodeGraphs
+from services.engine.step.scheduler import Work
+from services.engine.step.sequence import NOT_RESIDENT
 
 logger = logging.getLogger(__name__)
 

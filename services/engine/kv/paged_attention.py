@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.attention import causal_sdpa, grouped_sdpa, position_mask
-from services.engine.exact_attention import grouped_attention_lse, merge_partials, page_mass, rows_to_heads
 from services.engine.kernels import triton_module
-from services.engine.kv_pool import KVPool
-from services.engine.summaries import PageSummaries
+from services.engine.kv.attention import causal_sdpa, grouped_sdpa, position_mask
+from services.engine.kv.kv_pool import KVPool
+from services.engine.ring.exact_attention import grouped_attention_lse, merge_partials, page_mass, rows_to_heads
+from services.engine.ring.summaries import PageSummaries
 
 logger = logging.getLogger(__name__)
 

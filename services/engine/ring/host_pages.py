@@ -38,8 +38,8 @@ from services.engine.kernels.restore import (
     restore_pages,
     unregister_host,
 )
-from services.engine.ring import PagesLostError
-from services.engine.write_through import WriteThrough
+from services.engine.kv.write_through import WriteThrough
+from services.engine.ring.ring import PagesLostError
 from services.kvstore.mapping import ArenaRange, mapped_arena_at, on_unmap
 from services.kvstore.pages import KVStoreError, PageBatch, PageNotFoundError
 
