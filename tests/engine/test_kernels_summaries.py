@@ -188,7 +188,7 @@ def tier() -> Iterator[Callable[[str], None]]:
 @pytest.mark.skipif(not INTERPRETED, reason="runs the Triton interpreter on the CPU")
 def test_page_summaries_dispatch_to_the_triton_tier(tier: Callable[[str], None], monkeypatch) -> None:
     """update, update_rows and page_scores reach the Triton kernels when the tier says triton."""
-    from services.engine.ring.ring import summaries
+    from services.engine.ring import summaries
 
     triton_kernels = _backend("triton-interpreter")[0]
     calls: list[str] = []
