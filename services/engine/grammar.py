@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from services.engine.sampling import InvalidRequestError
@@ -60,25 +61,238 @@ class GrammarSpec:
         return bool(self.prefix or self.suffix or self.max_repeats > 1)
 
 
-class GrammarMatcher:
-    """One sequence's position in its grammar."""
+# Closing vocabulary (budget-aware completion): the tokens the closing plan tries, most progress first. Inside a free
+# string (most of the vocabulary allowed) only string closers; elsewhere structural closers, then the separator,
+# then the shortest values and their openers. Tokens missing from a vocabulary are skipped.
+_STRING_CLOSERS = ('"}}}', '"}}', '"}]', '"]}', '"}', '"]', '"')
+_STRUCTURAL = (
+    "}}}", "}}", "}]", "]}", "]]", "}", "]", ",",
+    "0", '""', "[]", "{}", "true", "false", "null", '"', "[", "{", "-", *"123456789",
+)  # fmt: skip
+_LOOKAHEAD_OPTIONS = 8  # a choice between at most this many tokens outside the vocabulary (keys, enum values) is
+# decided by planning each one; with more, the lowest token id is taken
+_PLAN_LIMIT = 512  # steps of one plan before it gives up (a grammar whose completion the strategy cannot find)
+CLOSE_MARGIN = 32  # the plan is kept fresh once the budget left is within its length + margin + 2 x the first plan's
+_STALE_REFRESH = 16  # beyond that window, a stale plan is refreshed every this many structural tokens
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+
+@dataclass(frozen=True)
+class ClosingVocab:
+    """The token ids of the closing plan's candidates and every token's bytes (one tokenizer's)."""
+
+    string_closers: tuple[int, ...]
+    structural: tuple[int, ...]
+    token_bytes: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, token_bytes: list[bytes]) -> ClosingVocab:
+        first: dict[bytes, int] = {}
+        for i, b in enumerate(token_bytes):
+            first.setdefault(b, i)
+
+        def ids(texts: tuple[str, ...]) -> tuple[int, ...]:
+            return tuple(first[t.encode()] for t in texts if t.encode() in first)
+
+        return cls(ids(_STRING_CLOSERS), ids(_STRUCTURAL), tuple(token_bytes))
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar, and its budget-aware completion.
+
+    Budget-aware completion: a constrained answer must parse and match its grammar even when max_tokens (or the
+    context) ends it. The matcher keeps a *closing plan*, a short token sequence from its state to a complete
+    document (`closing_plan`: jump-forward strings where the grammar forces text, elsewhere the first allowed token
+    of a fixed closing vocabulary, small choices such as keys planned both ways). `steer` checks the model's
+    token against the budget: when the plan after it would not fit in the tokens left, the token is taken back
+    (rollback) and the plan is followed from the state before it; the answer ends complete, with finish_reason
+    "length" (`closed_by_budget`). `set_budget` refuses a budget below the first plan's length.
+    """
+
+    def __init__(self, matcher: Any, vocab_size: int, vocab: ClosingVocab | None = None) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._vocab = vocab
+        self._words = bitmask_words(vocab_size)
+        self._pre: int | None = None  # accepted by steer, not yet by accept
+        self._plan: list[int] | None = None  # a completion from the current state (None: stale)
+        self._known = 0  # the length of the last plan computed (the stale plan's estimate)
+        self._stale_steps = 0
+        self._window = CLOSE_MARGIN
+        self._free = False  # the last filled mask allowed most of the vocabulary (inside a free string)
+        self.closing = False  # following the plan: the budget ends the answer
+        self.plans_computed = 0
+        self.budget_misses = 0  # a plan found longer than the budget left (logged; never expected)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-token bits of the next position into row `row` of an int32 [M, ceil(V / 32)] CPU
         tensor (bit j of word w: token 32 w + j)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        words = bitmask[row].numpy()
+        self._free = int(np.count_nonzero(words == -1)) > words.shape[0] // 2
 
     def accept(self, token: int) -> bool:
-        """Advance by the chosen token; False when the grammar does not allow it (the matcher is unchanged)."""
+        """Advance by the chosen token; False when the grammar does not allow it (the matcher is unchanged).
+        The token `steer` returned was accepted there already."""
+        if self._pre is not None and token == self._pre:
+            self._pre = None
+            return True
+        self._pre = None
         return bool(self._matcher.accept_token(token))
 
     @property
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+    @property
+    def closed_by_budget(self) -> bool:
+        """The budget ended the answer: the plan closed it (finish_reason stays "length")."""
+        return self.closing
+
+    # -- budget-aware completion -------------------------------------------------------------------
+
+    def closing_plan(self) -> list[int] | None:
+        """A short completion from the current state (token ids; [] when complete), the matcher unchanged;
+        None when the strategy finds none within its step limit (or there is no closing vocabulary)."""
+        if self._vocab is None:
+            return None
+        self.plans_computed += 1
+        return _plan(self._matcher.fork(), self._vocab, self._words, lookahead=True, limit=_PLAN_LIMIT)
+
+    def set_budget(self, max_tokens: int) -> int:
+        """Plan from the start; raises InvalidRequestError when the shortest document the plan knows does not fit
+        in max_tokens. Returns the plan's length."""
+        plan = self.closing_plan()
+        if plan is None:
+            return 0  # no plan (a grammar outside the strategy): the budget is not checked
+        if len(plan) > max_tokens:
+            raise InvalidRequestError(
+                f"max_tokens {max_tokens} is below the {len(plan)} tokens of the shortest answer this grammar "
+                "allows: raise max_tokens"
+            )
+        self._plan, self._known = plan, len(plan)
+        self._window = CLOSE_MARGIN + 2 * len(plan)
+        return len(plan)
+
+    def steer(self, token: int, left: int) -> int:
+        """The token to emit where the model chose `token` with `left` tokens of budget (this one included):
+        `token` itself when the plan after it fits in left - 1, else the plan's next token. The returned token
+        is accepted (accept() of it is then free); a token outside the grammar is returned unaccepted."""
+        if self._vocab is None:
+            return token
+        if self.closing and self._plan:
+            nxt = self._plan.pop(0)
+            self._accept_now(nxt)
+            return nxt
+        before, was_free = self._plan, self._free
+        if not self._matcher.accept_token(token):
+            return token
+        self._pre = token
+        self._advance_plan(before, token, was_free)
+        if self._plan is None and (left - 1 <= self._known + self._window or self._stale_steps >= _STALE_REFRESH):
+            self._refresh()
+        if self._plan is None or len(self._plan) <= left - 1:
+            return token
+        # the model's token leaves too little: take it back and close from the state before it
+        self._matcher.rollback(1)
+        self._pre = None
+        plan = before if before is not None else self.closing_plan()
+        if plan is None:  # never expected: the state before had a plan (the check came after it)
+            self._matcher.accept_token(token)
+            self._pre = token
+            return token
+        if len(plan) > left:
+            self.budget_misses += 1
+            logger.warning("closing plan of %d tokens with %d left: the answer will be cut", len(plan), left)
+        self.closing = True
+        if not plan:  # complete already: the stop token ends it (only stop tokens are allowed)
+            self._matcher.accept_token(token)
+            self._pre = token
+            return token
+        self._plan = plan[1:]
+        self._accept_now(plan[0])
+        return plan[0]
+
+    def _accept_now(self, token: int) -> None:
+        ok = self._matcher.accept_token(token)
+        assert ok, "a closing plan's token was refused"
+        self._pre = token
+
+    def _advance_plan(self, before: list[int] | None, token: int, was_free: bool) -> None:
+        """The plan after the model's token: the rest of the old plan when the token was its first; the same
+        plan when the token is text inside a free string (no quote, no escape: the string stays open, its
+        closing unchanged); else stale."""
+        assert self._vocab is not None
+        if before is not None and before and before[0] == token:
+            self._plan = before[1:]
+            self._known = len(self._plan)
+        elif before is not None and was_free and not any(c in self._vocab.token_bytes[token] for c in b'"\\'):
+            self._plan = before
+        else:
+            self._plan = None
+            self._stale_steps += 1
+
+    def _refresh(self) -> None:
+        self._plan = self.closing_plan()
+        self._stale_steps = 0
+        if self._plan is not None:
+            self._known = len(self._plan)
+
+
+def _options(words: np.ndarray, cap: int) -> list[int]:
+    """The first `cap` + 1 allowed token ids of a bitmask row (lowest first)."""
+    out: list[int] = []
+    for w in np.flatnonzero(words).tolist():
+        x = int(words[w]) & 0xFFFFFFFF
+        while x:
+            low = x & -x
+            out.append(32 * w + low.bit_length() - 1)
+            if len(out) > cap:
+                return out
+            x ^= low
+    return out
+
+
+def _plan(m: Any, vocab: ClosingVocab, words_n: int, lookahead: bool, limit: int) -> list[int] | None:
+    """The closing strategy on matcher `m` (consumed): forced text by jump-forward, else the first allowed closing
+    token (string closers inside a free string), else the one of a few allowed tokens whose own plan (without
+    lookahead) is shortest, else the lowest allowed id."""
+    buf = torch.zeros(1, words_n, dtype=torch.int32)
+    words = buf.numpy()[0]
+    plan: list[int] = []
+    while len(plan) < limit:
+        if m.is_completed():
+            return plan
+        forced = m.find_jump_forward_tokens() if m.find_jump_forward_string() else []
+        if forced:
+            for t in forced:
+                if not m.accept_token(t):
+                    return None
+                plan.append(t)
+            continue
+        m.fill_next_token_bitmask(buf, 0)
+        free = int(np.count_nonzero(words == -1)) > words_n // 2
+        pick = next(
+            (t for t in (vocab.string_closers if free else vocab.structural) if (words[t >> 5] >> (t & 31)) & 1),
+            None,
+        )
+        if pick is None:
+            options = _options(words, _LOOKAHEAD_OPTIONS)
+            if not options:
+                return None
+            pick = options[0]
+            if lookahead and 1 < len(options) <= _LOOKAHEAD_OPTIONS:
+                best: int | None = None
+                for t in options:
+                    f = m.fork()
+                    if not f.accept_token(t):
+                        continue
+                    rest = _plan(f, vocab, words_n, lookahead=False, limit=limit - len(plan) - 1)
+                    if rest is not None and (best is None or len(rest) < best):
+                        best, pick = len(rest), t
+        if not m.accept_token(pick):
+            return None
+        plan.append(pick)
+    return None
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -108,6 +322,7 @@ class GrammarCompiler:
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         self._token_bytes: list[bytes] = list(info.decoded_vocab)  # byte-level / byte-fallback pieces as bytes
+        self._closing = ClosingVocab.of(self._token_bytes)
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
 
@@ -117,7 +332,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher at the start of `spec`; raises GrammarError when it does not compile."""
-        return GrammarMatcher(self._xgr.GrammarMatcher(self._compile(spec)), self.vocab_size)
+        return GrammarMatcher(self._xgr.GrammarMatcher(self._compile(spec)), self.vocab_size, self._closing)
 
     def _framed(self, spec: GrammarSpec) -> Any:
         """prefix value suffix (separator prefix value suffix)* up to max_repeats, as one xgrammar Grammar."""
