@@ -48,13 +48,24 @@ def _text(compiler: GrammarCompiler, tokens: list[int]) -> str:
     [
         (NAME, '{"name": ""}'),  # the optional key left out, the shortest string
         (  # optional keys before the required one skipped (a key choice planned both ways); the smallest bound
-            _obj({"note": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
-                  "level": {"type": "integer", "minimum": 17, "maximum": 40}}, ["level"]),
+            _obj(
+                {
+                    "note": {"type": "string"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                    "level": {"type": "integer", "minimum": 17, "maximum": 40},
+                },
+                ["level"],
+            ),
             '{"level": 17}',
         ),  # fmt: skip
         (
-            _obj({"kind": {"type": "string", "enum": ["green", "red"]}, "meta": _obj({"ok": {"type": "boolean"}}, ["ok"])},
-                 ["kind", "meta"]),
+            _obj(
+                {
+                    "kind": {"type": "string", "enum": ["green", "red"]},
+                    "meta": _obj({"ok": {"type": "boolean"}}, ["ok"]),
+                },
+                ["kind", "meta"],
+            ),
             '{"kind": "red", "meta": {"ok": true}}',
         ),  # fmt: skip
         (_obj({"xs": {"type": "array", "items": {"type": "number"}, "minItems": 2}}, ["xs"]), '{"xs": [0, 0]}'),
@@ -126,7 +137,7 @@ def test_random_logits_on_random_schemas_always_end_valid_within_the_budget(comp
         shortest = compiler.matcher(_spec(schema)).set_budget(10_000)
         budget = shortest + random.Random(i).randint(0, 30)
         g = torch.Generator().manual_seed(i)
-        out, closed = _decode(compiler, schema, budget, lambda _: torch.randn(1, VOCAB, generator=g))
+        out, closed = _decode(compiler, schema, budget, lambda _, g=g: torch.randn(1, VOCAB, generator=g))
         assert len(out) <= budget
         jsonschema.validate(json.loads(_text(compiler, out)), schema)
         closed_count += closed
