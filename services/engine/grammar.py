@@ -73,7 +73,8 @@ _LOOKAHEAD_OPTIONS = 8  # a choice between at most this many tokens outside the 
 # decided by planning each one; with more, the lowest token id is taken
 _PLAN_LIMIT = 512  # steps of one plan before it gives up (a grammar whose completion the strategy cannot find)
 CLOSE_MARGIN = 32  # the plan is kept fresh once the budget left is within its length + margin + 2 x the first plan's
-_STALE_REFRESH = 16  # beyond that window, a stale plan is refreshed every this many structural tokens
+# (the window); within twice the window it is refreshed every _STALE_REFRESH tokens; farther, nothing is kept
+_STALE_REFRESH = 16
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,9 @@ class GrammarMatcher:
         self._pre: int | None = None  # accepted by steer, not yet by accept
         self._plan: list[int] | None = None  # a completion from the current state (None: stale)
         self._known = 0  # the length of the last plan computed (the stale plan's estimate)
-        self._stale_steps = 0
+        self._refreshed_at = 0  # the budget left at the last refresh
         self._window = CLOSE_MARGIN
-        self._free = False  # the last filled mask allowed most of the vocabulary (inside a free string)
+        self._mask: torch.Tensor | None = None  # the last filled mask's row
         self.closing = False  # following the plan: the budget ends the answer
         self.plans_computed = 0
         self.budget_misses = 0  # a plan found longer than the budget left (logged; never expected)
@@ -127,8 +128,7 @@ class GrammarMatcher:
         """Write the allowed-token bits of the next position into row `row` of an int32 [M, ceil(V / 32)] CPU
         tensor (bit j of word w: token 32 w + j)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
-        words = bitmask[row].numpy()
-        self._free = int(np.count_nonzero(words == -1)) > words.shape[0] // 2
+        self._mask = bitmask[row]  # read only where a plan is kept (steer, near the budget's end)
 
     def accept(self, token: int) -> bool:
         """Advance by the chosen token; False when the grammar does not allow it (the matcher is unchanged).
@@ -169,7 +169,7 @@ class GrammarMatcher:
                 f"max_tokens {max_tokens} is below the {len(plan)} tokens of the shortest answer this grammar "
                 "allows: raise max_tokens"
             )
-        self._plan, self._known = plan, len(plan)
+        self._plan, self._known, self._refreshed_at = plan, len(plan), max_tokens
         self._window = CLOSE_MARGIN + 2 * len(plan)
         return len(plan)
 
@@ -183,13 +183,17 @@ class GrammarMatcher:
             nxt = self._plan.pop(0)
             self._accept_now(nxt)
             return nxt
-        before, was_free = self._plan, self._free
+        before = self._plan
         if not self._matcher.accept_token(token):
             return token
         self._pre = token
-        self._advance_plan(before, token, was_free)
-        if self._plan is None and (left - 1 <= self._known + self._window or self._stale_steps >= _STALE_REFRESH):
-            self._refresh()
+        if left - 1 > 2 * (self._known + self._window):  # far from the budget's end: nothing to keep
+            self._plan = None
+            return token
+        self._advance_plan(before, token)
+        inner = left - 1 <= self._known + self._window
+        if self._plan is None and (inner or left <= self._refreshed_at - _STALE_REFRESH):
+            self._refresh(left)
         if self._plan is None or len(self._plan) <= left - 1:
             return token
         # the model's token leaves too little: take it back and close from the state before it
@@ -217,7 +221,7 @@ class GrammarMatcher:
         assert ok, "a closing plan's token was refused"
         self._pre = token
 
-    def _advance_plan(self, before: list[int] | None, token: int, was_free: bool) -> None:
+    def _advance_plan(self, before: list[int] | None, token: int) -> None:
         """The plan after the model's token: the rest of the old plan when the token was its first; the same
         plan when the token is text inside a free string (no quote, no escape: the string stays open, its
         closing unchanged); else stale."""
@@ -225,15 +229,23 @@ class GrammarMatcher:
         if before is not None and before and before[0] == token:
             self._plan = before[1:]
             self._known = len(self._plan)
-        elif before is not None and was_free and not any(c in self._vocab.token_bytes[token] for c in b'"\\'):
+        elif before is not None and self._free_text(token):
             self._plan = before
         else:
             self._plan = None
-            self._stale_steps += 1
 
-    def _refresh(self) -> None:
+    def _free_text(self, token: int) -> bool:
+        """The last filled mask allowed most of the vocabulary (inside a free string) and the token has no quote
+        or escape: the string stays open."""
+        assert self._vocab is not None
+        if any(c in self._vocab.token_bytes[token] for c in b'"\\') or self._mask is None:
+            return False
+        words = self._mask.numpy()
+        return int(np.count_nonzero(words == -1)) > words.shape[0] // 2
+
+    def _refresh(self, left: int) -> None:
         self._plan = self.closing_plan()
-        self._stale_steps = 0
+        self._refreshed_at = left
         if self._plan is not None:
             self._known = len(self._plan)
 
