@@ -71,12 +71,13 @@ def judge(schema_id: int, schema: dict[str, Any], text: str, finish: str, tokens
     return Outcome(schema_id, verdict, finish, tokens, secs, "" if verdict != "invalid" else f"finish {finish}", text)
 
 
-def ask(client: openai.OpenAI, schema_id: int, max_tokens: int) -> Outcome:
+def ask(client: openai.OpenAI, schema_id: int, max_tokens: int, frequency_penalty: float = 0.0) -> Outcome:
     schema = random_schema(schema_id)
     t0 = time.perf_counter()
     try:
         r = client.chat.completions.create(
             model=MODEL, messages=messages(schema), temperature=0, max_tokens=max_tokens,  # type: ignore[arg-type]
+            frequency_penalty=frequency_penalty,
             response_format={"type": "json_schema",
                              "json_schema": {"name": f"s{schema_id}", "schema": schema, "strict": True}},
         )  # fmt: skip
@@ -120,10 +121,12 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--url", default="", help="a running gateway (default: launch a stack)")
     ap.add_argument("--port", type=int, default=18210)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="the request's own (default 0: none)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     ids = [int(i) for i in a.ids.split(",")] if a.ids else list(range(a.first, a.first + a.count))
+    started_at = os.environ.get("KVMEM_COMMIT") or commit()  # the code the stack runs (HEAD may move meanwhile)
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     t_start = time.perf_counter()
@@ -132,7 +135,7 @@ def main() -> None:
         t_start = time.perf_counter()
 
         def one(i: int) -> None:
-            o = ask(client, i, a.max_tokens)
+            o = ask(client, i, a.max_tokens, a.frequency_penalty)
             with lock:
                 outcomes.append(o)
                 n = len(outcomes)
@@ -148,9 +151,9 @@ def main() -> None:
     tokens = [o.completion_tokens for o in outcomes]
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": os.environ.get("KVMEM_COMMIT") or commit(),
+        "commit": started_at,
         "model": MODEL, "schemas": a.ids or f"{ids[0]}..{ids[-1]}", "concurrency": a.concurrency,
-        "max_tokens": a.max_tokens, "max_context": a.max_context,
+        "max_tokens": a.max_tokens, "max_context": a.max_context, "frequency_penalty": a.frequency_penalty,
         "wall_s": round(wall, 1), "completion_tokens_total": sum(tokens),
         "completion_tokens_max": max(tokens, default=0), **counts,
     }  # fmt: skip
