@@ -190,8 +190,8 @@ class GrammarMatcher:
         is accepted (accept() of it is then free); a token outside the grammar is returned unaccepted."""
         if self._vocab is None:
             return token
-        if self.closing and self._plan:
-            nxt = self._plan.pop(0)
+        if self.closing:  # the plan to its end, then a stop token (a framed grammar may allow more calls)
+            nxt = self._plan.pop(0) if self._plan else self._stop_token()
             self._accept_now(nxt)
             return nxt
         before = self._plan
@@ -219,13 +219,13 @@ class GrammarMatcher:
             self.budget_misses += 1
             logger.warning("closing plan of %d tokens with %d left: the answer will be cut", len(plan), left)
         self.closing = True
-        if not plan:  # complete already: the stop token ends it (only stop tokens are allowed)
-            self._matcher.accept_token(token)
-            self._pre = token
-            return token
+        nxt = plan[0] if plan else self._stop_token()  # complete already: a stop token ends it
         self._plan = plan[1:]
-        self._accept_now(plan[0])
-        return plan[0]
+        self._accept_now(nxt)
+        return nxt
+
+    def _stop_token(self) -> int:
+        return int(self._matcher.stop_token_ids[0])
 
     def _accept_now(self, token: int) -> None:
         ok = self._matcher.accept_token(token)

@@ -127,6 +127,32 @@ def test_a_model_that_never_closes_its_string_gets_a_document_of_exactly_its_bud
     assert _text(compiler, out) == expected and len(out) == budget and closed
 
 
+def test_a_framed_grammar_complete_when_the_budget_ends_gets_a_stop_token_not_another_call(compiler) -> None:
+    """Parallel calls (prefix, suffix, separator, up to 3): a model that always wants the separator, with a budget
+    that fits one call and not two, ends with the stop token after the first call (the plan from a complete
+    document is empty: the answer stops there, finish_reason length), never a second call's start."""
+    schema = _obj({"a": {"type": "integer", "minimum": 0, "maximum": 9}}, ["a"])
+    spec = GrammarSpec("json_schema", json.dumps(schema), prefix="<c>", suffix="</c>", separator="\n", max_repeats=3)
+    matcher = compiler.matcher(spec)
+    first = matcher.closing_plan()
+    assert first is not None and _text(compiler, first) == '<c>{"a": 0}</c>'
+    newline = next(i for i in range(VOCAB) if compiler.token_bytes(i) == b"\n")
+    budget = len(first) + 8  # the model's own spelling of one call (15 tokens) and a few more: not a second call
+    matcher.set_budget(budget)
+    params = SamplingParams(temperature=0.0, max_tokens=budget, grammar=spec)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, newline] = 10.0
+    out: list[int] = []
+    while not matcher.is_terminated and len(out) < budget:
+        [s] = sample_batch(logits, [Row(params, None, [], out, matcher, budget - len(out))])
+        assert matcher.accept(s.token)
+        out.append(s.token)
+    assert out[-1] in compiler.matcher(spec)._matcher.stop_token_ids and len(out) < budget, len(out)
+    text = _text(compiler, out[:-1])
+    assert text.startswith("<c>") and text.endswith("</c>") and text.count("<c>") == 1, text
+    assert matcher.closed_by_budget
+
+
 def test_random_logits_on_random_schemas_always_end_valid_within_the_budget(compiler) -> None:
     """Random logits (a model that wanders anywhere the grammar allows) on 60 random schemas, each with a budget
     between its shortest document and 30 tokens more: every answer parses and validates, none is longer than its
