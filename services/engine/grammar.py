@@ -309,13 +309,14 @@ def _plan(m: Any, vocab: ClosingVocab, words_n: int, lookahead: bool, limit: int
                     f = m.fork()
                     if not f.accept_token(t):
                         continue
-                    rest = _plan(f, vocab, words_n, lookahead=False, limit=limit - len(plan) - 1)
+                    bound = limit - len(plan) - 1 if best is None else best - 1  # only a shorter one matters
+                    rest = _plan(f, vocab, words_n, lookahead=False, limit=bound)
                     if rest is not None and (best is None or len(rest) < best):
                         best, pick = len(rest), t
         if not m.accept_token(pick):
             return None
         plan.append(pick)
-    return None
+    return plan if m.is_completed() else None
 
 
 def bitmask_words(vocab_size: int) -> int:
