@@ -26,9 +26,11 @@ from then on the plan is followed to the end. The answer is complete and valid, 
 "length" (the budget, not the model, ended the content: a forced tool call closed this way is "length", not
 "tool_calls"). A budget below the first plan (the shortest document the strategy finds) is refused at submit
 (InvalidRequestError naming max_tokens). The plan is only kept near the budget's end (CLOSE_MARGIN), so the far
-steps pay about a microsecond; the plans cost 1-2 ms each on the 2-core CPU for the random schemas
-(bench/grammar_budget.py). The closing vocabulary is JSON's; for an EBNF grammar it may find no plan, and then
-the budget is not checked (the answer may be cut, as before).
+steps pay about a microsecond a token; within the window a plan is computed after each token that is not string
+text (bench/grammar_budget.py on the 2-core CPU: +107 us a token on average over a nested schema's 55-token walk;
+the first plans of the 200 random schemas, at submit: median 0.8 ms, at most 53 ms). The closing vocabulary is
+JSON's; for an EBNF grammar it may find no plan, and then the budget is not checked (the answer may be cut, as
+before).
 """
 
 from __future__ import annotations
