@@ -1,10 +1,11 @@
 """Structured output through the real stack: N random JSON schemas (tests/engine/schema_gen.py: nested objects,
 arrays, enums, numbers, required and optional fields; seeded, the same on every machine) sent to the gateway over
 HTTP with the openai SDK as `response_format: {type: json_schema, json_schema: {schema, strict: true}}`, greedy,
-`--concurrency` requests in flight (a new one starts as soon as one ends). Every answer that finished
-(`finish_reason: stop`) must parse and validate against its schema (`jsonschema`); answers cut by max_tokens
-(`finish_reason: length`: an unfinished document, as OpenAI, vLLM and SGLang return it) and errors are counted
-apart, and every one of them is a failure of the run.
+`--concurrency` requests in flight (a new one starts as soon as one ends). Every answer must parse and validate
+against its schema (`jsonschema`), whatever its finish_reason: one that finished (`stop`) is `valid`; one the
+budget ended (`length`) is `closed` when the engine's budget-aware completion closed it into a valid document
+(grammar.py), `truncated` when it is an unfinished document (as OpenAI, vLLM and SGLang return it). Truncated,
+invalid and errors are each a failure of the run.
 
     python -m bench.schema_validity --count 200 --concurrency 16 --max-tokens 1024 --out bench/results/x.json
 
@@ -43,7 +44,7 @@ SYSTEM = "You answer with one JSON object. Keep every string value short."
 @dataclass
 class Outcome:
     schema_id: int
-    verdict: str  # valid | invalid | truncated | error
+    verdict: str  # valid | closed | invalid | truncated | error
     finish_reason: str
     completion_tokens: int
     seconds: float
@@ -57,22 +58,26 @@ def messages(schema: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def judge(schema_id: int, schema: dict[str, Any], text: str, finish: str, tokens: int, secs: float) -> Outcome:
-    """The verdict of one answer: valid when it finished, parses and validates against its schema."""
-    if finish == "length":
-        return Outcome(schema_id, "truncated", finish, tokens, secs, "cut by max_tokens", text)
+    """The verdict of one answer: valid (stop) or closed (length) when it parses and validates against its schema;
+    truncated when the budget ended it and it does not parse; invalid otherwise."""
     try:
         jsonschema.validate(json.loads(text), schema)
-    except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
-        return Outcome(schema_id, "invalid", finish, tokens, secs, f"{type(exc).__name__}: {str(exc)[:300]}", text)
-    return Outcome(schema_id, "valid" if finish == "stop" else "invalid", finish, tokens, secs, "", text)
+    except json.JSONDecodeError as exc:
+        verdict = "truncated" if finish == "length" else "invalid"
+        return Outcome(schema_id, verdict, finish, tokens, secs, f"JSONDecodeError: {str(exc)[:300]}", text)
+    except jsonschema.ValidationError as exc:
+        return Outcome(schema_id, "invalid", finish, tokens, secs, f"ValidationError: {str(exc)[:300]}", text)
+    verdict = {"stop": "valid", "length": "closed"}.get(finish, "invalid")
+    return Outcome(schema_id, verdict, finish, tokens, secs, "" if verdict != "invalid" else f"finish {finish}", text)
 
 
-def ask(client: openai.OpenAI, schema_id: int, max_tokens: int) -> Outcome:
+def ask(client: openai.OpenAI, schema_id: int, max_tokens: int, frequency_penalty: float = 0.0) -> Outcome:
     schema = random_schema(schema_id)
     t0 = time.perf_counter()
     try:
         r = client.chat.completions.create(
             model=MODEL, messages=messages(schema), temperature=0, max_tokens=max_tokens,  # type: ignore[arg-type]
+            frequency_penalty=frequency_penalty,
             response_format={"type": "json_schema",
                              "json_schema": {"name": f"s{schema_id}", "schema": schema, "strict": True}},
         )  # fmt: skip
@@ -116,10 +121,12 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--url", default="", help="a running gateway (default: launch a stack)")
     ap.add_argument("--port", type=int, default=18210)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="the request's own (default 0: none)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     ids = [int(i) for i in a.ids.split(",")] if a.ids else list(range(a.first, a.first + a.count))
+    started_at = os.environ.get("KVMEM_COMMIT") or commit()  # the code the stack runs (HEAD may move meanwhile)
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     t_start = time.perf_counter()
@@ -128,7 +135,7 @@ def main() -> None:
         t_start = time.perf_counter()
 
         def one(i: int) -> None:
-            o = ask(client, i, a.max_tokens)
+            o = ask(client, i, a.max_tokens, a.frequency_penalty)
             with lock:
                 outcomes.append(o)
                 n = len(outcomes)
@@ -140,19 +147,19 @@ def main() -> None:
             list(pool.map(one, ids))
     wall = time.perf_counter() - t_start
     outcomes.sort(key=lambda o: o.schema_id)
-    counts = {v: sum(o.verdict == v for o in outcomes) for v in ("valid", "invalid", "truncated", "error")}
+    counts = {v: sum(o.verdict == v for o in outcomes) for v in ("valid", "closed", "invalid", "truncated", "error")}
     tokens = [o.completion_tokens for o in outcomes]
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": os.environ.get("KVMEM_COMMIT") or commit(),
+        "commit": started_at,
         "model": MODEL, "schemas": a.ids or f"{ids[0]}..{ids[-1]}", "concurrency": a.concurrency,
-        "max_tokens": a.max_tokens, "max_context": a.max_context,
+        "max_tokens": a.max_tokens, "max_context": a.max_context, "frequency_penalty": a.frequency_penalty,
         "wall_s": round(wall, 1), "completion_tokens_total": sum(tokens),
         "completion_tokens_max": max(tokens, default=0), **counts,
     }  # fmt: skip
     print(json.dumps(summary))
     for o in outcomes:
-        if o.verdict != "valid":
+        if o.verdict not in ("valid", "closed"):
             print(f"  schema {o.schema_id}: {o.verdict} {o.detail} :: {o.text[:300]!r}")
     if a.out:
         with open(a.out, "w") as f:

@@ -165,6 +165,8 @@ class Engine:
         matcher = self._grammar_compiler().matcher(params.grammar) if params.grammar is not None else None
         if matcher is not None and params.ignore_eos:
             raise InvalidRequestError("a grammar ends the answer with end-of-sequence: ignore_eos cannot be set")
+        if matcher is not None:
+            matcher.set_budget(params.max_tokens or room)  # refuses a budget below the shortest document's
         seq = Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -334,7 +336,10 @@ class Engine:
             tokens = iter(list[int | Sampled](t) for t in self.runner.tokens(launched))
         else:
             sampling = [w.seq for w in works if w.samples]
-            rows = [Row(s.params, s.generator, s.prompt_ids, s.output_ids, s.matcher) for s in sampling]
+            rows = [
+                Row(s.params, s.generator, s.prompt_ids, s.output_ids, s.matcher, self._tokens_left(s))
+                for s in sampling
+            ]
             sampled = sample_batch(launched.logits, rows)
             tokens = iter([t] for t in sampled)  # one token per sampling work
         for w, page_scores in zip(works, launched.scores, strict=True):
@@ -392,6 +397,11 @@ class Engine:
         seq.ring = SeqRing(summaries=summaries, policy=seq.prefill_policy, query_start=query_start)
         self.ring.set_query(seq.ring, len(seq.prompt_ids))
 
+    def _tokens_left(self, seq: Sequence) -> int:
+        """The tokens the answer may still take, the next one included (max_tokens, the context limit)."""
+        known = seq.known_outputs
+        return min(seq.max_tokens - known, self.limits.max_context - len(seq.prompt_ids) - known)
+
     def _append(self, seq: Sequence, token: int, sampled: Sampled | int | None = None) -> None:
         """The next output token (the first PENDING one when a burst is being read): stream it, stop on it; a
         grammar advances by it."""
@@ -409,8 +419,9 @@ class Engine:
             self.stats.cached_tokens_total += seq.num_cached
         self.stats.generated_tokens_total += 1
         reason: FinishReason | None = None
-        if token in seq.stop_token_ids:
-            reason = FinishReason.STOP
+        if token in seq.stop_token_ids:  # a document the budget closed ends "length", as it was cut there
+            closed = seq.matcher is not None and seq.matcher.closed_by_budget
+            reason = FinishReason.LENGTH if closed else FinishReason.STOP
             text = seq.detokenizer.update(seq.output_ids, known - 1) + seq.detokenizer.flush()
         else:
             text = seq.detokenizer.update(seq.output_ids, known)

@@ -175,7 +175,7 @@ class ChatChoices(MultiChoice):
             except tools.MalformedToolCall as exc:
                 raise ToolCallError(exc) from None
             out = [self._choice_chunk(k, d) for d in self._events(k, events)]
-            if parsed.calls:
+            if parsed.calls and reason != "length":  # a call the budget closed stays "length": not to be run as is
                 reason = "tool_calls"
         out.append(self._choice_chunk(k, schemas.Delta(), reason, kvmem=kvmem_info(done, self.plan)))
         return out
@@ -197,7 +197,7 @@ class ChatChoices(MultiChoice):
                 except tools.MalformedToolCall as exc:
                     raise ToolCallError(exc) from None
                 if parsed.calls:
-                    reason = "tool_calls"
+                    reason = "tool_calls" if reason != "length" else reason  # closed by the budget: "length"
                     message = schemas.AssistantMessage(content=parsed.content, tool_calls=[
                         schemas.ToolCallOut(
                             id=c.id, function=schemas.FunctionCallOut(name=c.name, arguments=c.arguments))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -89,7 +90,7 @@ def test_named_tool_choice_is_a_call_whose_arguments_match_the_schema(client: op
 def test_required_calls_stream_as_deltas_name_first(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0.8, seed=5,
-        max_tokens=80, stream=True,
+        max_tokens=200, stream=True,  # three parallel calls, 121 tokens (at 80 the budget closes them: "length")
     )  # fmt: skip
     deltas = [c.choices[0] for c in stream if c.choices]
     pieces: dict[int, list] = {}
@@ -125,24 +126,55 @@ def test_tool_choice_none_and_auto(client: openai.OpenAI) -> None:
         assert "<tool_call>" not in message.content
 
 
-def test_a_call_cut_off_by_max_tokens_takes_the_typed_path(client: openai.OpenAI, stack: Stack) -> None:
-    """tool_choice required makes the answer a call; max_tokens 6 cuts it off: a 422 malformed_tool_call naming the
-    function, with a correct call of it, never the shell as content (streamed: an SSE error event)."""
-    with pytest.raises(openai.UnprocessableEntityError) as exc:
+def test_a_forced_call_never_cut_off_by_max_tokens(client: openai.OpenAI) -> None:
+    """tool_choice required makes the answer a call, so its budget is checked: max_tokens 6 is below the shortest
+    call (a 400 naming max_tokens and that length, before anything is generated); one token more than that
+    length, the call is closed by the budget: complete, its arguments match the schema, finish_reason "length"
+    (not "tool_calls": a call the budget closed is not to be run as is), streamed the same."""
+    with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(
             model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=6
         )
-    err = exc.value.body
-    assert exc.value.code == "malformed_tool_call" and "cut off by max_tokens" in err["message"]
-    assert err["kvmem"]["function"] == "get_weather"
-    example = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "...", "unit": "C"}}\n</tool_call>'
-    assert err["kvmem"]["example"] == example
-    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "temperature": 0,
-            "max_tokens": 6, "stream": True}  # fmt: skip
-    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=120) as r:
-        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    assert events[-1]["error"]["code"] == "malformed_tool_call"
-    assert not any(e.get("choices") and e["choices"][0]["delta"].get("content") for e in events[:-1])
+    found = re.search(r"max_tokens 6 is below the (\d+) tokens", exc.value.message)
+    assert found, exc.value.message
+    budget = int(found.group(1)) + 1
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=budget
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens <= budget, choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(_args(call), WEATHER["function"]["parameters"])
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=budget,
+        stream=True,
+    )  # fmt: skip
+    deltas = [c.choices[0] for c in stream if c.choices]
+    assert deltas[-1].finish_reason == "length"
+    args = "".join(tc.function.arguments or "" for d in deltas for tc in d.delta.tool_calls or [])
+    assert json.loads(args) == _args(call)
+
+
+def test_json_schema_with_a_small_budget_is_closed_valid(client: openai.OpenAI) -> None:
+    """A free string the model would fill far past max_tokens: the budget closes the document, which parses and
+    validates, finish_reason "length"; streamed, the same text."""
+    schema = {"type": "object", "properties": {"story": {"type": "string"}, "moral": {"type": "string"}},
+              "required": ["story", "moral"], "additionalProperties": False}  # fmt: skip
+    q = [{"role": "user", "content": "Tell a long story about a dragon, as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "story", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=q, temperature=0, max_tokens=16, response_format=fmt)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens <= 16, choice
+    doc = json.loads(choice.message.content)
+    jsonschema.validate(doc, schema)
+    assert doc["story"]  # the model's own words, cut where the closing had to start
+    stream = client.chat.completions.create(
+        model=MODEL, messages=q, temperature=0, max_tokens=16, response_format=fmt, stream=True
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].finish_reason == "length"
 
 
 def test_response_format_json_schema_and_json_object(client: openai.OpenAI) -> None:

@@ -123,9 +123,8 @@ def test_json_object_grammar_gives_an_object(model, smol_tokenizer) -> None:
     seq = engine.submit("o", smol_tokenizer.encode("JSON:"), params)
     run_until_done(engine, [seq])
     text, done = _text(engine, seq)
-    assert text.startswith("{")  # a random model fills a free string to max_tokens: valid so far, unfinished
-    if done.finish_reason is FinishReason.STOP:
-        assert isinstance(json.loads(text), dict)
+    assert isinstance(json.loads(text), dict)  # finished, or closed by the budget (a random model fills strings)
+    assert done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
 
 def test_grammar_with_ignore_eos_is_refused(model, smol_tokenizer) -> None:

@@ -18,6 +18,19 @@ Reading the vocabulary for xgrammar takes seconds: the engine's `GrammarTables` 
 token's bytes, which logprobs report) on a background thread from Engine.start; a first constrained request waits
 for what is left of that build. A constrained request's tokens are chosen on the host, so it cannot run inside a
 decode burst; split steps (scheduler.py) let the greedy requests beside it keep bursting.
+
+Budget-aware completion: a constrained answer parses and matches its grammar even when max_tokens (or the context
+limit) ends it. GrammarMatcher keeps a closing plan (the tokens of a short completion from its state) and `steer`
+replaces the model's token by the plan's when the plan after the model's token would not fit in the tokens left;
+from then on the plan is followed to the end. The answer is complete and valid, and its finish_reason is still
+"length" (the budget, not the model, ended the content: a forced tool call closed this way is "length", not
+"tool_calls"). A budget below the first plan (the shortest document the strategy finds) is refused at submit
+(InvalidRequestError naming max_tokens). The plan is only kept near the budget's end (CLOSE_MARGIN), so the far
+steps pay about a microsecond a token; within the window a plan is computed after each token that is not string
+text (bench/grammar_budget.py on the 2-core CPU: +107 us a token on average over a nested schema's 55-token walk;
+the first plans of the 200 random schemas, at submit: median 0.8 ms, at most 53 ms). The closing vocabulary is
+JSON's; for an EBNF grammar it may find no plan, and then the budget is not checked (the answer may be cut, as
+before).
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from services.engine.step.sampling import InvalidRequestError
@@ -60,25 +74,251 @@ class GrammarSpec:
         return bool(self.prefix or self.suffix or self.max_repeats > 1)
 
 
-class GrammarMatcher:
-    """One sequence's position in its grammar."""
+# Closing vocabulary (budget-aware completion): the tokens the closing plan tries, most progress first. Inside a free
+# string (most of the vocabulary allowed) only string closers; elsewhere structural closers, then the separator,
+# then the shortest values and their openers. Tokens missing from a vocabulary are skipped.
+_STRING_CLOSERS = ('"}}}', '"}}', '"}]', '"]}', '"}', '"]', '"')
+_STRUCTURAL = (
+    "}}}", "}}", "}]", "]}", "]]", "}", "]", ",",
+    "0", '""', "[]", "{}", "true", "false", "null", '"', "[", "{", "-", *"123456789",
+)  # fmt: skip
+_LOOKAHEAD_OPTIONS = 8  # a choice between at most this many tokens outside the vocabulary (keys, enum values) is
+# decided by planning each one; with more, the lowest token id is taken
+_PLAN_LIMIT = 512  # steps of one plan before it gives up (a grammar whose completion the strategy cannot find)
+CLOSE_MARGIN = 32  # the plan is kept fresh once the budget left is within its length + margin + 2 x the first plan's
+# (the window); within twice the window it is refreshed every _STALE_REFRESH tokens; farther, nothing is kept
+_STALE_REFRESH = 16
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+
+@dataclass(frozen=True)
+class ClosingVocab:
+    """The token ids of the closing plan's candidates and every token's bytes (one tokenizer's)."""
+
+    string_closers: tuple[int, ...]
+    structural: tuple[int, ...]
+    token_bytes: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, token_bytes: list[bytes]) -> ClosingVocab:
+        first: dict[bytes, int] = {}
+        for i, b in enumerate(token_bytes):
+            first.setdefault(b, i)
+
+        def ids(texts: tuple[str, ...]) -> tuple[int, ...]:
+            return tuple(first[t.encode()] for t in texts if t.encode() in first)
+
+        return cls(ids(_STRING_CLOSERS), ids(_STRUCTURAL), tuple(token_bytes))
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar, and its budget-aware completion.
+
+    Budget-aware completion: a constrained answer must parse and match its grammar even when max_tokens (or the
+    context) ends it. The matcher keeps a *closing plan*, a short token sequence from its state to a complete
+    document (`closing_plan`: jump-forward strings where the grammar forces text, elsewhere the first allowed token
+    of a fixed closing vocabulary, small choices such as keys planned both ways). `steer` checks the model's
+    token against the budget: when the plan after it would not fit in the tokens left, the token is taken back
+    (rollback) and the plan is followed from the state before it; the answer ends complete, with finish_reason
+    "length" (`closed_by_budget`). `set_budget` refuses a budget below the first plan's length.
+    """
+
+    def __init__(self, matcher: Any, vocab_size: int, vocab: ClosingVocab | None = None) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._vocab = vocab
+        self._words = bitmask_words(vocab_size)
+        self._pre: int | None = None  # accepted by steer, not yet by accept
+        self._plan: list[int] | None = None  # a completion from the current state (None: stale)
+        self._known = 0  # the length of the last plan computed (the stale plan's estimate)
+        self._refreshed_at = 0  # the budget left at the last refresh
+        self._window = CLOSE_MARGIN
+        self._mask: torch.Tensor | None = None  # the last filled mask's row
+        self.closing = False  # following the plan: the budget ends the answer
+        self.plans_computed = 0
+        self.budget_misses = 0  # a plan found longer than the budget left (logged; never expected)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-token bits of the next position into row `row` of an int32 [M, ceil(V / 32)] CPU
         tensor (bit j of word w: token 32 w + j)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._mask = bitmask[row]  # read only where a plan is kept (steer, near the budget's end)
 
     def accept(self, token: int) -> bool:
-        """Advance by the chosen token; False when the grammar does not allow it (the matcher is unchanged)."""
+        """Advance by the chosen token; False when the grammar does not allow it (the matcher is unchanged).
+        The token `steer` returned was accepted there already."""
+        if self._pre is not None and token == self._pre:
+            self._pre = None
+            return True
+        self._pre = None
         return bool(self._matcher.accept_token(token))
 
     @property
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+    @property
+    def closed_by_budget(self) -> bool:
+        """The budget ended the answer: the plan closed it (finish_reason stays "length")."""
+        return self.closing
+
+    # -- budget-aware completion -------------------------------------------------------------------
+
+    def closing_plan(self) -> list[int] | None:
+        """A short completion from the current state (token ids; [] when complete), the matcher unchanged;
+        None when the strategy finds none within its step limit (or there is no closing vocabulary)."""
+        if self._vocab is None:
+            return None
+        self.plans_computed += 1
+        return _plan(self._matcher.fork(), self._vocab, self._words, lookahead=True, limit=_PLAN_LIMIT)
+
+    def set_budget(self, max_tokens: int) -> int:
+        """Plan from the start; raises InvalidRequestError when the shortest document the plan knows does not fit
+        in max_tokens. Returns the plan's length."""
+        plan = self.closing_plan()
+        if plan is None:
+            return 0  # no plan (a grammar outside the strategy): the budget is not checked
+        if len(plan) > max_tokens:
+            raise InvalidRequestError(
+                f"max_tokens {max_tokens} is below the {len(plan)} tokens of the shortest answer this grammar "
+                "allows: raise max_tokens"
+            )
+        self._plan, self._known, self._refreshed_at = plan, len(plan), max_tokens
+        self._window = CLOSE_MARGIN + 2 * len(plan)
+        return len(plan)
+
+    def steer(self, token: int, left: int) -> int:
+        """The token to emit where the model chose `token` with `left` tokens of budget (this one included):
+        `token` itself when the plan after it fits in left - 1, else the plan's next token. The returned token
+        is accepted (accept() of it is then free); a token outside the grammar is returned unaccepted."""
+        if self._vocab is None:
+            return token
+        if self.closing:  # the plan to its end, then a stop token (a framed grammar may allow more calls)
+            nxt = self._plan.pop(0) if self._plan else self._stop_token()
+            self._accept_now(nxt)
+            return nxt
+        before = self._plan
+        if not self._matcher.accept_token(token):
+            return token
+        self._pre = token
+        if left - 1 > 2 * (self._known + self._window):  # far from the budget's end: nothing to keep
+            self._plan = None
+            return token
+        self._advance_plan(before, token)
+        inner = left - 1 <= self._known + self._window
+        if self._plan is None and (inner or left <= self._refreshed_at - _STALE_REFRESH):
+            self._refresh(left)
+        if self._plan is None or len(self._plan) <= left - 1:
+            return token
+        # the model's token leaves too little: take it back and close from the state before it
+        self._matcher.rollback(1)
+        self._pre = None
+        plan = before if before is not None else self.closing_plan()
+        if plan is None:  # never expected: the state before had a plan (the check came after it)
+            self._matcher.accept_token(token)
+            self._pre = token
+            return token
+        if len(plan) > left:
+            self.budget_misses += 1
+            logger.warning("closing plan of %d tokens with %d left: the answer will be cut", len(plan), left)
+        self.closing = True
+        nxt = plan[0] if plan else self._stop_token()  # complete already: a stop token ends it
+        self._plan = plan[1:]
+        self._accept_now(nxt)
+        return nxt
+
+    def _stop_token(self) -> int:
+        return int(self._matcher.stop_token_ids[0])
+
+    def _accept_now(self, token: int) -> None:
+        ok = self._matcher.accept_token(token)
+        assert ok, "a closing plan's token was refused"
+        self._pre = token
+
+    def _advance_plan(self, before: list[int] | None, token: int) -> None:
+        """The plan after the model's token: the rest of the old plan when the token was its first; the same
+        plan when the token is text inside a free string (no quote, no escape: the string stays open, its
+        closing unchanged); else stale."""
+        assert self._vocab is not None
+        if before is not None and before and before[0] == token:
+            self._plan = before[1:]
+            self._known = len(self._plan)
+        elif before is not None and self._free_text(token):
+            self._plan = before
+        else:
+            self._plan = None
+
+    def _free_text(self, token: int) -> bool:
+        """The last filled mask allowed most of the vocabulary (inside a free string) and the token has no quote
+        or escape: the string stays open."""
+        assert self._vocab is not None
+        if any(c in self._vocab.token_bytes[token] for c in b'"\\') or self._mask is None:
+            return False
+        words = self._mask.numpy()
+        return int(np.count_nonzero(words == -1)) > words.shape[0] // 2
+
+    def _refresh(self, left: int) -> None:
+        self._plan = self.closing_plan()
+        self._refreshed_at = left
+        if self._plan is not None:
+            self._known = len(self._plan)
+
+
+def _options(words: np.ndarray, cap: int) -> list[int]:
+    """The first `cap` + 1 allowed token ids of a bitmask row (lowest first)."""
+    out: list[int] = []
+    for w in np.flatnonzero(words).tolist():
+        x = int(words[w]) & 0xFFFFFFFF
+        while x:
+            low = x & -x
+            out.append(32 * w + low.bit_length() - 1)
+            if len(out) > cap:
+                return out
+            x ^= low
+    return out
+
+
+def _plan(m: Any, vocab: ClosingVocab, words_n: int, lookahead: bool, limit: int) -> list[int] | None:
+    """The closing strategy on matcher `m` (consumed): forced text by jump-forward, else the first allowed closing
+    token (string closers inside a free string), else the one of a few allowed tokens whose own plan (without
+    lookahead) is shortest, else the lowest allowed id."""
+    buf = torch.zeros(1, words_n, dtype=torch.int32)
+    words = buf.numpy()[0]
+    plan: list[int] = []
+    while len(plan) < limit:
+        if m.is_completed():
+            return plan
+        forced = m.find_jump_forward_tokens() if m.find_jump_forward_string() else []
+        if forced:
+            for t in forced:
+                if not m.accept_token(t):
+                    return None
+                plan.append(t)
+            continue
+        m.fill_next_token_bitmask(buf, 0)
+        free = int(np.count_nonzero(words == -1)) > words_n // 2
+        pick = next(
+            (t for t in (vocab.string_closers if free else vocab.structural) if (words[t >> 5] >> (t & 31)) & 1),
+            None,
+        )
+        if pick is None:
+            options = _options(words, _LOOKAHEAD_OPTIONS)
+            if not options:
+                return None
+            pick = options[0]
+            if lookahead and 1 < len(options) <= _LOOKAHEAD_OPTIONS:
+                best: int | None = None
+                for t in options:
+                    f = m.fork()
+                    if not f.accept_token(t):
+                        continue
+                    bound = limit - len(plan) - 1 if best is None else best - 1  # only a shorter one matters
+                    rest = _plan(f, vocab, words_n, lookahead=False, limit=bound)
+                    if rest is not None and (best is None or len(rest) < best):
+                        best, pick = len(rest), t
+        if not m.accept_token(pick):
+            return None
+        plan.append(pick)
+    return plan if m.is_completed() else None
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -108,6 +348,7 @@ class GrammarCompiler:
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         self._token_bytes: list[bytes] = list(info.decoded_vocab)  # byte-level / byte-fallback pieces as bytes
+        self._closing = ClosingVocab.of(self._token_bytes)
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
 
@@ -117,7 +358,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher at the start of `spec`; raises GrammarError when it does not compile."""
-        return GrammarMatcher(self._xgr.GrammarMatcher(self._compile(spec)), self.vocab_size)
+        return GrammarMatcher(self._xgr.GrammarMatcher(self._compile(spec)), self.vocab_size, self._closing)
 
     def _framed(self, spec: GrammarSpec) -> Any:
         """prefix value suffix (separator prefix value suffix)* up to max_repeats, as one xgrammar Grammar."""

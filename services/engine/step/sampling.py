@@ -112,6 +112,7 @@ class Row(NamedTuple):
     prompt_ids: list[int] = []
     output_ids: list[int] = []  # known output tokens (no PENDING)
     matcher: GrammarMatcher | None = None
+    budget: int | None = None  # tokens the answer may still take, this one included (a grammar closes within it)
 
 
 class Sampled(NamedTuple):
@@ -183,7 +184,8 @@ def sample_batch(logits: torch.Tensor, rows: list[Row]) -> list[Sampled]:
 
     Greedy rows that need no processing and no logprobs take one argmax over all of them and one device-to-host
     copy (the step's only sync); the grammar rows' masks are filled on the host in one batch; the other rows go
-    through process and choose one by one.
+    through process and choose one by one. A grammar row with a budget is steered (GrammarMatcher.steer): its
+    token may be the closing plan's instead of the chosen one, and its matcher is advanced here.
     """
     plain = [i for i, r in enumerate(rows) if r.params.device_greedy]
     out: list[Sampled] = [Sampled(0)] * len(rows)
@@ -208,6 +210,8 @@ def sample_batch(logits: torch.Tensor, rows: list[Row]) -> list[Sampled]:
             continue
         processed = process(logits[i], row, masks.get(i))
         token = choose(processed, row.params, row.generator)
+        if row.matcher is not None and row.budget is not None:
+            token = row.matcher.steer(token, row.budget)  # the plan's token where the model's would not fit
         if not row.params.logprobs:
             out[i] = Sampled(token)
             continue
