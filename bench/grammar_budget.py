@@ -20,7 +20,7 @@ import time
 import torch
 
 from bench.grammar_mask import DOC, SCHEMA, _hf_tokenizer
-from services.engine.grammar import GrammarSpec, bitmask_words, compiler_for
+from services.engine.step.grammar import GrammarSpec, bitmask_words, compiler_for
 from tests.engine.schema_gen import random_schema
 
 VOCAB = 49152

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from services.common.tokenizer import Tokenizer
-from services.engine.grammar import GrammarCompiler, GrammarSpec, compiler_for
-from services.engine.sampling import InvalidRequestError, Row, SamplingParams, sample_batch
-from services.engine.sequence import Done, FinishReason
+from services.engine.step.grammar import GrammarCompiler, GrammarSpec, compiler_for
+from services.engine.step.sampling import InvalidRequestError, Row, SamplingParams, sample_batch
+from services.engine.step.sequence import Done, FinishReason
 from tests.engine.helpers import drain, events_of, greedy, make_engine, reference_greedy, run_until_done, tiny_model
 from tests.engine.schema_gen import random_schema
 
