@@ -184,6 +184,25 @@ def test_page_bytes_round_trip_exactly_through_a_mixed_pool() -> None:
         assert torch.equal(k_page, k_ref) and torch.equal(v_page, v_ref)
 
 
+def test_pages_kv_decodes_one_layer_of_many_pages_as_page_kv_does_each() -> None:
+    """pages_kv (the exact chunk's staging batch: only one layer's bytes of each host page travel) equals
+    page_kv page by page, concatenated, in every format; a uniform plain pool takes its own fast path."""
+    for names in (["fp8", "bf16", "nvfp4+h", "int8", "fp32"], ["bf16"] * 3):
+        pool = _mixed_pool(names)
+        for layer in range(len(names)):
+            pool.write(layer, torch.arange(32), _rows(32, 2, 32, seed=layer), _rows(32, 2, 32, seed=10 + layer))
+        pages = [pool.read_page(s) for s in (3, 0, 2)]
+        for layer in range(len(names)):
+            k, v = pool.pages_kv(pages, layer, torch.float32, CPU)
+            assert k.shape == v.shape == (3 * 8, 2, 32)
+            k_ref = torch.cat([pool.page_kv(p, layer, torch.float32)[0] for p in pages])
+            v_ref = torch.cat([pool.page_kv(p, layer, torch.float32)[1] for p in pages])
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+            rows = pool.rows(torch.tensor([3, 0, 2]))
+            k_pool, v_pool = pool.gather(layer, rows, torch.float32)  # what the slots themselves hold
+            assert torch.equal(k, k_pool.reshape(k.shape)) and torch.equal(v, v_pool.reshape(v.shape))
+
+
 def test_a_restore_of_some_layers_writes_them_from_their_packed_bytes() -> None:
     """write_pages of a page's parts (KVPool.layer_parts: the bytes of some layers, packed) writes what
     the whole page writes into those layers; in a mixed pool the parts have different sizes."""

@@ -388,14 +388,22 @@ class KVPool:
     def page_kv(self, page: torch.Tensor, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer of a page held as bytes (a host page): [page_size, Hkv, D] each in `dtype`,
         on the page's device."""
-        if self._uniform_plain:
-            data = page.view(self.k[0].dtype)
-            data = data.view(self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
-            return data[layer, 0].to(dtype), data[layer, 1].to(dtype)
+        return self.pages_kv([page], layer, dtype, page.device)
+
+    def pages_kv(
+        self, pages: Sequence[torch.Tensor], layer: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer of pages held as bytes (uint8 [page_nbytes] each, on any device): only that
+        layer's bytes of each travel to `device`, where they are decoded: [P * page_size, Hkv, D] each."""
+        lo, hi = self._layer_offsets[layer], self._layer_offsets[layer + 1]
+        data = torch.stack([p.reshape(-1)[lo:hi] for p in pages]).to(device, non_blocking=True)  # [P, layer bytes]
+        plain = self._plain[layer]
+        if plain is not None:  # [P, K|V, page, Hkv, D] of the stored dtype
+            kv = data.view(plain).view(len(pages), 2, self.page_size, self.num_kv_heads, self.head_dim)
+            return (kv[:, 0].reshape(-1, self.num_kv_heads, self.head_dim).to(dtype),
+                    kv[:, 1].reshape(-1, self.num_kv_heads, self.head_dim).to(dtype))  # fmt: skip
         fmt = self.formats[layer]
-        k_bytes, v_bytes = self._layer_bytes(
-            page.reshape(1, -1), (self._layer_offsets[layer], self._layer_offsets[layer + 1])
-        )
+        k_bytes, v_bytes = self._layer_bytes(data, (0, hi - lo))
         k_rows, v_rows = self._rows_of(layer, k_bytes), self._rows_of(layer, v_bytes)
         return _keys(fmt, lambda dt: fmt.dequantize(k_rows, dt), dtype), fmt.dequantize(v_rows, dtype)
 

@@ -59,7 +59,9 @@ class SeqSpan:
     # score by the real attention mass of the scoring tokens over every page (needs host_pages: the step attends
     # all of them) instead of the Quest bound over the summaries
     score_by_attention: bool = False
-    host_pages: list[torch.Tensor] = field(default_factory=list)  # exact: uint8 [page_nbytes] each, on the device
+    # exact: uint8 [page_nbytes] each, on the device, or in host memory when they are many (model_runner): each
+    # layer's staging batches then copy just that layer's bytes over
+    host_pages: list[torch.Tensor] = field(default_factory=list)
     host_page_ids: list[int] = field(default_factory=list)  # their logical page indices
     # local rings (sliding-window layers): the window before the new tokens comes from the ring, the new
     # tokens' own K/V straight from the step; the ring keeps the last min(num_new, span) of them
@@ -234,9 +236,8 @@ class StepAttention:
         for i in range(0, len(pairs), self.staging_pages):
             batch = pairs[i : i + self.staging_pages]
             # staging: [Hkv, B * page, D] of this layer, moved to the pool's device
-            kv = [self.pool.page_kv(t, layer_idx, q_s.dtype) for _, t in batch]
-            k_h = torch.cat([k for k, _ in kv]).transpose(0, 1)
-            v_h = torch.cat([v for _, v in kv]).transpose(0, 1)
+            k_b, v_b = self.pool.pages_kv([t for _, t in batch], layer_idx, q_s.dtype, self.pool.device)
+            k_h, v_h = k_b.transpose(0, 1), v_b.transpose(0, 1)
             host_mask = None
             if window is not None:
                 key_pos = torch.cat([p * size + offsets for p, _ in batch])
