@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kinds", default="prose,code,logs")
     p.add_argument("--pool", type=int, default=1024)
     p.add_argument("--variants", default="dense,sparse,oracle")
-    p.add_argument("--query-span", default="turn", choices=["turn", "question"])
+    p.add_argument("--query-span", default="question", choices=["turn", "question"])
     p.add_argument(
         "--split",
         default="tuning",
