@@ -27,6 +27,7 @@ from services.engine.kv.transfers import device_index
 from services.engine.ring.local_ring import LocalRings
 
 logger = logging.getLogger(__name__)
+HOST_PAGES_ON_DEVICE = 256 << 20  # bytes of host pages fetched to the device at once (host_pages_device)
 
 
 @functools.cache
@@ -384,6 +385,12 @@ class KVPool:
             k_bytes, v_bytes = self._layer_bytes(data, ranges[i])
             self.k[i].index_copy_(0, rows, self._rows_of(i, k_bytes))
             self.v[i].index_copy_(0, rows, self._rows_of(i, v_bytes))
+
+    def host_pages_device(self, count: int) -> torch.device:
+        """Where `count` host pages that are read a layer at a time (pages_kv) are best held: the device while
+        they fit in HOST_PAGES_ON_DEVICE bytes, else host memory (a long context's pages: 3.5 GB at 32K on an
+        8B shape, more than the device should hold for one sequence at once; each layer's bytes travel alone)."""
+        return self.device if count * self.page_nbytes <= HOST_PAGES_ON_DEVICE else torch.device("cpu")
 
     def page_kv(self, page: torch.Tensor, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer of a page held as bytes (a host page): [page_size, Hkv, D] each in `dtype`,

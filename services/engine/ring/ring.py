@@ -255,13 +255,14 @@ class RingManager:
         adopted = chain[:count]
         first = len(page_hashes)
         device = ring.summaries.kmin.device
-        pages = self.host.fetch_to(adopted, device)  # summaries need the keys; no slot keeps the pages
+        # summaries need the keys; no slot keeps the pages (a long prefix's stay in host memory, read a layer at a time)
+        pages = self.host.fetch_to(adopted, self.pool.host_pages_device(count))
         size = self.limits.page_size
         ids = torch.arange(first, first + count, device=device)
         valid = torch.ones(count, size, dtype=torch.bool, device=device)
         for layer in self.pool.paged_layers:
-            keys = torch.stack([self.pool.page_kv(page, layer, torch.float32)[0] for page in pages])
-            ring.summaries.update(layer, ids, keys, valid)
+            keys, _ = self.pool.pages_kv(list(pages), layer, torch.float32, device)
+            ring.summaries.update(layer, ids, keys.view(count, size, *keys.shape[1:]), valid)
         page_table.extend([NOT_RESIDENT] * count)
         page_hashes.extend(adopted)
         self.host.pin(adopted)

@@ -18,9 +18,6 @@ from services.engine.step.scheduler import Work
 from services.engine.step.sequence import NOT_RESIDENT
 
 logger = logging.getLogger(__name__)
-# hidden pages an exact chunk attends are fetched to the device at once up to this many bytes, else kept in host
-# memory and streamed a layer at a time (kv_pool.pages_kv)
-DEVICE_FETCH_MAX_BYTES = 256 << 20
 
 
 @dataclass
@@ -186,10 +183,7 @@ class ModelRunner:
             hidden = [p for p in range(first_page) if table.slot_ids[p] == NOT_RESIDENT]
             if hidden:
                 assert self.host is not None, "exact attention over host pages needs a host store"
-                # a long context's hidden pages stay in host memory (3.5 GB at 32K on an 8B shape: more than the
-                # device should hold for one sequence at once); attention copies each layer's bytes over per batch
-                near = len(hidden) * self.pool.page_nbytes <= DEVICE_FETCH_MAX_BYTES
-                fetch_to = self.device if near else torch.device("cpu")
-                span.host_pages = list(self.host.fetch_to([table.page_hashes[p] for p in hidden], fetch_to))
+                where = self.pool.host_pages_device(len(hidden))  # attention copies each layer's bytes per batch
+                span.host_pages = list(self.host.fetch_to([table.page_hashes[p] for p in hidden], where))
                 span.host_page_ids = hidden
         return span
