@@ -290,18 +290,22 @@ class EngineConfig:
             default=env("KVMEM_RETRIEVAL", "1") == "0",
             help="negative control: the ring keeps no evidence pages",
         )
-        p.add_argument("--ring-vote-top", type=int, default=int(env("KVMEM_RING_VOTE_TOP", "0")))
+        p.add_argument("--ring-vote-top", type=int, default=int(env("KVMEM_RING_VOTE_TOP", str(cls.ring_vote_top))))
         p.add_argument(
             "--ring-anchor-pages", type=int, default=int(env("KVMEM_RING_ANCHOR_PAGES", str(cls.ring_anchor_pages)))
         )
-        p.add_argument("--ring-exclude-recent", type=int, default=int(env("KVMEM_RING_EXCLUDE_RECENT", "0")))
+        p.add_argument(
+            "--ring-exclude-recent",
+            type=int,
+            default=int(env("KVMEM_RING_EXCLUDE_RECENT", str(int(cls.ring_exclude_recent)))),
+        )
         p.add_argument(
             "--ring-query-pass", default=env("KVMEM_RING_QUERY_PASS", cls.ring_query_pass), choices=QUERY_PASSES
         )
         p.add_argument(
             "--ring-score-from", type=float, default=float(env("KVMEM_RING_SCORE_FROM", str(cls.ring_score_from)))
         )
-        p.add_argument("--ring-head-fusion", default=env("KVMEM_RING_HEAD_FUSION", "sum"))
+        p.add_argument("--ring-head-fusion", default=env("KVMEM_RING_HEAD_FUSION", cls.ring_head_fusion))
         p.add_argument("--audit-dir", default=env("KVMEM_RING_AUDIT_DIR", ""))
         p.add_argument(
             "--no-cuda-graphs",
