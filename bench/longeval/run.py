@@ -33,7 +33,7 @@ from typing import Any
 import openai
 
 from bench.longeval.split import SPLITS
-from bench.longeval.tasks import NUMERIC, SHAPES, TASKS, Case, make_case, score
+from bench.longeval.tasks import DIGIT_TOKENS, NUMERIC, SHAPES, TASKS, Case, digit_tokens, make_case, score
 from deploy.launcher import LaunchConfig, Stack
 from services.common.model_files import resolve_model_path
 from services.common.tokenizer import load_tokenizer
@@ -73,7 +73,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def build_cases(args: argparse.Namespace, count) -> list[Case]:
+def build_cases(args: argparse.Namespace, count, digits: tuple[int, ...] = DIGIT_TOKENS) -> list[Case]:
     split = SPLITS[args.split]
     kinds = [k for k in split.kinds if not args.kinds or k[0] in args.kinds.split(",")]
     tasks = args.tasks.split(",")
@@ -96,7 +96,7 @@ def build_cases(args: argparse.Namespace, count) -> list[Case]:
                 kind, half = kinds[rng.randrange(len(kinds))]
                 if task == "codeqa" and "code" in [k for k, _ in kinds]:
                     kind, half = next(k for k in kinds if k[0] == "code")
-                cases.append(make_case(split, task, kind, half, length, depth, shape, i, count))
+                cases.append(make_case(split, task, kind, half, length, depth, shape, i, count, digits))
     return cases
 
 
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict[str, Any]
     tok = load_tokenizer(resolve_model_path(args.model))
     count = lambda s: len(tok.encode(s))  # noqa: E731
     t0 = time.time()
-    cases = build_cases(args, count)
+    cases = build_cases(args, count, digit_tokens(tok.encode))
     logger.info("%d cases built in %.1f s", len(cases), time.time() - t0)
     by_id = {c.case_id: c for c in cases}
     configs = args.configs.split(",")

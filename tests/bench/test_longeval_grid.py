@@ -35,3 +35,18 @@ def test_the_grid_is_reproducible_and_the_splits_differ() -> None:
     tuning = run.build_cases(_args(per_cell=2, split="tuning"), _count)
     assert {c.case_id for c in a}.isdisjoint({c.case_id for c in tuning})
     assert set(SPLITS["heldout"].templates).isdisjoint(SPLITS["tuning"].templates)
+
+
+def test_digit_only_cases_bias_the_models_own_digit_tokens() -> None:
+    """completion_digits biases the ids its tokenizer gives "0".."9" (a Gemma run once biased SmolLM2's ids, which
+    are Gemma's <unused> tokens, and every such case answered <unused33>...)."""
+    from bench.longeval.tasks import DIGIT_TOKENS, digit_tokens
+    from services.common.model_files import resolve_model_path
+    from services.common.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_path("embedded:smollm2"))
+    assert digit_tokens(tok.encode) == DIGIT_TOKENS
+    assert [tok.decode([t]) for t in digit_tokens(tok.encode)] == [str(d) for d in range(10)]
+    shifted = tuple(t + 1000 for t in DIGIT_TOKENS)
+    cases = [c for c in run.build_cases(_args(), _count, shifted) if c.shape == "completion_digits"]
+    assert cases and all(set(c.logit_bias) == {str(t) for t in shifted} for c in cases)
