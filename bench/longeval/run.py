@@ -60,6 +60,8 @@ VARIANTS: dict[str, dict[str, str]] = {
            "KVMEM_RING_SCORE_FROM": "0.5", "KVMEM_NEIGHBOR_PAGES": "0", "KVMEM_RING_ANCHOR_PAGES": "4",
            "KVMEM_RING_VOTE_TOP": "0", "KVMEM_RING_EXCLUDE_RECENT": "0"},
 }  # fmt: skip
+# v3 with every layer scoring (Gemma 3's global layers are 5, 11 and 17: the upper half leaves two of three voting)
+VARIANTS["v3all"] = {**VARIANTS["v3"], "KVMEM_RING_SCORE_FROM": "0"}
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
