@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.longeval.tasks import digit_tokens  # noqa: E402
 from services.cacheguard.renderer import ChatRenderer  # noqa: E402
 from services.common.tokenizer import Tokenizer  # noqa: E402
 from services.engine.builder import build_engine  # noqa: E402
@@ -96,8 +97,7 @@ def make_case(
 def digit_bias(tok: Tokenizer) -> dict[int, float]:
     """logit_bias that confines greedy decoding to the digit tokens (MODELS.md: Gemma 3 base completes
     "The pass key is" with words unless decoding is restricted; whenever it emits a number it is right)."""
-    ids = {tok.encode(d)[-1] for d in "0123456789"}
-    return {i: 100.0 for i in sorted(ids)}
+    return {i: 100.0 for i in sorted(digit_tokens(tok.encode))}
 
 
 def run_case(

@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
             if not cases:
                 split = SPLITS[a.split]
                 kinds = [k for k in split.kinds if k[0] in a.kinds.split(",")]
+                digits = tasks.digit_tokens(tok.encode)
                 cases = []
                 for length in lengths:
                     for depth in (float(x) for x in a.depths.split(",")):
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
                             task = a.tasks.split(",")[i % len(a.tasks.split(","))]
                             shape = a.shapes.split(",")[(i // len(a.tasks.split(","))) % len(a.shapes.split(","))]
                             kind, half = kinds[rng.randrange(len(kinds))]
-                            cases.append(tasks.make_case(split, task, kind, half, length, depth, shape, i, count))
+                            case = tasks.make_case(split, task, kind, half, length, depth, shape, i, count, digits)
+                            cases.append(case)
             span = span or a.query_span
             if span not in by_span:
                 by_span[span] = build_requests(tok, cases, span)

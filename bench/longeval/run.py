@@ -33,7 +33,7 @@ from typing import Any
 import openai
 
 from bench.longeval.split import SPLITS
-from bench.longeval.tasks import DIGIT_TOKENS, NUMERIC, SHAPES, TASKS, Case, digit_tokens, make_case, score
+from bench.longeval.tasks import NUMERIC, SHAPES, TASKS, Case, digit_tokens, make_case, score
 from deploy.launcher import LaunchConfig, Stack
 from services.common.model_files import resolve_model_path
 from services.common.tokenizer import load_tokenizer
@@ -75,7 +75,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def build_cases(args: argparse.Namespace, count, digits: tuple[int, ...] = DIGIT_TOKENS) -> list[Case]:
+def build_cases(args: argparse.Namespace, count, digits: tuple[int, ...]) -> list[Case]:
     split = SPLITS[args.split]
     kinds = [k for k in split.kinds if not args.kinds or k[0] in args.kinds.split(",")]
     tasks = args.tasks.split(",")

@@ -35,8 +35,6 @@ _NOUN = ["falcon", "harbor", "meadow", "lantern", "pebble", "comet", "orchard", 
          "quarry"]  # fmt: skip
 _WORDS = ["apple", "river", "copper", "tiger", "violet", "engine", "marble", "planet", "silver", "forest", "rocket",
           "candle", "dragon", "pillow", "island", "yellow", "wizard", "turnip", "saddle", "guitar"]  # fmt: skip
-DIGIT_TOKENS = tuple(range(32, 42))  # SmolLM2 / cosmo2 tokenizer: "0".."9" are single tokens 32..41 (other models:
-# run.py passes digit_tokens() of the model's own tokenizer; Gemma's 32..41 are <unused> tokens)
 
 
 @dataclass(frozen=True)
@@ -96,10 +94,10 @@ def _fwe_doc(rng: random.Random, target: int, count: Callable[[str], int]) -> tu
 
 def make_case(
     split: Split, task: str, kind: str, half: int, length: int, depth: float, shape: str, index: int,
-    count: Callable[[str], int], digits: tuple[int, ...] = DIGIT_TOKENS,
+    count: Callable[[str], int], digits: tuple[int, ...],
 ) -> Case:  # fmt: skip
     """One case, fully determined by its arguments (the seed comes from the split and the index); `digits` are the
-    model's token ids of "0".."9" (completion_digits biases them)."""
+    model's token ids of "0".."9" (`digit_tokens`; completion_digits biases them)."""
     rng = random.Random(f"{split.seed}:{task}:{kind}:{length}:{depth}:{shape}:{index}")
     intro = rng.choice(split.intros)
     budget = length - 140
@@ -193,7 +191,8 @@ def make_case(
 
 
 def digit_tokens(encode: Callable[[str], list[int]]) -> tuple[int, ...]:
-    """The token ids of "0".."9" under a tokenizer (each must be one token, as in SmolLM2's and Gemma's)."""
+    """The token ids of "0".."9" under a tokenizer (each must be one token, as in SmolLM2's and Gemma's: 32..41 and
+    236771..; the one model's ids are the other's <unused> tokens)."""
     ids = [encode(str(d)) for d in range(10)]
     if any(len(i) != 1 for i in ids):
         raise ValueError(f"digits are not single tokens under this tokenizer: {ids}")

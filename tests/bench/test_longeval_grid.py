@@ -17,22 +17,25 @@ def _args(**kw: object) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
+_DIGITS = tuple(range(32, 42))  # SmolLM2's ids of "0".."9"
+
+
 def _count(text: str) -> int:
     return len(text) // 4  # a stand-in tokenizer: the grid's balance does not depend on it
 
 
 def test_each_task_meets_each_shape_once_per_block() -> None:
-    cases = run.build_cases(_args(), _count)
+    cases = run.build_cases(_args(), _count, _DIGITS)
     assert len(cases) == 20
     assert set(Counter((c.task, c.shape) for c in cases).values()) == {1}  # 4 tasks x 5 shapes, each once
     assert set(Counter((c.shape, c.depth) for c in cases).values()) == {1}  # a depth's cell is not one shape
 
 
 def test_the_grid_is_reproducible_and_the_splits_differ() -> None:
-    a = run.build_cases(_args(per_cell=2), _count)
-    b = run.build_cases(_args(per_cell=2), _count)
+    a = run.build_cases(_args(per_cell=2), _count, _DIGITS)
+    b = run.build_cases(_args(per_cell=2), _count, _DIGITS)
     assert [c.to_json() for c in a] == [c.to_json() for c in b]
-    tuning = run.build_cases(_args(per_cell=2, split="tuning"), _count)
+    tuning = run.build_cases(_args(per_cell=2, split="tuning"), _count, _DIGITS)
     assert {c.case_id for c in a}.isdisjoint({c.case_id for c in tuning})
     assert set(SPLITS["heldout"].templates).isdisjoint(SPLITS["tuning"].templates)
 
@@ -40,13 +43,13 @@ def test_the_grid_is_reproducible_and_the_splits_differ() -> None:
 def test_digit_only_cases_bias_the_models_own_digit_tokens() -> None:
     """completion_digits biases the ids its tokenizer gives "0".."9" (a Gemma run once biased SmolLM2's ids, which
     are Gemma's <unused> tokens, and every such case answered <unused33>...)."""
-    from bench.longeval.tasks import DIGIT_TOKENS, digit_tokens
+    from bench.longeval.tasks import digit_tokens
     from services.common.model_files import resolve_model_path
     from services.common.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path("embedded:smollm2"))
-    assert digit_tokens(tok.encode) == DIGIT_TOKENS
+    assert digit_tokens(tok.encode) == _DIGITS
     assert [tok.decode([t]) for t in digit_tokens(tok.encode)] == [str(d) for d in range(10)]
-    shifted = tuple(t + 1000 for t in DIGIT_TOKENS)
+    shifted = tuple(t + 1000 for t in _DIGITS)
     cases = [c for c in run.build_cases(_args(), _count, shifted) if c.shape == "completion_digits"]
     assert cases and all(set(c.logit_bias) == {str(t) for t in shifted} for c in cases)
