@@ -123,10 +123,22 @@ class ServiceSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+_handed_ports: set[int] = set()  # every port free_port returned in this process
+_handed_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now and not handed out before in this process: stacks started at once in one process
+    (bench/longeval/run.py --parallel-stacks) pick their ports before their services bind them, and the kernel
+    may offer one stack's picked port to the next."""
+    with _handed_lock:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in _handed_ports:
+                _handed_ports.add(port)
+                return port
 
 
 def engine_names(cfg: LaunchConfig) -> list[str]:

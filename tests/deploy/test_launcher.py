@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
+from deploy import launcher
 from deploy.launcher import LaunchConfig, engine_names, service_specs
 
 PORTS = {"kvstore0": 1, "engine0": 2, "engine1": 3, "cacheguard": 4}
@@ -61,3 +64,26 @@ def test_secrets_env_file_has_both_secrets() -> None:
     lines = dict(line.split("=", 1) for line in env_file().splitlines())
     assert set(lines) == {"KVMEM_INTERNAL_SECRET", "KVMEM_REDIS_PASSWORD"}
     assert all(len(v) >= 32 for v in lines.values()) and env_file() != env_file()
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stacks started at once in one process pick ports before binding them: a port the kernel offers again
+    (here 40001 twice) is skipped, not given to a second service."""
+    offered = iter([40001, 40001, 40002])
+
+    class FakeSocket:
+        def __enter__(self) -> FakeSocket:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def bind(self, addr: tuple[str, int]) -> None:
+            self.port = next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launcher, "_handed_ports", set())
+    monkeypatch.setattr(launcher, "socket", types.SimpleNamespace(socket=FakeSocket))
+    assert [launcher.free_port(), launcher.free_port()] == [40001, 40002]
