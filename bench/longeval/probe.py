@@ -4,7 +4,9 @@ answer is right, per engine variant, on the TUNING split (the held-out split is 
     .venv/bin/python -m bench.longeval.probe --lengths 4096 --cases 12 --variants dense,sparse,oracle
 
 A variant is `dense`, `off` (retrieval off), `sparse` or `oracle` (sparse, and the prompt's final selection
-forced to include every needle page: an upper bound for what better page ranking can buy) followed by
+forced to include every needle page: an upper bound for what better page ranking can buy), `xsparse` / `xoracle`
+(the same with every prompt chunk before the last attending every page, as `exact` does: what the ring's last
+chunk and decode make of exact KV, so that sparse prefill's share of a loss shows) followed by
 `+key=value` engine overrides (`sparse+ring_vote_top=2+neighbor_pages=0`). The request is what the cache
 guard sends: the chat template's render and the query span `--query-span` (turn: the last user message's
 start; question: the question's start). This is a diagnostic for tuning; evidence comes from run.py.
@@ -40,10 +42,10 @@ def _parse_variant(spec: str, base: EngineConfig, pool: int) -> tuple[str, Engin
     kind, *overrides = spec.split("+")
     span = next((o.partition("=")[2] for o in overrides if o.startswith("span=")), None)
     overrides = [o for o in overrides if not o.startswith("span=")]
-    oracle = kind == "oracle"
+    oracle = kind in ("oracle", "xoracle")
     if kind == "dense":
         cfg = base
-    elif kind in ("sparse", "oracle", "off"):
+    elif kind in ("sparse", "oracle", "off", "xsparse", "xoracle"):
         cfg = replace(base, kv_capacity=pool, retrieval=kind != "off")
     else:
         raise SystemExit(f"unknown variant {spec!r}")
@@ -89,6 +91,35 @@ class SelectionSpy:
 
     def uninstall(self) -> None:
         RingManager.select = self._orig  # type: ignore[method-assign]
+
+
+class ExactPrefillSpy:
+    """Wraps Scheduler._shape: while `on`, a ring sequence's prompt chunks before the last run under the exact
+    policy (each attends every page, host pages streamed) and its last chunk and decode steps under the sparse
+    one (the final selection, then decode over the ring), so the ring works from KV that sparse prefill did not
+    shape."""
+
+    def __init__(self) -> None:
+        from services.engine.step.scheduler import Scheduler
+
+        self.cls = Scheduler
+        self._orig = Scheduler._shape
+        self.on = False
+
+    def install(self) -> None:
+        spy = self
+
+        def shape(sched, seq, want):  # type: ignore[no-untyped-def]
+            ring = seq.ring
+            if spy.on and ring is not None:
+                last = seq.num_computed + want >= len(seq.prompt_ids)
+                ring.policy = "exact" if seq.in_prefill and not last else "sparse"
+            return spy._orig(sched, seq, want)
+
+        self.cls._shape = shape  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        self.cls._shape = self._orig  # type: ignore[method-assign]
 
 
 class HeadSpy:
@@ -195,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     spy.install()
     heads = HeadSpy()
     heads.install()
+    exact_prefill = ExactPrefillSpy()
+    exact_prefill.install()
     head_table: dict[str, list] = {}
     dumps: list[dict[str, Any]] = []
     results: dict[str, list[dict[str, Any]]] = {}
@@ -240,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
                 spy.records.clear()
                 heads.layers.clear()
                 spy.force = needle_pages if oracle else []
+                exact_prefill.on = name.split("+")[0] in ("xsparse", "xoracle")
                 bias = {int(k): float(v) for k, v in case.logit_bias.items()}
                 text, done = run_one(engine, req, bias, a.max_tokens)
                 rec = spy.records[-1] if spy.records else None
@@ -281,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         spy.uninstall()
         heads.uninstall()
+        exact_prefill.uninstall()
         for proc in reversed(procs):
             proc.terminate()
     if a.out:
