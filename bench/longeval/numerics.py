@@ -30,14 +30,11 @@ from typing import Any
 import torch
 
 from bench.longeval import tasks
-from bench.longeval.probe import _parse_variant, build_requests
+from bench.longeval.probe import _parse_variant, build_requests, stream
 from bench.longeval.split import SPLITS
 from services.engine.builder import build_engine
 from services.engine.config import EngineConfig
 from services.engine.step.sampling import SamplingParams
-from services.engine.step.sequence import Chunk, Done, Failed
-
-logger = logging.getLogger(__name__)
 
 
 def cases_for(tok, lengths: list[int], shapes: list[str], per: int) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
@@ -56,26 +53,12 @@ def cases_for(tok, lengths: list[int], shapes: list[str], per: int) -> list[dict
                 kind, half = split.kinds[rng.randrange(len(split.kinds))]
                 depth = (0.2, 0.5, 0.8)[i % 3]
                 cases.append(tasks.make_case(split, "single_code", kind, half, length, depth, shape, i, count, digits))
-    by_shape: dict[str, list[dict[str, Any]]] = {}
-    for span in ("question",):
-        by_shape[span] = build_requests(tok, cases, span)
-    return by_shape["question"]
+    return build_requests(tok, cases, "question")
 
 
 def generate(engine, req: dict[str, Any], new: int) -> list[int]:  # type: ignore[no-untyped-def]
     """Greedy, the stack's path (device argmax where the engine takes it), `new` tokens, EOS ignored."""
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    qs = req["query_start"] if req["query_start"] >= 0 else None
-    seq = engine.submit(f"num-{time.monotonic_ns()}", req["ids"], params, query_start=qs)
-    out: list[int] = []
-    while True:
-        ev = seq.events.get()
-        if isinstance(ev, Chunk):
-            out.extend(ev.token_ids)
-        elif isinstance(ev, Failed):
-            raise RuntimeError(ev.message)
-        elif isinstance(ev, Done):
-            return out
+    return stream(engine, req, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))[0]
 
 
 @torch.inference_mode()
@@ -122,8 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     tok = None
     for spec in a.variants.split(","):
         dtype, _, rest = spec.partition("+")
-        name, cfg, _, _ = _parse_variant("dense" + (f"+{rest}" if rest else ""), base, context)
-        cfg = replace(cfg, dtype={"bf16": "bf16", "fp32": "fp32"}[dtype])
+        if dtype not in ("bf16", "fp32"):
+            raise SystemExit(f"variant {spec!r}: the dtype first, bf16 or fp32")
+        _, cfg, _, _ = _parse_variant("dense" + (f"+{rest}" if rest else ""), base, context)
+        cfg = replace(cfg, dtype=dtype)
         t0 = time.perf_counter()
         engine, _ = build_engine(cfg)
         tok = engine.tokenizer
@@ -149,8 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         for spec, cs in conts.items():
             t = teacher(hf, req["ids"], cs[i], dev)
             lead = next((j for j, (x, y) in enumerate(zip(cs[i], ref_cont, strict=False)) if x != y), len(cs[i]))
-            row["variants"][spec] = {"text": tok.decode(cs[i]), "leading_equal": lead, **t,
-                                     "first_gap": next((g for g in t["gap_nats"] if g > 0), 0.0)}  # fmt: skip
+            row["variants"][spec] = {"text": tok.decode(cs[i]), "leading_equal": lead, **t}
         rows.append(row)
         if dev.type == "cuda":
             torch.cuda.empty_cache()

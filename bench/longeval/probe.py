@@ -180,20 +180,27 @@ def build_requests(tok, cases: list[tasks.Case], span: str) -> list[dict[str, An
     return out
 
 
-def run_one(engine, req: dict[str, Any], bias: dict[int, float], max_tokens: int = 0) -> tuple[str, Done]:  # type: ignore[no-untyped-def]
-    case = req["case"]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens or case.max_tokens, logit_bias=bias)
+def stream(engine, req: dict[str, Any], params: SamplingParams) -> tuple[list[int], str, Done]:  # type: ignore[no-untyped-def]
+    """Submit one request (its query span from `req`) and collect its answer: (token ids, text, Done)."""
     qs = req["query_start"] if req["query_start"] >= 0 else None
-    seq = engine.submit(case.case_id, req["ids"], params, query_start=qs)
+    seq = engine.submit(req["case"].case_id, req["ids"], params, query_start=qs)
+    ids: list[int] = []
     text = ""
     while True:
         ev = seq.events.get()
         if isinstance(ev, Chunk):
+            ids.extend(ev.token_ids)
             text += ev.text
         elif isinstance(ev, Failed):
             raise RuntimeError(ev.message)
         elif isinstance(ev, Done):
-            return text, ev
+            return ids, text, ev
+
+
+def run_one(engine, req: dict[str, Any], bias: dict[int, float], max_tokens: int = 0) -> tuple[str, Done]:  # type: ignore[no-untyped-def]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens or req["case"].max_tokens, logit_bias=bias)
+    _, text, done = stream(engine, req, params)
+    return text, done
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -157,18 +157,18 @@ def stack_for(
     """(stack key, launch config, extra environment) of a configuration (`name` or `name@variant`); with
     --pool-ratio every configuration has a stack per prompt length (`length`), its key suffixed `:length`."""
     max_context = min(max(int(x) for x in args.lengths.split(",")) + 2048, args.max_context)
+    suffix = f":{length}" if length is not None else ""
     name, _, variant = config.partition("@")
     if variant:
         key, cfg, env = stack_for(name, args, length)
-        key = config if args.stack_per_config else f"{key.partition(':')[0]}@{variant}"
-        return key + (f":{length}" if length is not None else ""), cfg, {**env, **VARIANTS[variant]}
+        key = config if args.stack_per_config else f"{key.removesuffix(suffix)}@{variant}"
+        return key + suffix, cfg, {**env, **VARIANTS[variant]}
     if config == "dense":
         dense = LaunchConfig(model=args.model, port=args.port, max_context=max_context, kv_capacity=max_context,
                              host_kv_mib=args.host_kv_mib, ready_timeout_s=600)  # fmt: skip
-        return "dense" + (f":{length}" if length is not None else ""), dense, {}
+        return "dense" + suffix, dense, {}
     cfg = LaunchConfig(model=args.model, port=args.port, max_context=max_context, kv_capacity=pool_for(args, length),
                        host_kv_mib=args.host_kv_mib, ready_timeout_s=600)  # fmt: skip
-    suffix = f":{length}" if length is not None else ""
     if config == "off":
         return "off" + suffix, cfg, {"KVMEM_RETRIEVAL": "0"}
     return (config if args.stack_per_config else "ring") + suffix, cfg, {}
@@ -229,8 +229,8 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict[str, Any]
                 right = sum(r["correct"] for r in done)
                 logger.info("%s (stack %s, pool %d): %d/%d right (%d asked) in %.0f s", config, key,
                             cfg.kv_capacity, right, len(done), len(mine), time.time() - t1)  # fmt: skip
-                if args.ttft:
-                    longest = max(x.length for x in cases)
+                longest = max(x.length for x in cases)
+                if args.ttft and only[key] in (None, longest):  # the longest prompts' stack (--pool-ratio) times them
                     chat = [c for c in cases if c.messages is not None and c.length == longest]
                     ttfts[config] = [ttft(client, model, c, policy) for c in chat[: args.ttft]]
         finally:
