@@ -12,7 +12,7 @@ from services.cacheguard.renderer import RenderError
 from services.cacheguard.server import GuardServer
 from services.common import auth, logs
 from services.common.model_files import ModelNotFoundError, resolve_model_path
-from services.common.tokenizer import load_tokenizer
+from services.common.tokenizer import TokenizerError, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     auth.configure(config.internal_secret)
     try:
         asyncio.run(serve(config))
-    except (ModelNotFoundError, OSError, RenderError) as exc:
+    except (ModelNotFoundError, OSError, RenderError, TokenizerError) as exc:
         logger.error("cannot start: %s", exc)
         return 1
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -13,6 +14,17 @@ from pathlib import Path
 from tokenizers import Tokenizer as _FastTokenizer
 
 logger = logging.getLogger(__name__)
+
+# A GGUF file carries its vocabulary, not a tokenizer: transformers' converter builds one, and not every release
+# builds it right (5.17 makes Gemma 3's a Unigram over the BPE merge ranks: "quick" -> "qu" "ick", a quarter of
+# the vocabulary's own pieces encode to something else, and the model reads text it never saw). A faithful
+# tokenizer encodes (nearly) every piece of its vocabulary back to that piece.
+ROUNDTRIP_SAMPLE = 2000  # pieces tried, evenly spread over the vocabulary
+ROUNDTRIP_MIN = 0.9  # the share that must come back as themselves (measured: 100% right, 24% for the 5.17 build)
+
+
+class TokenizerError(ValueError):
+    """A model file's tokenizer cannot be built faithfully here; the message says why and what to change."""
 
 
 @dataclass(frozen=True)
@@ -62,14 +74,23 @@ def load_tokenizer(model_path: Path) -> Tokenizer:
     """Build the tokenizer from a GGUF file's metadata or an HF directory's tokenizer files.
 
     The conversion (transformers' GGUF converter, several seconds) runs once per model file; its
-    result is kept under $KVMEM_CACHE_DIR (default ~/.cache/kvmem) keyed by path, size and mtime.
+    result is kept under $KVMEM_CACHE_DIR (default ~/.cache/kvmem) keyed by path, size, mtime and the
+    converter's (transformers') version.
+    A tokenizer converted from a GGUF is checked (`check_vocabulary`, a few ms) whether built now or cached:
+    TokenizerError when it does not reproduce its own vocabulary.
     """
     cache = _cache_dir(model_path)
+    converted = not model_path.is_dir()
     if (cache / "tokenizer.json").exists() and (cache / "info.json").exists():
         fields = json.loads((cache / "info.json").read_text())
         info = TokenizerInfo(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
-        return Tokenizer(_FastTokenizer.from_file(str(cache / "tokenizer.json")), info)
-    tok = _load_hf_dir(model_path) if model_path.is_dir() else _load_gguf(model_path)
+        tok = Tokenizer(_FastTokenizer.from_file(str(cache / "tokenizer.json")), info)
+        if converted:
+            check_vocabulary(tok.backend, model_path)
+        return tok
+    tok = _load_gguf(model_path) if converted else _load_hf_dir(model_path)
+    if converted:
+        check_vocabulary(tok.backend, model_path)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tok._backend.save(str(cache / "tokenizer.json.tmp"))
@@ -83,8 +104,42 @@ def load_tokenizer(model_path: Path) -> Tokenizer:
 def _cache_dir(model_path: Path) -> Path:
     root = Path(os.environ.get("KVMEM_CACHE_DIR", Path.home() / ".cache" / "kvmem"))
     st = model_path.stat()
-    key = hashlib.sha256(f"{model_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    converter = "" if model_path.is_dir() else _transformers_version()
+    key = f"{model_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{converter}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:20]
     return root / "tokenizers" / key
+
+
+def _transformers_version() -> str:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def vocabulary_roundtrip(backend: _FastTokenizer, sample: int = ROUNDTRIP_SAMPLE) -> tuple[int, int]:
+    """(pieces that encode back to exactly their own id, pieces tried): every k-th id of the vocabulary whose
+    text is two characters or more, not a control token and valid UTF-8 on its own."""
+    size = backend.get_vocab_size(with_added_tokens=False)
+    same = tried = 0
+    for token_id in range(0, size, max(1, size // sample)):
+        text = backend.decode([token_id], skip_special_tokens=False)
+        if len(text.strip()) < 2 or text.startswith("<") or "\ufffd" in text:
+            continue
+        tried += 1
+        same += backend.encode(text, add_special_tokens=False).ids == [token_id]
+    return same, tried
+
+
+def check_vocabulary(backend: _FastTokenizer, model_path: Path) -> None:
+    """TokenizerError when fewer than ROUNDTRIP_MIN of the sampled pieces encode back to themselves."""
+    same, tried = vocabulary_roundtrip(backend)
+    if tried and same < ROUNDTRIP_MIN * tried:
+        raise TokenizerError(
+            f"the tokenizer built from {model_path.name} by transformers {_transformers_version()} encodes only "
+            f"{same} of {tried} of its own vocabulary pieces back to themselves (a faithful one: all); this "
+            f"converter mis-builds the model's tokenizer: install the transformers version requirements.txt asks for"
+        )
 
 
 def _load_gguf(path: Path) -> Tokenizer:

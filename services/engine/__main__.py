@@ -8,6 +8,7 @@ import sys
 import threading
 
 from services.common import auth, logs
+from services.common.tokenizer import TokenizerError
 from services.engine.builder import build_engine
 from services.engine.config import ConfigError, EngineConfig
 from services.engine.server import serve
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig.from_args(argv)
         auth.configure(config.internal_secret)  # the kvstore clients send it
         engine, info = build_engine(config)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (ConfigError, FileNotFoundError, TokenizerError) as exc:
         logger.error("refusing to start: %s", exc)
         return 2
     server = serve(engine, info, config.listen_addr, secret=config.internal_secret)
