@@ -34,7 +34,7 @@ from typing import Any
 import openai
 
 from bench.longeval.split import SPLITS
-from bench.longeval.tasks import NUMERIC, SHAPES, TASKS, Case, digit_tokens, make_case, score
+from bench.longeval.tasks import NUMERIC, SHAPES, TASKS, Case, digit_tokens, found, make_case, score
 from deploy.launcher import LaunchConfig, Stack
 from services.common.model_files import resolve_model_path
 from services.common.tokenizer import load_tokenizer
@@ -121,7 +121,8 @@ def ask(client: openai.OpenAI, model: str, case: Case, policy: str | None) -> di
     plan = (r.model_extra or {}).get("kvmem", {}).get("plan", {})
     return {
         "case_id": case.case_id, "text": text, "correct": score(case, text), "latency_s": time.perf_counter() - t0,
-        "prompt_tokens": r.usage.prompt_tokens if r.usage else None, "plan": plan,
+        "prompt_tokens": r.usage.prompt_tokens if r.usage else None, "plan": plan, "found": found(case, text),
+        "completion_tokens": r.usage.completion_tokens if r.usage else None,
     }  # fmt: skip
 
 

@@ -43,6 +43,15 @@ MULTI_QUESTIONS = (
     "The text mentions {key} several times with different values. Name all of them.",
     "Give me all values recorded for {key}.",
 )
+# the long answer (issue 25 item 3): {keys} is the comma-separated key list; the answer writes one line per key
+LIST_QUESTIONS = (
+    "For each of these keys, in this order, give the value the text assigns to it, one per line as 'key: value':"
+    " {keys}.",
+    "Write one line per key, in the order given, each 'key: value' with the value from the document: {keys}.",
+    "List the values recorded for the following keys, one line each in the form 'key: value', keeping this order:"
+    " {keys}.",
+    "Go through these keys in order and write 'key: value' for each, on its own line, using the text above: {keys}.",
+)
 CODE_QUESTIONS = (
     ("What does the function {name} return?", "{name} returns"),
     ("Which constant is returned by {name}()?", "{name}() returns"),
@@ -85,6 +94,7 @@ class Split:
     templates: tuple[str, ...]
     questions: tuple[tuple[str, str], ...]
     multi_questions: tuple[str, ...]
+    list_questions: tuple[str, ...]
     code_questions: tuple[tuple[str, str], ...]
     intros: tuple[str, ...]
     code_nouns: tuple[str, ...]
@@ -99,12 +109,14 @@ def _half(pool: tuple, parity: int) -> tuple:
 
 
 TUNING = Split(
-    "tuning", _half(VALUE_TEMPLATES, 0), _half(QUESTIONS, 0), _half(MULTI_QUESTIONS, 0), _half(CODE_QUESTIONS, 0),
+    "tuning", _half(VALUE_TEMPLATES, 0), _half(QUESTIONS, 0), _half(MULTI_QUESTIONS, 0), _half(LIST_QUESTIONS, 0),
+    _half(CODE_QUESTIONS, 0),
     _half(INTROS, 0), _half(CODE_NOUNS, 0), _half(CODE_TEMPLATES, 0), _half(CODE_ASKS, 0),
     (("prose", 0), ("code", 0), ("logs", 0)), seed=1_000,
 )  # fmt: skip
 HELDOUT = Split(
-    "heldout", _half(VALUE_TEMPLATES, 1), _half(QUESTIONS, 1), _half(MULTI_QUESTIONS, 1), _half(CODE_QUESTIONS, 1),
+    "heldout", _half(VALUE_TEMPLATES, 1), _half(QUESTIONS, 1), _half(MULTI_QUESTIONS, 1), _half(LIST_QUESTIONS, 1),
+    _half(CODE_QUESTIONS, 1),
     _half(INTROS, 1), _half(CODE_NOUNS, 1), _half(CODE_TEMPLATES, 1), _half(CODE_ASKS, 1),
     (("prose", 1), ("code", 1), ("tables", 1)), seed=2_000,
 )  # fmt: skip

@@ -51,6 +51,7 @@ def render(cases: dict[str, dict], results: dict[str, dict[str, dict]], paired: 
                 )
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += recall_lines(cases, results, ids)
     lat = []
     for config in configs:
         rows = [r for i, r in results[config].items() if i in ids]
@@ -59,6 +60,29 @@ def render(cases: dict[str, dict], results: dict[str, dict[str, dict]], paired: 
             lat.append(f"{config} {secs[len(secs) // 2]:.0f} s")
     lines.append("median request latency: " + ", ".join(lat))
     return lines
+
+
+def recall_lines(cases: dict[str, dict], results: dict[str, dict[str, dict]], ids: set[str]) -> list[str]:
+    """Values found per configuration over the cases with several answers (listing, multiquery, multivalue), and
+    by the answer's place in the list: a long answer's later lines need pages the prompt's selection may lack."""
+    multi = {i for i in ids if len(cases[i]["answers"]) > 1}
+    if not multi:
+        return []
+    lines = ["| values found (cases with several answers) | all | first half of the list | second half |",
+             "|---|---|---|---|"]  # fmt: skip
+    for config, rows in results.items():
+        got = [r["found"] for i, r in rows.items() if i in multi and "found" in r]
+        if not got:
+            continue
+        cells = []
+        for part in (slice(None), "first", "second"):
+            flags = [f for g in got for f in (g if part == slice(None) else
+                     g[: len(g) // 2] if part == "first" else g[len(g) // 2 :])]  # fmt: skip
+            cells.append(f"{sum(flags)}/{len(flags)} = {100 * sum(flags) / max(1, len(flags)):.0f}%")
+        tokens = sorted(r.get("completion_tokens") or 0 for i, r in rows.items() if i in multi)
+        lines.append(f"| {config} ({len(got)} cases, median answer {tokens[len(tokens) // 2]} tokens) | " +
+                     " | ".join(cells) + " |")  # fmt: skip
+    return [*lines, ""]
 
 
 def main() -> None:

@@ -24,9 +24,10 @@ from bench.longeval import haystacks
 from bench.longeval.split import Split
 
 TASKS = ("single_code", "single_number", "single_word",
-         "single_uuid", "multikey", "multivalue", "multiquery", "vartrack", "codeqa",
+         "single_uuid", "multikey", "multivalue", "multiquery", "listing", "vartrack", "codeqa",
          "fwe")  # fmt: skip
 NUMERIC = frozenset({"single_code", "single_number", "multikey", "vartrack", "codeqa"})
+LIST_KEYS = 16  # listing: ~14 tokens a line, an answer of ~220 tokens over 16 needles (more than a 1K pool's evidence)
 SHAPES = ("chat_qlast", "chat_qfirst", "chat_doc_earlier", "completion", "completion_digits")
 _ADJ = ["amber", "silent", "brisk", "hollow", "crimson", "gentle", "rapid", "frozen", "golden", "lucky", "misty",
         "noble", "quiet", "rustic", "sunny", "tidal", "vivid", "wooden", "young", "zesty"]  # fmt: skip
@@ -145,6 +146,19 @@ def make_case(
             question = f"What are the values for {keys[0]}, {keys[1]} and {keys[2]} in the text? Give all three."
             prefix = "The values are"
             max_tokens = 64
+        elif task == "listing":  # a long answer: LIST_KEYS lines, each needing its own distant needle
+            keys = [key]
+            while len(keys) < LIST_KEYS:
+                other = _key(rng)
+                if other not in keys:
+                    keys.append(other)
+            values = [_number(rng) for _ in keys]
+            spots = [(depth + i / LIST_KEYS) % 1.0 for i in range(LIST_KEYS)]
+            needles = [(d, rng.choice(split.templates).format(key=k, value=v))
+                       for d, k, v in zip(spots, keys, values, strict=True)]  # fmt: skip
+            answers = tuple(values)
+            question, prefix = rng.choice(split.list_questions).format(keys=", ".join(keys)), f"{keys[0]}:"
+            max_tokens = 24 * LIST_KEYS
         elif task == "vartrack":
             a, b = rng.sample(_NOUN, 2)
             var_a, var_b = f"VAR_{a.upper()}", f"VAR_{b.upper()}"
@@ -199,7 +213,12 @@ def digit_tokens(encode: Callable[[str], list[int]]) -> tuple[int, ...]:
     return tuple(i[0] for i in ids)
 
 
-def score(case: Case, text: str) -> bool:
-    """Right when every answer appears in the text (case-insensitive; digit runs compared whole)."""
+def found(case: Case, text: str) -> list[bool]:
+    """For each answer, whether it appears in the text (case-insensitive)."""
     low = text.lower()
-    return all(a.lower() in low for a in case.answers)
+    return [a.lower() in low for a in case.answers]
+
+
+def score(case: Case, text: str) -> bool:
+    """Right when every answer appears in the text (case-insensitive)."""
+    return all(found(case, text))

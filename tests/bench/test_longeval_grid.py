@@ -53,3 +53,25 @@ def test_digit_only_cases_bias_the_models_own_digit_tokens() -> None:
     shifted = tuple(t + 1000 for t in _DIGITS)
     cases = [c for c in run.build_cases(_args(), _count, shifted) if c.shape == "completion_digits"]
     assert cases and all(set(c.logit_bias) == {str(t) for t in shifted} for c in cases)
+
+
+def test_a_listing_case_needs_every_needle_and_asks_for_a_long_answer() -> None:
+    """listing (the long answer of issue 25 item 3): LIST_KEYS keys, each with its own value at its own depth,
+    asked for one line each; found() tells which values the answer holds, score() wants all."""
+    from bench.longeval import tables
+    from bench.longeval.tasks import LIST_KEYS, found, score
+
+    cases = run.build_cases(_args(tasks="listing", shapes="completion,chat_qlast", lengths="4096"), _count, _DIGITS)
+    case = next(c for c in cases if c.shape == "completion")
+    assert len(set(case.answers)) == LIST_KEYS and case.max_tokens >= 200
+    for value in case.answers:
+        assert case.prompt.count(value) == 1
+    places = sorted(case.prompt.index(v) for v in case.answers)
+    assert places[-1] - places[0] > len(case.prompt) / 2  # spread over the document, not one page
+    half = " ".join(case.answers[: LIST_KEYS // 2])
+    assert found(case, half) == [True] * (LIST_KEYS // 2) + [False] * (LIST_KEYS - LIST_KEYS // 2)
+    assert not score(case, half) and score(case, " ".join(case.answers))
+    assert set(SPLITS["heldout"].list_questions).isdisjoint(SPLITS["tuning"].list_questions)
+    rows = {"ring": {case.case_id: {"found": found(case, half), "completion_tokens": 230}}}
+    lines = tables.recall_lines({case.case_id: case.to_json()}, rows, {case.case_id})
+    assert "| ring (1 cases, median answer 230 tokens) | 8/16 = 50% | 8/8 = 100% | 0/8 = 0% |" in lines
