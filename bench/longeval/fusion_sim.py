@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=30, help="paged layers in the dump (rows = layers x heads)")
     a = p.parse_args(argv)
     cases = torch.load(a.dump)
-    rules = ["sum", "norm", "rrf:1", "rrf:4", "rrf:16"]
+    rules = ["sum", "norm", "rrf:1", "rrf:4", "rrf:16", "max", "peak"]
     print(f"{len(cases)} cases; evidence {a.evidence_pages} pages")
     print(f"{'rule':8s} {'reach':>5s} {'recent out':>10s} {'layers':>8s} {'needle selected':>16s}")
     firsts = sorted({0, 2, a.layers // 6, a.layers // 3, a.layers // 2, 2 * a.layers // 3})

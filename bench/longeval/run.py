@@ -63,6 +63,10 @@ VARIANTS: dict[str, dict[str, str]] = {
 }  # fmt: skip
 # v3 with every layer scoring (Gemma 3's global layers are 5, 11 and 17: the upper half leaves two of three voting)
 VARIANTS["v3all"] = {**VARIANTS["v3"], "KVMEM_RING_SCORE_FROM": "0"}
+# v4: every layer scores, each head's candidate mass as shares, a page ranked by its largest share in any one head
+# (`max`: the head that singles a page out decides) or by the shares weighted by each head's concentration (`peak`)
+VARIANTS["v4max"] = {**VARIANTS["v3all"], "KVMEM_RING_HEAD_FUSION": "max"}
+VARIANTS["v4peak"] = {**VARIANTS["v3all"], "KVMEM_RING_HEAD_FUSION": "peak"}
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -76,7 +76,7 @@ class EngineConfig:
     # through the stack where the Quest bound (`v0`) lost two thirds (bench/RESULTS.md, "Long-context evaluation")
     ring_query_pass: str = "exact"
     ring_score_from: float = 0.5  # layers below this fraction of the model's depth score no pages
-    ring_head_fusion: str = "sum"  # how those heads' masses rank pages (summaries.fuse_heads: sum, norm, rrf:K)
+    ring_head_fusion: str = "sum"  # how their masses rank pages (summaries.fuse_heads: sum, norm, rrf:K, max, peak)
     audit_dir: str = ""  # write per-selection scores and choices here
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
     # recurrent (linear-attention) layers: their state is snapshotted every this many pages for prefix reuse

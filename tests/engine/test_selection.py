@@ -140,10 +140,17 @@ def test_fuse_heads_rules() -> None:
     rrf = fuse_heads(mass, candidate, "rrf:1")
     want = torch.tensor([0.0, 1 / 4 + 1 / 2 + 1 / 4, 1 / 2 + 1 / 3 + 1 / 3, 1 / 3 + 1 / 4 + 1 / 2])
     assert torch.allclose(rrf, want, atol=1e-6) and int(rrf.argmax()) == 2  # summed mass would pick page 1
+    # shares over pages 1..3: head 0 (0.2, 0.5, 0.3), head 1 (0.59, 0.22, 0.20), head 2 (0.05, 0.10, 0.86)
+    shares = rows
+    assert torch.allclose(fuse_heads(mass, candidate, "max"), torch.cat((torch.zeros(1), shares.amax(dim=0))))
+    assert int(fuse_heads(mass, candidate, "max").argmax()) == 3  # head 2 singles page 3 out; the sum picks page 1
+    peak = fuse_heads(mass, candidate, "peak")
+    want = (shares * shares.amax(dim=1, keepdim=True)).sum(dim=0)
+    assert torch.allclose(peak, torch.cat((torch.zeros(1), want))) and int(peak.argmax()) == 3
     try:
-        fuse_heads(mass, candidate, "max")
+        fuse_heads(mass, candidate, "median")
     except ValueError as exc:
-        assert "sum, norm, rrf" in str(exc)
+        assert "sum, norm, rrf, max, peak" in str(exc)
     else:
         raise AssertionError("an unknown rule must raise")
 

@@ -237,7 +237,7 @@ def mean_key_scores(q: torch.Tensor, kmean: torch.Tensor, scale: float) -> torch
     return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
 
 
-HEAD_FUSIONS = ("sum", "norm", "rrf")  # fuse_heads' rules ("rrf:K" sets rrf's constant, default 1)
+HEAD_FUSIONS = ("sum", "norm", "rrf", "max", "peak")  # fuse_heads' rules ("rrf:K" sets rrf's constant, default 1)
 
 
 def fuse_heads(mass: torch.Tensor, candidate: torch.Tensor, rule: str) -> torch.Tensor:
@@ -246,7 +246,11 @@ def fuse_heads(mass: torch.Tensor, candidate: torch.Tensor, rule: str) -> torch.
     outweigh the few that single one out), `norm` first rescales each head's mass over the candidates to
     one (every head one vote, spread as it attends), `rrf:K` reciprocal-rank fusion: a page gets
     1 / (K + rank) from every head that ranks it (rank 1 = the head's most attended candidate), so a page
-    that many heads put first wins however little mass those heads give it in absolute terms."""
+    that many heads put first wins however little mass those heads give it in absolute terms; `max` a page's
+    largest share of any one head's candidate mass (a page that one head singles out wins, the retrieval heads of
+    DuoAttention and RazorAttention: on Gemma 3 one head of twelve ranks the needle first where the sum buries it);
+    `peak` the `norm` shares weighted by each head's own largest share (concentrated heads count, diffuse ones
+    hardly)."""
     name, _, arg = rule.partition(":")
     out = torch.zeros(mass.shape[-1], dtype=torch.float32, device=mass.device)
     if not bool(candidate.any()):
@@ -256,6 +260,11 @@ def fuse_heads(mass: torch.Tensor, candidate: torch.Tensor, rule: str) -> torch.
         fused = m.sum(dim=0)
     elif name == "norm":
         fused = (m / m.sum(dim=1, keepdim=True).clamp(min=1e-30)).sum(dim=0)
+    elif name == "max":
+        fused = (m / m.sum(dim=1, keepdim=True).clamp(min=1e-30)).amax(dim=0)
+    elif name == "peak":
+        share = m / m.sum(dim=1, keepdim=True).clamp(min=1e-30)
+        fused = (share * share.amax(dim=1, keepdim=True)).sum(dim=0)
     elif name == "rrf":
         k = float(arg) if arg else 1.0
         ranks = m.argsort(dim=1, descending=True).argsort(dim=1).float()  # 0 = the head's first
