@@ -229,7 +229,7 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict[str, Any]
                 with lock:
                     results[config].extend(done)
                     if partial is not None:
-                        partial.write_text(json.dumps({"cases": {c.case_id: c.to_json() for c in cases},
+                        partial.write_text(json.dumps({"cases": {c.case_id: c.record() for c in cases},
                                                        "results": results}, indent=1))  # fmt: skip
                 right = sum(r["correct"] for r in done)
                 logger.info("%s (stack %s, pool %d): %d/%d right (%d asked) in %.0f s", config, key,
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict[str, Any]
     else:
         for key in keys:
             one_stack(key, args.port)
-    return {"cases": {c.case_id: c.to_json() for c in cases}, "results": dict(results), "ttft_s": ttfts, "by_id": by_id}
+    return {"cases": {c.case_id: c.record() for c in cases}, "results": dict(results), "ttft_s": ttfts, "by_id": by_id}
 
 
 def table(out: dict[str, Any], by: str) -> list[str]:

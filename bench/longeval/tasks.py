@@ -15,6 +15,8 @@ may be sampled: logit_bias; numeric answers only).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import uuid
 from collections.abc import Callable
@@ -55,6 +57,15 @@ class Case:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def record(self) -> dict:
+        """What a results file keeps of the case: every field but the prompt's text (hundreds of KB at 30K
+        tokens, and rebuilt from the split's seed), with its sha256 to tell whether two runs asked the same text
+        (the haystacks come from the running interpreter's standard library)."""
+        out = self.to_json()
+        text = json.dumps([out.pop("prompt"), out.pop("messages")])
+        out["text_sha256"] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return out
 
 
 def _key(rng: random.Random) -> str:

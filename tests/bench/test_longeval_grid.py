@@ -35,6 +35,8 @@ def test_the_grid_is_reproducible_and_the_splits_differ() -> None:
     a = run.build_cases(_args(per_cell=2), _count, _DIGITS)
     b = run.build_cases(_args(per_cell=2), _count, _DIGITS)
     assert [c.to_json() for c in a] == [c.to_json() for c in b]
+    assert [c.record() for c in a] == [c.record() for c in b] and "prompt" not in a[0].record()
+    assert len({c.record()["text_sha256"] for c in a}) == len(a)
     tuning = run.build_cases(_args(per_cell=2, split="tuning"), _count, _DIGITS)
     assert {c.case_id for c in a}.isdisjoint({c.case_id for c in tuning})
     assert set(SPLITS["heldout"].templates).isdisjoint(SPLITS["tuning"].templates)
