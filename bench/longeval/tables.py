@@ -75,9 +75,8 @@ def recall_lines(cases: dict[str, dict], results: dict[str, dict[str, dict]], id
         if not got:
             continue
         cells = []
-        for part in (slice(None), "first", "second"):
-            flags = [f for g in got for f in (g if part == slice(None) else
-                     g[: len(g) // 2] if part == "first" else g[len(g) // 2 :])]  # fmt: skip
+        for flags in ([f for g in got for f in g], [f for g in got for f in g[: len(g) // 2]],
+                      [f for g in got for f in g[len(g) // 2 :]]):  # fmt: skip
             cells.append(f"{sum(flags)}/{len(flags)} = {100 * sum(flags) / max(1, len(flags)):.0f}%")
         tokens = sorted(r.get("completion_tokens") or 0 for i, r in rows.items() if i in multi)
         lines.append(f"| {config} ({len(got)} cases, median answer {tokens[len(tokens) // 2]} tokens) | " +

@@ -81,16 +81,17 @@ def load_tokenizer(model_path: Path) -> Tokenizer:
     """
     cache = _cache_dir(model_path)
     converted = not model_path.is_dir()
-    if (cache / "tokenizer.json").exists() and (cache / "info.json").exists():
+    cached = (cache / "tokenizer.json").exists() and (cache / "info.json").exists()
+    if cached:
         fields = json.loads((cache / "info.json").read_text())
         info = TokenizerInfo(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
         tok = Tokenizer(_FastTokenizer.from_file(str(cache / "tokenizer.json")), info)
-        if converted:
-            check_vocabulary(tok.backend, model_path)
-        return tok
-    tok = _load_gguf(model_path) if converted else _load_hf_dir(model_path)
+    else:
+        tok = _load_gguf(model_path) if converted else _load_hf_dir(model_path)
     if converted:
-        check_vocabulary(tok.backend, model_path)
+        check_vocabulary(tok.backend, model_path)  # before caching: a refused conversion is not kept
+    if cached:
+        return tok
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tok._backend.save(str(cache / "tokenizer.json.tmp"))

@@ -30,6 +30,13 @@ def smollm2() -> tuple[Path, FastTokenizer]:
     return path, load_tokenizer(path).backend
 
 
+@pytest.fixture()
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty tokenizer cache of the test's own (KVMEM_CACHE_DIR)."""
+    monkeypatch.setenv("KVMEM_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
 def without_merges(backend: FastTokenizer) -> FastTokenizer:
     """The same vocabulary with no BPE merges: every word falls apart into single characters."""
     spec = json.loads(backend.to_str())
@@ -54,12 +61,9 @@ def test_a_tokenizer_that_splits_its_own_pieces_is_refused(smollm2: tuple[Path, 
         check_vocabulary(broken, path)
 
 
-def test_a_broken_cached_conversion_is_refused_too(
-    smollm2: tuple[Path, FastTokenizer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_broken_cached_conversion_is_refused_too(smollm2: tuple[Path, FastTokenizer], own_cache: Path) -> None:
     """A cache written by an older converter (or by hand) is checked as a fresh conversion is."""
     path, backend = smollm2
-    monkeypatch.setenv("KVMEM_CACHE_DIR", str(tmp_path))
     cache = tokenizer_mod._cache_dir(path)
     cache.mkdir(parents=True)
     without_merges(backend).save(str(cache / "tokenizer.json"))
@@ -71,10 +75,9 @@ def test_a_broken_cached_conversion_is_refused_too(
 
 
 def test_the_cache_is_keyed_by_the_converters_version(
-    smollm2: tuple[Path, FastTokenizer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2: tuple[Path, FastTokenizer], own_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, _ = smollm2
-    monkeypatch.setenv("KVMEM_CACHE_DIR", str(tmp_path))
     here = tokenizer_mod._cache_dir(path)
     monkeypatch.setattr(tokenizer_mod, "_transformers_version", lambda: "5.17.0")
     assert tokenizer_mod._cache_dir(path) != here

@@ -256,14 +256,14 @@ def fuse_heads(mass: torch.Tensor, candidate: torch.Tensor, rule: str) -> torch.
     if not bool(candidate.any()):
         return out
     m = mass[:, candidate].float()
+    share = m / m.sum(dim=1, keepdim=True).clamp(min=1e-30)  # each head's candidate mass, summing to one
     if name == "sum":
         fused = m.sum(dim=0)
     elif name == "norm":
-        fused = (m / m.sum(dim=1, keepdim=True).clamp(min=1e-30)).sum(dim=0)
+        fused = share.sum(dim=0)
     elif name == "max":
-        fused = (m / m.sum(dim=1, keepdim=True).clamp(min=1e-30)).amax(dim=0)
+        fused = share.amax(dim=0)
     elif name == "peak":
-        share = m / m.sum(dim=1, keepdim=True).clamp(min=1e-30)
         fused = (share * share.amax(dim=1, keepdim=True)).sum(dim=0)
     elif name == "rrf":
         k = float(arg) if arg else 1.0
