@@ -76,8 +76,16 @@ def test_embed_rms_norm_matches_lookup_scale_then_norm(where: str, dtype: torch.
 
 @pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
 @pytest.mark.parametrize("gemma", [True, False])
-def test_qk_norm_rope_matches_norms_then_rope(where: str, dtype: torch.dtype, gemma: bool) -> None:
+@pytest.mark.parametrize("heads_per_program", [1, 8])
+def test_qk_norm_rope_matches_norms_then_rope(
+    where: str, dtype: torch.dtype, gemma: bool, heads_per_program: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode launches take one head a program, prompt chunks ROPE_HEADS (here also for 6 tokens: 6 heads in one
+    program of 8, two rows masked)."""
     from services.engine.kernels import norm_triton
+
+    if heads_per_program > 1:
+        monkeypatch.setattr(norm_triton, "ROPE_HEADS_FROM", 1)
 
     device = device_or_skip(where)
     torch.manual_seed(1)
@@ -128,10 +136,17 @@ def test_qk_norm_rope_matches_norms_then_rope(where: str, dtype: torch.dtype, ge
 
 
 @pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
-def test_rope_alone_matches_apply_rope(where: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("heads_per_program", [1, 8])
+def test_rope_alone_matches_apply_rope(
+    where: str, dtype: torch.dtype, heads_per_program: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No q/k norm weights (a Llama without q/k norm): RoPE alone, rounded as apply_rope rounds (bit for bit on
-    CUDA and in float32), from gathered rows or the whole tables, and K/V written to a sink."""
+    CUDA and in float32), from gathered rows or the whole tables, and K/V written to a sink; one head a program
+    (decode) and ROPE_HEADS (prompt chunks)."""
     from services.engine.kernels import norm_triton
+
+    if heads_per_program > 1:
+        monkeypatch.setattr(norm_triton, "ROPE_HEADS_FROM", 1)
     from services.engine.kernels.decode_attention_triton import write_kv_reference
 
     device = device_or_skip(where)
