@@ -102,13 +102,14 @@ def test_supported() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.parametrize("mode", ["triton", "flash"])
+@pytest.mark.parametrize("mode", ["cudnn", "triton", "flash"])
 @pytest.mark.parametrize("kv", ["fp16", "fp8"])
 def test_step_attention_modes_match_masked(
     mode: str, kv: str, triton_tier: None, fp8_in_place: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One step packing two sequences' chunks (one with 21 earlier tokens on scattered pages, one fresh) and a
-    decode token: each KVMEM_PREFILL_ATTENTION mode gives the masked path's output, and `triton` really runs the
+    decode token: each KVMEM_PREFILL_ATTENTION mode gives the masked path's output, and `triton` (and `cudnn`,
+    for chunks under a bucket) really runs the
     kernel (interpreted here) on the two chunks, not on the single token; an fp8 pool layer too (read in place
     by the kernel, with fp8=True, under KVMEM_FP8_ATTENTION=1; gathered and dequantised by the other paths)."""
     from services.engine.kernels import prefill_attention_triton as pat
@@ -146,7 +147,8 @@ def test_step_attention_modes_match_masked(
     for m in ("masked", mode):
         monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", m)
         outs[m] = StepAttention(pool, spans, hq // hkv, torch.float16).attend(0, q, k, v, d**-0.5)
-    assert calls == ([(18, kv == "fp8"), (19, kv == "fp8")] if mode == "triton" else [])
+    paged = mode in ("cudnn", "triton")  # cudnn: short chunks (and every chunk on the CPU) as triton
+    assert calls == ([(18, kv == "fp8"), (19, kv == "fp8")] if paged else [])
     assert not outs[mode].isnan().any()
     assert _rel(outs[mode], outs["masked"]) < (2e-3 if kv == "fp16" else 1e-2)  # fp8: q in bf16 in the kernel
 
@@ -174,3 +176,78 @@ def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
     got = pat.prefill_attention(q, k8, v8, rows, d**-0.5, cfg=cfg, fp8=True)
     assert got.dtype == q.dtype and not got.isnan().any()
     assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("n_past,n", [(0, 40), (0, 48), (0, 7), (32, 40), (16, 5)])
+def test_prompt_sdpa_pads_to_its_bucket_and_matches_plain_attention(
+    n_past: int, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk padded at its end to a multiple of PROMPT_BUCKET (16 here): the padded keys are never seen and the
+    padded queries' rows dropped; after a past, the past's attention and the chunk's own triangle merged by their
+    log-sum-exp (the CPU runs the float32 torch path over the same padding and merge)."""
+    from services.engine.kv import attention
+
+    monkeypatch.setattr(attention, "PROMPT_BUCKET", 16)
+    q, k_store, v_store, rows = _pool(n_past, n, (4, 2), 16, torch.float32, torch.device("cpu"), seed=n + n_past)
+    k_all, v_all = k_store[rows], v_store[rows]
+    past = (k_all[:n_past], v_all[:n_past]) if n_past else None
+    got = attention.prompt_sdpa(q, k_all[n_past:], v_all[n_past:], 0.25, past)
+    assert got.shape == q.shape
+    assert _rel(got, _plain(q, k_store, v_store, rows, 0.25)) < 1e-5
+    assert not attention.prompt_sdpa_fits(q)  # the CPU never takes it in the engine
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_past,n", [(0, 8192), (0, 8000), (0, 1500), (24_576, 8064), (3072, 1024)])
+def test_prompt_sdpa_cudnn_matches_reference_cuda(n_past: int, n: int) -> None:
+    """cuDNN's fused attention over a prompt chunk at the 8B head shape (a bucket exactly, padded, after a past)."""
+    from services.engine.kernels.prefill_attention_triton import prefill_attention_reference
+    from services.engine.kv.attention import prompt_sdpa, prompt_sdpa_fits
+
+    dev = device_or_skip("cuda")
+    q, k_store, v_store, rows = _pool(n_past, n, (32, 8), 128, torch.bfloat16, dev, seed=n)
+    assert prompt_sdpa_fits(q, n_past) and not prompt_sdpa_fits(q, n_past + 64)
+    k_all, v_all = k_store[rows], v_store[rows]
+    past = (k_all[:n_past], v_all[:n_past]) if n_past else None
+    got = prompt_sdpa(q, k_all[n_past:], v_all[n_past:], 128**-0.5, past)
+    assert not got.isnan().any()
+    assert _rel(got, prefill_attention_reference(q, k_store, v_store, rows, 128**-0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_step_attention_cudnn_mode_takes_whole_prompts_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cudnn` (the CUDA default): a fresh prompt of >= one bucket goes through prompt_sdpa, a chunk after a past
+    of whole buckets too (1024 here), one after another past (512) through the paged kernel; all match the
+    masked path."""
+    from services.engine.kv import paged_attention as pa
+    from services.engine.kv.kv_formats import parse_format
+    from services.engine.kv.kv_pool import KVPool
+
+    dev = device_or_skip("cuda")
+    page, hq, hkv, d = 64, 32, 8, 128
+    pool = KVPool(1, 80, page, hkv, d, torch.bfloat16, dev, [parse_format("bf16")])
+    g = torch.Generator().manual_seed(3)
+    past, new = [0, 512, 1024], [1100, 600, 1030]
+    slots = [torch.arange(0, 18), torch.arange(20, 38), torch.arange(40, 73)]
+
+    def rows(s: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        pos = torch.arange(lo, hi)
+        return (s[pos // page] * page + pos % page).to(dev)
+
+    for s, p in zip(slots[1:], past[1:], strict=True):
+        kv = [torch.randn(p, hkv, d, generator=g).to(dev, torch.bfloat16) for _ in range(2)]
+        pool.write(0, rows(s, 0, p), *kv)
+    spans = [
+        pa.SeqSpan(p, n, rows(s, p, p + n), rows(s, 0, p + n), None) for s, p, n in zip(slots, past, new, strict=True)
+    ]
+    total = sum(new)
+    q, k, v = (torch.randn(total, h, d, generator=g).to(dev, torch.bfloat16) for h in (hq, hkv, hkv))
+    calls: list[int] = []
+    real = pa.prompt_sdpa
+    monkeypatch.setattr(pa, "prompt_sdpa", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    outs = {}
+    for m in ("masked", "cudnn"):
+        monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", m)
+        outs[m] = pa.StepAttention(pool, spans, hq // hkv, torch.bfloat16).attend(0, q, k, v, d**-0.5)
+    assert calls == [1100, 1030]
+    assert _rel(outs["cudnn"], outs["masked"]) < 1e-2

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 if TYPE_CHECKING:
@@ -201,6 +202,89 @@ def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     bias = causal_lower_right(n, k.shape[1])
     out = sdpa(qh, k[None], v[None], bias, scale, enable_gqa=num_heads != k.shape[0])  # type: ignore[arg-type]
     return out[0].transpose(0, 1)  # [n, Hq, D]
+
+
+PROMPT_BUCKET = 1024  # prompt_sdpa pads a whole prompt to a multiple of this: cuDNN builds one plan per length
+
+
+_PROMPT_REFUSED: set[tuple[torch.dtype, int]] = set()  # (dtype, head_dim) cuDNN would not run in this process
+
+
+def prompt_sdpa_fits(q: Tensor, past: int = 0) -> bool:
+    """Whether prompt_sdpa takes a chunk of these queries [n, Hq, D] after `past` tokens on CUDA: at least one
+    bucket of tokens (shorter ones would pad more than they attend), a past of whole buckets, half precision,
+    and not refused before."""
+    return (
+        q.is_cuda
+        and past % PROMPT_BUCKET == 0
+        and q.shape[0] >= PROMPT_BUCKET
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and (q.dtype, q.shape[-1]) not in _PROMPT_REFUSED
+    )
+
+
+def prompt_sdpa_refused(q: Tensor, exc: Exception) -> None:
+    """cuDNN refused this (dtype, head_dim) (its build or this torch): logged once, never asked again."""
+    _PROMPT_REFUSED.add((q.dtype, q.shape[-1]))
+    logger.warning(
+        "cuDNN prompt attention refused %s, head_dim %d (%s): the paged kernel instead", q.dtype, q.shape[-1], exc
+    )
+
+
+def prompt_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, past: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Causal GQA attention of a prompt chunk over its own keys and, with `past`, every key before it:
+    q [n, Hq, D]; k, v [n, Hkv, D] (the step's rows as computed); past (k, v) [P, Hkv, D] the keys before the
+    chunk (P a multiple of PROMPT_BUCKET, prompt_sdpa_fits) -> [n, Hq, D], query i seeing keys 0..P + i.
+
+    On CUDA it is cuDNN's fused attention (K/V heads shared natively): at the 8B shape on the H200 600
+    TFLOP/s on a whole 32K prompt and 530-555 on 8K, against 410-420 / 375 for the Triton paged kernel and 345 /
+    319 for FlashAttention-2; a chunk after a past as two calls, the past without a mask and the chunk's own
+    triangle, merged by their log-sum-exp: 545 TFLOP/s for 8K after 24K against 416 (cuDNN's own lower-right
+    mask runs at 254; bench/RESULTS.md, `bench/scale.py --only-attn`). cuDNN builds an execution plan per
+    shape (40-70 ms), so the chunk is padded at its end to a multiple of PROMPT_BUCKET (padded keys sit after
+    every real query and are never seen, padded queries' rows are dropped) and the past must be one: a length
+    class pays its plan once per process. Elsewhere the same function in float32 torch (the reference the
+    GPU tests compare with)."""
+    n, num_heads, _ = q.shape
+    assert n >= PROMPT_BUCKET or not q.is_cuda, "a short chunk takes the paged kernel (prompt_sdpa_fits)"
+    padded = -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
+    if padded != n:  # rows [n, padded) zero
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, padded - n)) for x in (q, k, v))
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, T, D] views of the [T, H, D] rows
+    gqa = num_heads != kh.shape[1]
+    if past is None and q.is_cuda:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)[:n]  # [n, Hq, D]
+    o_own, l_own = _sdpa_lse(qh, kh, vh, True, scale)
+    if past is None:
+        return o_own[0].transpose(0, 1)[:n].to(q.dtype)
+    assert past[0].shape[0] % PROMPT_BUCKET == 0 or not q.is_cuda, "the past must be whole buckets"
+    o_past, l_past = _sdpa_lse(qh, past[0].transpose(0, 1)[None], past[1].transpose(0, 1)[None], False, scale)
+    m = torch.maximum(l_own, l_past)
+    w_own, w_past = torch.exp(l_own - m), torch.exp(l_past - m)
+    out = (o_own.float() * w_own + o_past.float() * w_past) / (w_own + w_past)
+    return out[0].transpose(0, 1)[:n].to(q.dtype)
+
+
+def _sdpa_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention [1, Hq, T, D] and its log-sum-exp [1, Hq, T, 1] (float32) of q [1, Hq, T, D] over k, v
+    [1, Hkv, S, D]; `causal` top-left aligned (query i sees keys 0..i). cuDNN's fused kernel on CUDA (its
+    aten op, the one that returns the log-sum-exp), float32 torch elsewhere."""
+    heads, t = q.shape[1], q.shape[2]
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )[:2]
+        return out, lse.reshape(1, heads, t, 1).float()
+    group = heads // k.shape[1]
+    kk, vv = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = (q.float() @ kk.transpose(-1, -2)) * scale
+    if causal:
+        seen = torch.ones(t, k.shape[2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    return torch.softmax(scores, -1) @ vv, lse
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, enable_gqa: bool = False) -> Tensor:

@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.kernels import triton_module
-from services.engine.kv.attention import causal_sdpa, grouped_sdpa, position_mask
+from services.engine.kv.attention import (
+    causal_sdpa,
+    grouped_sdpa,
+    position_mask,
+    prompt_sdpa,
+    prompt_sdpa_fits,
+    prompt_sdpa_refused,
+)
 from services.engine.kv.kv_pool import KVPool
 from services.engine.ring.exact_attention import grouped_attention_lse, merge_partials, page_mass, rows_to_heads
 from services.engine.ring.summaries import PageSummaries
@@ -24,18 +31,21 @@ from services.engine.ring.summaries import PageSummaries
 logger = logging.getLogger(__name__)
 
 
-PREFILL_MODES = ("triton", "flash", "masked")
+PREFILL_MODES = ("cudnn", "triton", "flash", "masked")
 
 
 def prefill_mode() -> str:
     """How, on CUDA, a span of several new tokens over a gap-free read set (all its pages resident, a global
-    layer, no host pages) attends: `triton` (the default) kernels/prefill_attention_triton.py over the pool in
-    place (plain-format layers on the Triton tier; else flash: 412 vs 343 TFLOP/s on the H200 at the 8B shape,
-    bench/RESULTS.md); `flash` causal_sdpa over the gathered rows (torch's FlashAttention-2, no mask tensor,
-    the masked tiles skipped); `masked` grouped_sdpa over a [G * n, T] additive mask
-    (the memory-efficient kernel: the path before). KVMEM_PREFILL_ATTENTION picks one (A/B runs,
-    bench/scale.py); the CPU takes `masked` (its speed) unless the variable is set."""
-    mode = os.environ.get("KVMEM_PREFILL_ATTENTION", "triton")
+    layer, no host pages) attends: `cudnn` (the default) a chunk of >= PROMPT_BUCKET tokens after a past of
+    whole buckets (none, or earlier chunks) through attention.prompt_sdpa (cuDNN's fused kernel: 600 vs 420
+    TFLOP/s on a whole 32K prompt at the 8B shape, 545 vs 416 on 8K after 24K), every other span as `triton`;
+    `triton` kernels/prefill_attention_triton.py over the pool in place (plain-format layers on the Triton
+    tier; else flash: 412 vs 343 TFLOP/s on the H200 at the 8B shape, bench/RESULTS.md); `flash` causal_sdpa
+    over the gathered rows (torch's FlashAttention-2, no mask tensor, the masked tiles skipped); `masked`
+    grouped_sdpa over a [G * n, T] additive mask (the memory-efficient kernel: the path before).
+    KVMEM_PREFILL_ATTENTION picks one (A/B runs, bench/scale.py); the CPU takes `masked` (its speed) unless
+    the variable is set."""
+    mode = os.environ.get("KVMEM_PREFILL_ATTENTION", "cudnn")
     if mode not in PREFILL_MODES:
         raise ValueError(f"KVMEM_PREFILL_ATTENTION={mode!r} not in {', '.join(PREFILL_MODES)}")
     return mode
@@ -93,9 +103,11 @@ class StepAttention:
         self.write_rows = torch.cat([s.write_rows for s in spans])  # [N], the step's flattened order
         explicit = "KVMEM_PREFILL_ATTENTION" in os.environ  # the CPU takes another mode only when asked (tests)
         self.mode = prefill_mode() if pool.device.type == "cuda" or explicit else "masked"
-        self.kernel = triton_module("prefill_attention_triton", pool.device) if self.mode == "triton" else None
-        if self.mode == "triton" and self.kernel is None:
-            self.mode = "flash"  # not the Triton tier
+        paged = self.mode in ("cudnn", "triton")
+        self.kernel = triton_module("prefill_attention_triton", pool.device) if paged else None
+        self.prompt_kernel = self.mode == "cudnn"  # whole prompts through cuDNN, the rest as `triton`
+        if paged and self.kernel is None:
+            self.mode = "flash"  # not the Triton tier (whole prompts still through cuDNN)
         self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}  # (span, window, local) -> mask
 
     def kv_sink(self, layer_idx: int) -> None:
@@ -126,9 +138,32 @@ class StepAttention:
                 self._summarize(layer_idx, span)
                 if span.score_tokens and not span.score_by_attention and span.summaries.scores_layer(layer_idx):
                     self._score(layer_idx, span, q_s, scale)
+            plain = span.key_pos is None and window is None and not span.host_pages and not span.score_by_attention
+            if self.prompt_kernel and plain and prompt_sdpa_fits(q_s, span.num_past):
+                k_s, v_s = k[start : start + span.num_new], v[start : start + span.num_new]
+                out = self._attend_prompt(layer_idx, span, q_s, k_s, v_s, scale)
+                if out is not None:
+                    outs.append(out)
+                    start += span.num_new
+                    continue
             outs.append(self._attend_span(i, layer_idx, span, q_s, scale, window))
             start += span.num_new
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _attend_prompt(
+        self, layer_idx: int, span: SeqSpan, q_s: torch.Tensor, k_s: torch.Tensor, v_s: torch.Tensor, scale: float
+    ) -> torch.Tensor | None:
+        """A prompt chunk over a gap-free past (whole buckets of it) through cuDNN's fused attention: its own
+        K/V rows as the step computed them (an fp8 layer's chunk attends its unquantised rows) and the past
+        gathered from the pool; None where cuDNN refuses the shape (then never asked again)."""
+        past = None
+        if span.num_past:
+            past = self.pool.gather(layer_idx, span.read_rows[: span.num_past], q_s.dtype)
+        try:
+            return prompt_sdpa(q_s, k_s, v_s, scale, past)
+        except RuntimeError as exc:
+            prompt_sdpa_refused(q_s, exc)
+            return None
 
     def _attend_span(
         self, i: int, layer_idx: int, span: SeqSpan, q_s: torch.Tensor, scale: float, window: int | None
