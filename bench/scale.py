@@ -147,7 +147,7 @@ def main() -> int:
     p.add_argument("--only-attn", action="store_true", help="the attention variants and nothing else (no model)")
     p.add_argument(
         "--prefill-modes",
-        default="triton",
+        default="cudnn,triton",
         help="KVMEM_PREFILL_ATTENTION values for the TTFT row; the first is the row's",
     )
     p.add_argument("--profile", action="store_true", help="kernel tables of one prefill and its decode (--out-dir)")

@@ -16,11 +16,11 @@ def attention_bench(run: Run) -> None:
     """The prefill attention alone on the last chunk of a --ttft-len prompt (every key visible but the
     chunk's own causal triangle): the engine's masked path, causal_sdpa, flex_attention, the Triton kernel."""
     total = run.a.ttft_len
-    for n in (2048, 8192):
-        if n <= total:
-            res = _attention_case(run, n, total)
-            run.rows[f"attention_{n}x{tag_len(total)}"] = res
-            print(f"attention {n} x {total}: {res}", flush=True)
+    for n, t in ((2048, total), (8192, total), (8192, 8192), (total, total)):
+        if n <= t <= total:
+            res = _attention_case(run, n, t)
+            run.rows[f"attention_{n}x{tag_len(t)}"] = res
+            print(f"attention {n} x {t}: {res}", flush=True)
 
 
 def _attention_case(run: Run, n: int, total: int) -> dict[str, Any]:
@@ -35,16 +35,16 @@ def _attention_case(run: Run, n: int, total: int) -> dict[str, Any]:
     v = torch.randn_like(k)
     scale = sh.head_dim**-0.5
     group = sh.heads // sh.kv_heads
-    allowed = position_mask(torch.arange(total - n, total, device=dev), torch.arange(total, device=dev))
-    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
-    mask = mask.repeat(group, 1)
     flops = 4 * sh.heads * sh.head_dim * (n * (total - n) + n * n / 2)
     res: dict[str, Any] = {}
-    ref = grouped_sdpa(q, k, v, mask, scale)
-    fns = {
-        "masked_sdpa": lambda: grouped_sdpa(q, k, v, mask, scale),
-        "causal_sdpa": lambda: causal_sdpa(q, k, v, scale),
-    }
+    fns = {"causal_sdpa": lambda: causal_sdpa(q, k, v, scale)}
+    if n * total <= 8192 * 32768:  # the [G * n, T] mask of a whole 32K prompt would be 8.6 GB
+        allowed = position_mask(torch.arange(total - n, total, device=dev), torch.arange(total, device=dev))
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
+        mask = mask.repeat(group, 1)
+        fns["masked_sdpa"] = lambda: grouped_sdpa(q, k, v, mask, scale)
+    ref = causal_sdpa(q, k, v, scale)
+    fns.update(_cudnn_variants(q, k, v, scale, n, total))
     try:
         if not run.a.attn_flex:
             raise RuntimeError("not asked for (--attn-flex: it compiles per shape)")
@@ -79,3 +79,51 @@ def _attention_case(run: Run, n: int, total: int) -> dict[str, Any]:
             res[name] = dict(not_run=repr(exc)[:200])
     res["matmul_tflops"] = round(run.tflops, 1)
     return res
+
+
+def _cudnn_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, n: int, total: int) -> dict:
+    """cuDNN's fused attention (torch's CUDNN_ATTENTION backend) on contiguous K/V: the lower-right causal bias
+    (a chunk after a prefix) and, when the chunk is the whole prompt, is_causal; GQA native, or with K/V heads
+    repeated when the backend refuses enable_gqa."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    group = q.shape[1] // k.shape[0]
+    kr, vr = k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None]
+
+    def run(kind: str, gqa: bool) -> torch.Tensor:
+        kk, vv = (k[None], v[None]) if gqa else (kr, vr)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            if kind == "causal":
+                out = F.scaled_dot_product_attention(qh, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                bias = causal_lower_right(n, total)
+                out = F.scaled_dot_product_attention(qh, kk, vv, attn_mask=bias, scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+
+    fns = {
+        "cudnn_lower_right_gqa": lambda: run("lower_right", True),
+        "cudnn_lower_right_rep": lambda: run("lower_right", False),
+    }
+    if n == total:
+        fns["cudnn_causal_gqa"] = lambda: run("causal", True)
+        fns["cudnn_causal_rep"] = lambda: run("causal", False)
+    else:  # the prefix without a mask and the chunk's own triangle, two cuDNN calls merged by their LSE
+
+        def split(gqa: bool) -> torch.Tensor:
+            kk, vv = (k[None], v[None]) if gqa else (kr, vr)
+            op = torch.ops.aten._scaled_dot_product_cudnn_attention
+            past = total - n
+            o1, l1 = op(qh, kk[:, :, :past], vv[:, :, :past], None, True, 0.0, False, False, scale=scale)[:2]
+            o2, l2 = op(qh, kk[:, :, past:], vv[:, :, past:], None, True, 0.0, True, False, scale=scale)[:2]
+            l1, l2 = (x.reshape(1, qh.shape[1], n, 1).float() for x in (l1, l2))
+            m = torch.maximum(l1, l2)
+            w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+            out = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+            return out.to(q.dtype)[0].transpose(0, 1)
+
+        fns["cudnn_split_gqa"] = lambda: split(True)
+        fns["cudnn_split_rep"] = lambda: split(False)
+    return fns

