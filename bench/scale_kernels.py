@@ -12,7 +12,7 @@
 
 - swiglu: the SwiGLU of prefill rows (M x 2 x 14336 -> M x 14336): torch's silu then multiply (two launches) against
   kernels/norm_triton.py `silu_mul` (one), and the largest difference between them. GB/s counts 3 x M x 14336 x 2 B.
-- fp8: both attention kernels over fp8 rows read in place (`fp8=True`, uint8 [R, 8, 4 + 128]) against the same rows
+- fp8: both attention kernels over fp8 rows read in place (`fp8=True`, uint8 [R, 8, 16 + 128]) against the same rows
   in bf16: decode at B x rows (the ring's 32 x 4K, one 128K session) and the last 8K chunk of a 32K prefill; TB/s
   counts the K/V bytes in each format, TFLOP/s the causal attention FLOPs.
 

@@ -41,12 +41,13 @@ from bench.scale_engine import (
     warm_graphs,
 )
 from bench.scale_model import HBM_BYTES_PER_S
+from services.engine.kv.kv_formats import FP8_HEAD_BYTES
 from services.engine.kv.kv_pool import fp8_in_place
 
 if TYPE_CHECKING:
     from bench.scale import Run
 
-FP8_ROW_SCALE_BYTES = 4  # kv_formats.py: fp8 e4m3 values + one fp32 scale per row (token x KV head)
+FP8_ROW_SCALE_BYTES = FP8_HEAD_BYTES  # kv_formats.py: one fp32 scale per row (token x KV head), padded to 16 bytes
 
 
 def fp8_token_bytes(run: Run) -> int:

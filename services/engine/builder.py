@@ -101,7 +101,7 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
         max_waiting=config.max_waiting,
         vocab_size=model_config.vocab_size,
         model_id=model_id,
-        kv_format=config.kv_format_name,
+        kv_format=config.kv_page_label,
         default_policy=config.prefill_policy,
         ring=ring_limits(config) if config.ring_enabled else None,
         ring_chunk=config.ring_chunk if config.ring_enabled else 0,
@@ -191,4 +191,4 @@ def _write_through(config: EngineConfig) -> WriteThrough | None:
         return None
     where = f"the kvstore replicas in {redact_url(config.redis_url)}" if config.redis_url else config.kvstore_addrs[0]
     logger.info("writing finished pages through to %s", where)
-    return WriteThrough(_store_client(config), config.kv_format_name, config.write_through_queue)
+    return WriteThrough(_store_client(config), config.kv_page_label, config.write_through_queue)

@@ -231,8 +231,13 @@ class EngineConfig:
 
     @property
     def kv_format_name(self) -> str:
-        """The canonical spec: the page format label (page hashes, write-through, model info)."""
+        """The canonical spec (model info)."""
         return self.kv_spec.name
+
+    @property
+    def kv_page_label(self) -> str:
+        """The page format label (page hashes, write-through): the spec and its layout versions."""
+        return self.kv_spec.page_label
 
     @property
     def replica_name(self) -> str:

@@ -491,15 +491,19 @@ def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_fp8_rows_off_four_byte_alignment_keep_the_gather_path() -> None:
-    """The fp8 kernels load the codes as 4-byte words (attention_tiles.load_kv tells the compiler every row starts
-    on 4 bytes): a layer whose rows do not (an odd base) is not theirs, in either kernel."""
+def test_fp8_rows_off_sixteen_byte_alignment_keep_the_gather_path() -> None:
+    """The fp8 kernels load the codes 16 bytes at a time (attention_tiles.load_kv tells the compiler every row
+    starts on 16 bytes): a layer whose rows do not (a base off by 4, or a row of 4 + D bytes) is not theirs, in
+    either kernel."""
     from services.engine.kernels import decode_attention_triton as dat
     from services.engine.kernels import prefill_attention_triton as pat
 
-    rows, heads, width = 64, 2, 4 + 32
+    rows, heads, width = 64, 2, 16 + 32
     aligned = torch.zeros(rows, heads, width, dtype=torch.uint8)
-    odd = torch.zeros(rows * heads * width + 1, dtype=torch.uint8)[1:].view(rows, heads, width)
+    assert aligned.data_ptr() % 16 == 0  # torch's allocations are 64-byte aligned
+    off = torch.zeros(rows * heads * width + 16, dtype=torch.uint8)
+    start = (-off.data_ptr()) % 16 + 4  # 4 bytes past a 16-byte boundary: still 4-aligned
+    off = off[start : start + rows * heads * width].view(rows, heads, width)
     q = torch.zeros(16, 4, 32, dtype=torch.bfloat16)
     assert dat.supported(aligned, fp8=True) and pat.supported(q, aligned, fp8=True)
-    assert not dat.supported(odd, fp8=True) and not pat.supported(q, odd, fp8=True)
+    assert not dat.supported(off, fp8=True) and not pat.supported(q, off, fp8=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,10 +34,13 @@ def _compile(fn, types: dict[str, str], constexprs: dict[str, object], div16: tu
 
 
 def _pipelined_word_loads(ptx: str) -> None:
-    """The fp8 codes load as 4-byte words through cp.async (pipelined), not byte by byte: the byte loads of
-    f3cc28f ran the kernels at a quarter of their bf16 speed on the H200 (bench/results/scale_kernels_h200_f3cc28f)."""
+    """The fp8 codes load 16 bytes at a time through cp.async (pipelined), not byte by byte nor in 4-byte words:
+    the byte loads of f3cc28f ran the decode kernel at a quarter of its bf16 speed on the H200, the 4-byte words
+    of 54586d4 (rows of 4 + D bytes) at a third (bench/results/scale_kernels_h200_{f3cc28f,fp8_b54f95b}.txt)."""
     assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx, "fp8 codes loaded byte by byte"
-    assert "cp.async" in ptx
+    sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^,]*,[^,]*, (0x[0-9a-f]+)", ptx)
+    assert "0x10" in sizes, f"no 16-byte cp.async: {sorted(set(sizes))}"
+    assert sizes.count("0x4") <= 8, f"{sizes.count('0x4')} 4-byte copies (the scales take a few)"
 
 
 def compile_fp8_attention() -> None:
@@ -49,8 +53,9 @@ def compile_fp8_attention() -> None:
     types.update({name: "i32" for name in ints})
     block_m, block_n, _, _ = pat.config(128)
     constexprs: dict[str, object] = dict(G=4, D=128, BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=False, FP8=True)
-    # at the 8B shape: q/out strides 4096 / 128, pool rows 8 x 132 = 1056 bytes apart, heads 132 (not 16-divisible)
+    # at the 8B shape: q/out strides 4096 / 128, pool rows 8 x 144 = 1152 bytes apart, heads 144
     div16 = ("q_ptr", "k_ptr", "v_ptr", "rows_ptr", "out_ptr", "stride_qn", "stride_qh", "stride_kr", "stride_vr",
+             "stride_kh", "stride_vh",
              "stride_on", "stride_oh")  # fmt: skip
     ptx = _compile(pat._prefill_kernel, types, constexprs, div16).asm["ptx"]
     assert "e4m3" in ptx
@@ -62,7 +67,8 @@ def compile_fp8_attention() -> None:
     types = dict(ptrs, scale_log2="fp32", **{name: "i32" for name in ints})
     constexprs = dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, HAS_WINDOW=False, RING=False, DIRECT=False, DOT_FP32=False,
                       INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, PDL=True, SORTED=True, FP8=True)  # fmt: skip
-    div16 = (*ptrs, "width", "rows_per_split", "stride_qb", "stride_qh", "stride_kr", "stride_vr", "stride_ob",
+    div16 = (*ptrs, "width", "rows_per_split", "stride_qb", "stride_qh", "stride_kr", "stride_vr", "stride_kh",
+             "stride_vh", "stride_ob",
              "stride_oh")  # fmt: skip
     ptx = _compile(dat._split_kernel, types, constexprs, div16).asm["ptx"]
     assert "e4m3" in ptx

@@ -170,7 +170,7 @@ def test_page_bytes_round_trip_exactly_through_a_mixed_pool() -> None:
     for layer in range(len(names)):
         src.write(layer, torch.arange(32), _rows(32, 2, 32, seed=layer), _rows(32, 2, 32, seed=10 + layer))
     expected = sum(2 * 8 * 2 * parse_format(f).row_bytes(32) for f in names)
-    assert src.page_nbytes == expected == 2 * 8 * 2 * (36 + 64 + 24 + 36 + 128)
+    assert src.page_nbytes == expected == 2 * 8 * 2 * (48 + 64 + 24 + 36 + 128)  # fp8: 16-byte head + 32 codes
     pages = torch.stack([src.read_page(s) for s in (1, 3)])
     assert pages.dtype == torch.uint8 and pages.shape == (2, src.page_nbytes)
     dst = _mixed_pool(names)

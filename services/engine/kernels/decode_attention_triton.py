@@ -386,7 +386,7 @@ def decode_attention(
     split whose first key is after the query skips its rows (a window bucket's padding costs no loop).
 
     q: [B, Hq, D] (last dim contiguous); k_store, v_store: [R, Hkv, D] one pool layer (plain float
-    dtype, last dim contiguous; `fp8`: uint8 [R, Hkv, 4 + D] fp8 rows, read as codes and scales, the
+    dtype, last dim contiguous; `fp8`: uint8 [R, Hkv, 16 + D] fp8 rows, read as codes and scales, the
     reference's over their dequantised rows); rows, key_pos: [B, W] int64 with W a multiple of 64; q_pos: [B] int64.
     Capturable in a CUDA graph (no host sync; scratch is allocated from the shapes).
     """

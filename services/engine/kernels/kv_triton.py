@@ -45,11 +45,13 @@ def _e4m3_decode(c):
     return tl.where((c & 128) != 0, -val, val)
 
 
-# -- fp8: [fp32 scale][D e4m3 bytes] ------------------------------------------------------------------
+# -- fp8: [fp32 scale, padded to S0 = 16 bytes][D e4m3 bytes] -----------------------------------------------
 
 
 @triton.jit
-def _fp8_write(x_ptr, rows_ptr, u8_ptr, f32_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr):
+def _fp8_write(
+    x_ptr, rows_ptr, u8_ptr, f32_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, S0: tl.constexpr
+):  # fmt: skip
     pid = tl.program_id(0)
     t, h = pid // H, pid % H
     row = tl.load(rows_ptr + t)
@@ -61,18 +63,22 @@ def _fp8_write(x_ptr, rows_ptr, u8_ptr, f32_ptr, H: tl.constexpr, D: tl.constexp
     code = _e4m3_encode(tl.abs(y)) | tl.where(y < 0, 128, 0)
     base = (row * H + h) * RB
     tl.store(f32_ptr + base // 4, scale)
-    tl.store(u8_ptr + base + 4 + d, code.to(tl.uint8))
+    tl.store(u8_ptr + base + S0 + d, code.to(tl.uint8))
+    pad = tl.arange(0, 16)
+    tl.store(u8_ptr + base + 4 + pad, tl.zeros([16], tl.uint8), mask=pad < S0 - 4)  # the zero bytes after the scale
 
 
 @triton.jit
-def _fp8_read(out_ptr, rows_ptr, u8_ptr, f32_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr):
+def _fp8_read(
+    out_ptr, rows_ptr, u8_ptr, f32_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, S0: tl.constexpr
+):  # fmt: skip
     pid = tl.program_id(0)
     t, h = pid // H, pid % H
     row = tl.load(rows_ptr + t)
     d = tl.arange(0, D)
     base = (row * H + h) * RB
     scale = tl.load(f32_ptr + base // 4)
-    code = tl.load(u8_ptr + base + 4 + d).to(tl.int32)
+    code = tl.load(u8_ptr + base + S0 + d).to(tl.int32)
     val = _e4m3_decode(code) * scale
     tl.store(out_ptr + pid * D + d, val.to(out_ptr.dtype.element_ty))
 
@@ -208,7 +214,7 @@ def quantize_scatter(fmt: KVFormat, x: torch.Tensor, rows: torch.Tensor, store: 
     x, rows = x.contiguous(), rows.contiguous()
     u8, wide = _views(fmt, store)
     if fmt.base == "fp8":
-        _fp8_write[(n * h,)](x, rows, u8, wide, h, d, rb)
+        _fp8_write[(n * h,)](x, rows, u8, wide, h, d, rb, fmt.scale_bytes(d))
     elif fmt.base == "int8":
         _int8_write[(n * h,)](x, rows, u8, wide, h, d, rb, fmt.scale_bytes(d), int8_group(d))
     else:
@@ -227,7 +233,7 @@ def gather_dequantize(
     rows = rows.contiguous()
     u8, wide = _views(fmt, store)
     if fmt.base == "fp8":
-        _fp8_read[(t * h,)](out, rows, u8, wide, h, head_dim, rb)
+        _fp8_read[(t * h,)](out, rows, u8, wide, h, head_dim, rb, fmt.scale_bytes(head_dim))
     elif fmt.base == "int8":
         _int8_read[(t * h,)](out, rows, u8, wide, h, head_dim, rb, fmt.scale_bytes(head_dim), int8_group(head_dim))
     else:

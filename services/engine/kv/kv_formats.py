@@ -53,6 +53,12 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 PLAIN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUANTISED = ("fp8", "int8", "nvfp4")
+# An fp8 row is its fp32 scale, 12 zero bytes, then D e4m3fn codes: the codes start on 16 bytes (D % 16 == 0), so
+# the attention kernels read them in place with 16-byte loads. With the scale alone in front (4 + D bytes, until
+# 2026-12-03) the loads were 4 bytes wide and the decode kernel read 1.09 TB/s against bf16's 3.71 (H200,
+# bench/RESULTS.md). LAYOUT_VERSIONS tags page identities with it: pages written in the old layout never match.
+FP8_HEAD_BYTES = 16
+LAYOUT_VERSIONS = {"fp8": 2}
 
 
 class KVFormatError(ValueError):
@@ -158,9 +164,10 @@ class KVFormat:
         return self.scale_bytes(head_dim) + self.payload_bytes(head_dim) + self.pad_bytes(head_dim)
 
     def scale_bytes(self, head_dim: int) -> int:
-        """Bytes of the scales at the start of a quantised row (a multiple of 4)."""
+        """Bytes of the scales at the start of a quantised row (a multiple of 4; fp8: its fp32 scale padded to
+        FP8_HEAD_BYTES, so that the codes of a row start on 16 bytes)."""
         return {
-            "fp8": 4,
+            "fp8": FP8_HEAD_BYTES,
             "int8": _pad4(2 * head_dim // int8_group(head_dim)),
             "nvfp4": 4 + _pad4(head_dim // NVFP4_GROUP),
         }[self.base]
@@ -223,7 +230,8 @@ def _fp8_quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 def _fp8_dequantize(packed: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     scale = packed[..., :4].contiguous().view(torch.float32)  # [..., 1]
     d = fmt.head_dim_of(packed.shape[-1])
-    return e4m3_decode(packed[..., 4 : 4 + d]) * scale
+    s0 = fmt.scale_bytes(d)
+    return e4m3_decode(packed[..., s0 : s0 + d]) * scale
 
 
 def _int8_quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
@@ -307,8 +315,17 @@ class KVSpec:
 
     @property
     def name(self) -> str:
-        """The canonical spelling: the page format label (page hashes, write-through, model info)."""
+        """The canonical spelling (model info; the page label with layout versions, `page_label`)."""
         return ",".join([self.default.name, *(f"{sel}={fmt.name}" for sel, fmt in self.overrides)])
+
+    @property
+    def page_label(self) -> str:
+        """The format label of page identities (page hashes, write-through): the name, plus the byte layout's
+        version of each format whose layout changed (`fp8` -> `fp8@2`), so a host copy in an older layout is
+        never read as this one."""
+        formats = [self.default, *(fmt for _, fmt in self.overrides)]
+        tags = sorted({f"{f.base}@{LAYOUT_VERSIONS[f.base]}" for f in formats if f.base in LAYOUT_VERSIONS})
+        return ";".join([self.name, *tags])
 
     @property
     def uniform(self) -> KVFormat | None:

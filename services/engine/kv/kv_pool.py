@@ -239,9 +239,9 @@ class KVPool:
         return (self.k[layer], self.v[layer]) if self._plain[layer] is not None else None
 
     def fp8_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layer's K and V rows (uint8 [R, Hkv, 4 + D]: an fp32 scale, then D e4m3fn codes) when stored in
-        plain fp8 (no Hadamard keys) and `fp8_in_place` (KVMEM_FP8_ATTENTION=1), which the attention kernels then
-        read in place; else None."""
+        """The layer's K and V rows (uint8 [R, Hkv, 16 + D]: an fp32 scale padded to 16 bytes, then D e4m3fn
+        codes) when stored in plain fp8 (no Hadamard keys) and `fp8_in_place` (KVMEM_FP8_ATTENTION=1), which the
+        attention kernels then read in place; else None."""
         fmt = self.formats[layer]
         if fmt.base != "fp8" or fmt.hadamard or fmt.pad_bytes(self.head_dim) or not fp8_in_place():
             return None
