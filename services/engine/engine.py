@@ -36,7 +36,7 @@ from services.engine.step.grammar import GrammarCompiler, GrammarError, GrammarT
 from services.engine.step.model_runner import Launched, ModelRunner
 from services.engine.step.sampling import InvalidRequestError, Row, Sampled, SamplingParams, sample_batch
 from services.engine.step.scheduler import Scheduler, Work
-from services.engine.step.sequence import Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
+from services.engine.step.sequence import NOT_RESIDENT, Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from services.engine.kv.write_through import WriteThrough
@@ -324,9 +324,11 @@ class Engine:
             counts = self.ring.counts(seq.ring, max(1, seq.num_computed))
             for i, n in enumerate(counts):
                 totals[i] += n
+            # host-only: computed pages without a slot (list.count, not a Python walk of every page: with
+            # staggered re-selections this runs after nearly every burst, over sessions x pages)
             computed_pages = seq.num_computed // self.limits.page_size
-            resident = set(seq.page_table.resident_pages())
-            totals[5] += sum(1 for p in range(computed_pages) if p not in resident)
+            slots = seq.page_table.slot_ids
+            totals[5] += slots[:computed_pages].count(NOT_RESIDENT) + max(0, computed_pages - len(slots))
         return RingSnapshot(*totals)
 
     def _postprocess(self, launched: Launched) -> None:

@@ -387,3 +387,40 @@ def test_attention_query_pass_runs_through_prefill_and_decode(
     cfg = model.config  # score_from 0.5: only the upper half of the layers' heads rank pages
     assert rows == [(cfg.num_layers - cfg.num_layers // 2) * cfg.num_heads]
     assert engine.ring.num_restores > 0
+
+
+@pytest.mark.parametrize("burst", [1, 4])
+def test_decode_reselections_restore_nothing_on_the_steps_path(
+    model, smol_tokenizer: Tokenizer, store_address: str, burst: int
+) -> None:
+    """Every page a decode re-selection will restore is fetched ahead (RingManager._to_prefetch), also one
+    still in the device prefix cache or kept only by the recent window when it is chosen: a restore on the
+    step's path waits for the store and, on CUDA, for the burst in flight (it broke the overlapped bursts at
+    32 sessions). The prefetch changes where the bytes come from, never what is attended: the same tokens and
+    evidence timeline as with no prefetch at all (every page restored in its step)."""
+    limits = ring_limits(budget_pages=8, rescore_interval=4, prefetch_steps=4)  # a page of steps
+    runs = {}
+    for name in ("prefetch", "in-step"):
+        engine = make_engine(model, smol_tokenizer, num_slots=12, ring=limits, ring_chunk=8,
+                             store_address=store_address, decode_burst=burst)  # fmt: skip
+        ring = engine.ring
+        if name == "in-step":
+            ring._prefetcher = None  # the chosen pages are restored by the step that takes them in
+        in_step: list[int] = []
+        restore = ring._restore
+
+        def counting(slot_ids, page_hashes, pages, r, _restore=restore, _in_step=in_step):  # type: ignore[no-untyped-def]
+            if r.decode_steps:  # decode (the prompt's own selection is restored in its first decode step)
+                _in_step.extend(p for p in pages if page_hashes[p] not in r.prefetched)
+            _restore(slot_ids, page_hashes, pages, r)
+
+        ring._restore = counting  # type: ignore[method-assign]
+        seq = engine.submit(f"restore-{name}", _prompt(70, 52), greedy(40), namespace=f"{name}-{burst}")
+        timeline = _timeline(engine, seq)
+        tokens, done = drain(events_of(seq))
+        assert done.completion_tokens == 40
+        runs[name] = (tokens, timeline, len(in_step))
+        engine.stop()
+    assert runs["prefetch"][:2] == runs["in-step"][:2]
+    assert runs["in-step"][2] > 0  # decode re-selections did restore pages
+    assert runs["prefetch"][2] == 0, runs["prefetch"][2]

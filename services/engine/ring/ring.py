@@ -383,15 +383,40 @@ class RingManager:
         current = ring.evidence
         self.select(ring, num_candidate_pages, request_id, step, end_tokens)
         chosen, ring.evidence = ring.evidence, current
-        wanted = [
-            page_hashes[p]
-            for p in sorted(chosen)
-            if p < len(page_hashes) and slot_ids[p] == NOT_RESIDENT and self.slots.lookup(page_hashes[p]) is None
-        ]
+        wanted = self._to_prefetch(ring, chosen, slot_ids, page_hashes, end_tokens)
         fetch = self._prefetch(wanted) if wanted and self._prefetcher is not None else None
         # from the scoring step's clock, not this call's: an overlapped burst may already be scheduled after it
         assert ring.scored_at is not None, "a decode re-selection without its scoring step"
         ring.pending = PendingEvidence(chosen, ring.scored_at + self.limits.prefetch_steps, fetch)
+
+    def _to_prefetch(
+        self, ring: SeqRing, chosen: set[int], slot_ids: list[int], page_hashes: list[bytes], end_tokens: int
+    ) -> list[bytes]:
+        """The hashes of the chosen pages the step that takes the re-selection in may have to restore: every
+        one without a slot of this sequence (also those still in the device prefix cache: by then its slot
+        may hold another page), and the resident ones only the recent window keeps that will have left it
+        by then. Prefetching a page that turns out resident costs a background read, never a different
+        result; missing one costs a restore on the step's path (a wait for the host store, and on CUDA for
+        the stream, the burst in flight included: host_pages.fetch_to)."""
+        lim = self.limits
+        # the step that takes it in writes position end_tokens - 1 + prefetch_steps + 1 (its clock is the
+        # scoring step's + prefetch_steps + 1); the recent window then starts here
+        num_pages = -(-(end_tokens + lim.prefetch_steps + 1) // lim.page_size)
+        first_recent = num_pages - lim.recent_pages
+        kept = ring.evidence | ring.skeleton  # resident until the re-selection takes effect (the plan keeps them)
+        wanted = []
+        for p in sorted(chosen):
+            if p >= len(page_hashes):
+                continue
+            if slot_ids[p] == NOT_RESIDENT:
+                wanted.append(page_hashes[p])
+            elif p not in kept and lim.protect_pages <= p < first_recent and self._written(page_hashes[p]):
+                wanted.append(page_hashes[p])  # a page still being written through is left to the step
+        return wanted
+
+    def _written(self, page_hash: bytes) -> bool:
+        """Whether the page has a host copy already (a read of one that has not would count as lost)."""
+        return self.host is not None and self.host.has(page_hash)
 
     def apply_pending(self, ring: SeqRing, force: bool = False) -> None:
         """Put a pending re-selection in effect once its step has come (or now, `force`); its fetched pages
