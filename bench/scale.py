@@ -32,7 +32,8 @@ Rows (written to --out as {"date", "commit", "device", "rows": {NAME: {...}}}):
   <shape>_ring_32x32k        --rows ring: --ring-sessions fp8 sessions through the ring and dense (scale_ring.py):
                              completed, mean_ttft_s, agg_decode_tok_s (every session decoding), tail_decode_tok_s,
                              the same with dense_; fp8_attention_in_place (KVMEM_FP8_ATTENTION)
-  <shape>_logits_2k          cosine and argmax of the engine's forward against transformers' on one prompt
+  <shape>_logits_<L>k        cosine and argmax of the engine's forward against transformers' on one prompt of each
+                             --logits-len (the engine's model over its contiguous reference attention)
   attention_<n>x<T>          the prefill attention alone (--attn-bench / --only-attn) on the last n-token chunk
                              of a T-token prompt: masked memory-efficient SDPA (the engine before issue 26),
                              causal_sdpa (torch's FlashAttention-2), flex_attention with a block mask (compiled),
@@ -91,7 +92,7 @@ class Run:
             "batch": f"{a.shape}_decode_batch",
             "long": f"{a.shape}_128k",
             "ring": f"{a.shape}_ring_32x32k",
-            "logits": f"{a.shape}_logits_2k",
+            "logits": f"{a.shape}_logits",  # + _<L>k per --logits-len
         }
         self.prompts = {
             "ttft": prompts_of(self.gen, self.shape.vocab, a.repeats, a.ttft_len - a.new_tokens),
@@ -166,7 +167,7 @@ def main() -> int:
     p.add_argument("--batches", default="8,32,64", help="decode batch sizes ('' to skip)")
     p.add_argument("--batch-len", type=int, default=2048, help="prompt tokens of each batched-decode sequence")
     p.add_argument("--long-len", type=int, default=131_072, help="the long dense session (0: skip)")
-    p.add_argument("--logits-len", type=int, default=2048)
+    p.add_argument("--logits-len", default="2048", help="prompt lengths of the logits rows, comma-separated")
     p.add_argument("--ring-sessions", type=int, default=32, help="sessions of the ring row (ring and dense)")
     p.add_argument("--ring-len", type=int, default=32_768, help="prompt + new tokens of each ring-row session")
     p.add_argument("--ring-budget", type=int, default=4096, help="resident tokens per sequence through the ring")

@@ -324,11 +324,14 @@ def _engine_logits(run: Run, engine) -> None:  # type: ignore[no-untyped-def]
     from services.engine.kv.attention import ContiguousKV
 
     model = engine.runner.model
-    run.logit_prompt = prompts_of(run.gen, run.shape.vocab, 1, run.a.logits_len)[0]
-    with torch.inference_mode():
-        ids = torch.tensor(run.logit_prompt, device=run.device)
-        hidden = model(ids, torch.arange(len(ids), device=run.device), ContiguousKV(run.shape.layers))
-        run.engine_logits = model.logits(hidden[-1:])[0].float().cpu()
+    run.logit_prompts, run.engine_logits = {}, {}
+    for n in (int(x) for x in str(run.a.logits_len).split(",") if x):
+        prompt = run.logit_prompts[n] = prompts_of(run.gen, run.shape.vocab, 1, n)[0]
+        with torch.inference_mode():
+            ids = torch.tensor(prompt, device=run.device)
+            hidden = model(ids, torch.arange(len(ids), device=run.device), ContiguousKV(run.shape.layers))
+            run.engine_logits[n] = model.logits(hidden[-1:])[0].float().cpu()
+        del hidden
 
 
 def _profile():  # type: ignore[no-untyped-def]

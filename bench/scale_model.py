@@ -29,21 +29,64 @@ SHAPES: dict[str, dict[str, Any]] = {
                       "original_max_position_embeddings": 256},
         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     ),
+    # Qwen3-8B: q/k RMSNorm per head, no RoPE scaling (its native 32K; 40,960 positions)
+    "qwen3_8b": dict(
+        arch="qwen3", vocab_size=151_936, hidden_size=4096, intermediate_size=12_288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151_643,
+        eos_token_id=151_645,
+    ),
+    "tiny_qwen3": dict(
+        arch="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    # Gemma 3 12B's text model: 48 layers, five sliding-window (1,024) layers to each global one, heads of 256,
+    # linear RoPE scaling x8 on the global layers, tied embeddings
+    "gemma3_12b": dict(
+        arch="gemma3_text", vocab_size=262_208, hidden_size=3840, intermediate_size=15_360, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, max_position_embeddings=131_072,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+    ),
+    "tiny_gemma3": dict(
+        arch="gemma3_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        sliding_window=32, sliding_window_pattern=6, query_pre_attn_scalar=32, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+    ),
 }  # fmt: skip
 
 
 # -- the model ------------------------------------------------------------------------------------
 
 
+def hf_config(shape: str) -> Any:
+    """The transformers config of `shape` (its `arch`: llama by default, qwen3, gemma3_text)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+
+    fields = dict(SHAPES[shape])
+    arch = fields.pop("arch", "llama")
+    if arch == "gemma3_text":  # transformers 5 spells the 5:1 pattern as layer_types
+        pattern = fields.pop("sliding_window_pattern")
+        fields["layer_types"] = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(fields["num_hidden_layers"])
+        ]
+    return {"llama": LlamaConfig, "qwen3": Qwen3Config, "gemma3_text": Gemma3TextConfig}[arch](**fields)
+
+
 def write_random_llama(directory: Path, shape: str, device: torch.device, seed: int = 0) -> None:
-    """Seeded random weights of `shape` (bf16, initialised on `device`) saved as an HF directory with a
-    word-level tokenizer over the whole vocabulary."""
+    """Seeded random weights of `shape` (bf16, initialised on `device`; a Llama, Qwen3 or Gemma 3 text model)
+    saved as an HF directory with a word-level tokenizer over the whole vocabulary."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    cfg = LlamaConfig(**SHAPES[shape])
+    cfg = hf_config(shape)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -70,15 +113,23 @@ class Shape:
     vocab: int
     params: int  # every parameter
     embed: int  # the input embedding table's (one row read a token)
+    tied: bool = False  # the output head is the input table
+    local_layers: int = 0  # sliding-window layers (Gemma 3), each attending the last `window` keys
+    window: int = 0
 
     @classmethod
     def of(cls, shape: str) -> Shape:
         s = SHAPES[shape]
+        arch = s.get("arch", "llama")
         h, i, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
         q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        norms = {"llama": 2 * h, "qwen3": 2 * h + 2 * s["head_dim"], "gemma3_text": 4 * h + 2 * s["head_dim"]}[arch]
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + norms
         embed = s["vocab_size"] * h
         head = 0 if s["tie_word_embeddings"] else embed
+        local = 0
+        if arch == "gemma3_text":
+            local = layers - layers // s["sliding_window_pattern"]
         return cls(
             layers,
             s["num_attention_heads"],
@@ -88,21 +139,38 @@ class Shape:
             s["vocab_size"],
             layers * per_layer + embed + head + h,
             embed,
+            bool(s["tie_word_embeddings"]),
+            local,
+            s.get("sliding_window", 0) if local else 0,
         )
 
+    @property
+    def body(self) -> int:
+        """The parameters every token multiplies: all but the input table and the output head."""
+        return self.params - self.embed - (0 if self.tied else self.embed)
+
     def prefill_flops(self, tokens: int, past: int = 0) -> float:
-        """Projections of `tokens` new tokens (the head for one row) + causal attention over past + tokens."""
-        linear = 2 * (self.params - 2 * self.embed) * tokens + 2 * self.embed
+        """Projections of `tokens` new tokens (the head for one row) + causal attention over past + tokens
+        (a sliding-window layer: over at most `window` keys a query)."""
+        linear = 2 * self.body * tokens + 2 * self.embed
         t_all = past + tokens
-        attn = 2 * self.layers * self.heads * self.head_dim * (t_all**2 - past**2)  # QK^T and PV, causal
-        return float(linear + attn)
+        full = 2 * self.heads * self.head_dim * (t_all**2 - past**2)  # QK^T and PV, causal
+        local = 0
+        if self.local_layers:  # 2 products x 2 FLOPs x the keys each query sees
+            seen = sum(min(p + 1, self.window) for p in range(past, t_all))
+            local = 4 * self.heads * self.head_dim * seen
+        return float(linear + (self.layers - self.local_layers) * full + self.local_layers * local)
 
     def kv_bytes(self, tokens: int, elem: int = 2) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * elem * tokens
+        """K/V bytes of a sequence of `tokens` (a sliding-window layer keeps its last `window`)."""
+        per_token = 2 * self.kv_heads * self.head_dim * elem
+        kept = (self.layers - self.local_layers) * tokens + self.local_layers * min(tokens, self.window)
+        return per_token * kept
 
     def decode_bytes(self, contexts: list[int]) -> float:
-        """One decode step of these sequences: every weight once (not the embedding table) + their K/V."""
-        return 2.0 * (self.params - self.embed) + sum(self.kv_bytes(c) for c in contexts)
+        """One decode step of these sequences: every weight once (the input table's one row aside; a tied head
+        reads the table) + their K/V."""
+        return 2.0 * (self.body + self.embed) + sum(self.kv_bytes(c) for c in contexts)
 
 
 def matmul_tflops(device: torch.device) -> float:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bench.scale_engine import leading_equal
+from bench.scale_engine import leading_equal, tag_len
 from bench.scale_model import peer_generate
 
 if TYPE_CHECKING:
@@ -29,17 +29,19 @@ def peer_rows(run: Run, model_dir: Path) -> None:
     model = model.to(run.device).eval()
     print(f"transformers loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
-        if "logits" in rows and hasattr(run, "engine_logits"):
+        for n, engine_logits in getattr(run, "engine_logits", {}).items() if "logits" in rows else ():
             with torch.inference_mode():
-                ref = model(torch.tensor([run.logit_prompt], device=run.device)).logits[0, -1].float().cpu()
-            cos = torch.nn.functional.cosine_similarity(ref, run.engine_logits, dim=0).item()
-            run.rows[run.names["logits"]] = dict(
+                ids = torch.tensor([run.logit_prompts[n]], device=run.device)
+                ref = model(ids, logits_to_keep=1).logits[0, -1].float().cpu()
+            cos = torch.nn.functional.cosine_similarity(ref, engine_logits, dim=0).item()
+            name = f"{run.names['logits']}_{tag_len(n)}"
+            run.rows[name] = dict(
                 cosine=round(cos, 5),
-                same_argmax=bool(ref.argmax() == run.engine_logits.argmax()),
-                max_abs_diff=round((ref - run.engine_logits).abs().max().item(), 4),
-                prompt_tokens=a.logits_len,
+                same_argmax=bool(ref.argmax() == engine_logits.argmax()),
+                max_abs_diff=round((ref - engine_logits).abs().max().item(), 4),
+                prompt_tokens=n,
             )
-            print(f"logits at {a.logits_len}: {run.rows[run.names['logits']]}", flush=True)
+            print(f"logits at {n}: {run.rows[name]}", flush=True)
         if "ttft" in rows or "decode" in rows:
             r = peer_generate(model, run.prompts["ttft"][:1], a.new_tokens, run.device)
             run.row("ttft")["peer_s"] = round(r["ttft_s"], 4)
