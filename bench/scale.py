@@ -181,6 +181,13 @@ def main() -> int:
     p.add_argument(
         "--no-warm-graphs", action="store_true", help="no decode-graph capture before each row (warm_graphs)"
     )
+    p.add_argument(
+        "--decode-burst",
+        type=int,
+        default=0,
+        help="greedy decode steps a launch (0: the engine's default for the "
+        "device, 8 on CUDA and 1 on the CPU; set 8 to see the CUDA schedule's bursts in a CPU run)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="JSON file for the rows")
     p.add_argument("--out-dir", default=os.environ.get("OUT", ""), help="profiles go here")

@@ -161,6 +161,7 @@ def built(run: Run, model_dir: Path, **config: Any) -> Iterator[Any]:
     from services.engine.builder import build_engine
     from services.engine.config import EngineConfig
 
+    config.setdefault("decode_burst", run.a.decode_burst)  # 0: the device's default (8 on CUDA, 1 on the CPU)
     cfg = EngineConfig(model=str(model_dir), device=str(run.device), max_waiting=256, **config)
     t0 = time.perf_counter()
     engine, _ = build_engine(cfg)
