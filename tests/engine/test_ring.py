@@ -20,7 +20,7 @@ from services.engine.kv.slots import SlotAllocator
 from services.engine.ring.ring import RingManager, SeqRing
 from services.engine.ring.summaries import PageSummaries
 from services.engine.server import EngineServicer
-from services.engine.step.sequence import Done
+from services.engine.step.sequence import NOT_RESIDENT, Done, PageTable
 from tests.conftest import StartStore
 from tests.engine.helpers import drain, events_of, greedy, make_engine, reference_greedy, ring_limits, tiny_model
 
@@ -424,3 +424,95 @@ def test_decode_reselections_restore_nothing_on_the_steps_path(
     assert runs["prefetch"][:2] == runs["in-step"][:2]
     assert runs["in-step"][2] > 0  # decode re-selections did restore pages
     assert runs["prefetch"][2] == 0, runs["prefetch"][2]
+
+
+def test_resident_check_agrees_with_the_set_of_resident_pages() -> None:
+    """PageTable.resident_exactly (the scheduler's O(resident pages) invariant check) answers as comparing
+    the set of resident pages would, and fails on a table with a page too many, too few, or past its end."""
+    rng = random.Random(5)
+    for _ in range(200):
+        table = PageTable(slot_ids=[rng.choice([NOT_RESIDENT, rng.randrange(64)]) for _ in range(rng.randrange(12))])
+        resident = frozenset(table.resident_pages())
+        assert resident == {p for p, s in enumerate(table.slot_ids) if s != NOT_RESIDENT}
+        assert table.resident_exactly(resident)
+        other = frozenset(p for p in range(14) if rng.random() < 0.4)
+        assert table.resident_exactly(other) == (other == resident)
+    table = PageTable(slot_ids=[3, NOT_RESIDENT, 5, 0])
+    assert table.resident_exactly(frozenset({0, 2, 3}))
+    assert not table.resident_exactly(frozenset({0, 2}))  # page 3 holds a slot the plan does not want
+    assert not table.resident_exactly(frozenset({0, 1, 2, 3}))  # page 1 has none
+    assert not table.resident_exactly(frozenset({0, 2, 3, 4}))  # past the table
+
+
+def test_room_making_fails_on_a_table_that_does_not_match_its_plan(
+    model, smol_tokenizer: Tokenizer, store_address: str
+) -> None:
+    """A materialize that leaves one page too many resident breaks the invariant: the scheduler's check
+    catches it."""
+    engine = make_engine(model, smol_tokenizer, num_slots=12, ring=ring_limits(budget_pages=8), ring_chunk=8,
+                         store_address=store_address)  # fmt: skip
+    ring = engine.ring
+    materialize = ring.materialize
+
+    def leaky(slot_ids, page_hashes, keep, r):  # type: ignore[no-untyped-def]
+        materialize(slot_ids, page_hashes, keep, r)
+        spare = [p for p in range(len(slot_ids)) if p not in keep and slot_ids[p] == NOT_RESIDENT]
+        if spare:  # a demoted page keeps (gets back) a slot
+            slot_ids[spare[0]] = ring.slots.allocate()
+
+    ring.materialize = leaky  # type: ignore[method-assign]
+    seq = engine.submit("broken", _prompt(70, 9), greedy(8))
+    with pytest.raises(AssertionError) as failed:
+        _run_checking_buckets(engine, [seq])
+    assert failed.traceback[-1].path.name == "scheduler.py"  # the room-making's own check, not the test's
+    engine.stop()
+
+
+def test_plans_are_reused_only_for_the_same_length_evidence_and_skeleton() -> None:
+    manager = RingManager(ring_limits(budget_pages=8), SlotAllocator(4), pool=None, host=None)  # type: ignore[arg-type]
+    ring = SeqRing(summaries=PageSummaries(1, 20, 1, 4, torch.device("cpu")), policy="sparse", query_start=0)
+    ring.skeleton = {10}
+    ring.evidence = {4, 5}
+    plan = manager.plan(ring, 60)
+    assert manager.plan(ring, 58) is plan  # the same 15 pages
+    assert manager.plan(ring, 64).recent != plan.recent  # a new page
+    ring.evidence = {6}  # a re-selection
+    assert manager.plan(ring, 60).evidence == {6}
+    ring.skeleton = {11}
+    assert manager.plan(ring, 60).skeleton == {11}
+    ring.evidence = {4, 5}
+    ring.skeleton = {10}
+    assert manager.plan(ring, 60) == plan
+
+
+class _RecordingPool:
+    slot_nbytes = 8
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[list[int], list[list[int]]]] = []
+
+    def write_pages(self, slots: list[int], pages: torch.Tensor) -> None:
+        self.writes.append((list(slots), pages.tolist()))
+
+
+def test_prefetched_restores_are_written_in_one_batch() -> None:
+    """Inside batched_writes the prefetched pages of several sequences reach the pool in one write, as the
+    block ends, also when it raises; the same slots get the same bytes as one write per sequence."""
+    pool = _RecordingPool()
+    manager = RingManager(ring_limits(budget_pages=8), SlotAllocator(16), pool=pool, host=object())  # type: ignore[arg-type]
+    rings, tables = [], []
+    for i in range(2):
+        r = SeqRing(summaries=PageSummaries(1, 20, 1, 4, torch.device("cpu")), policy="sparse", query_start=0)
+        hashes = [bytes([i, p]) for p in range(4)]
+        r.prefetched = {hashes[1]: 0, hashes[3]: 1}  # as apply_pending leaves them
+        r.prefetched_data = torch.tensor([[i, 1], [i, 3]], dtype=torch.uint8)
+        rings.append(r)
+        tables.append(([NOT_RESIDENT] * 4, hashes))
+    with pytest.raises(RuntimeError), manager.batched_writes():
+        manager._restore(*tables[0], [1, 3], rings[0])
+        manager._restore(*tables[1], [3], rings[1])  # only one of its pages: its row picked out
+        assert pool.writes == []
+        raise RuntimeError("a later sequence has no room")
+    slots = [tables[0][0][1], tables[0][0][3], tables[1][0][3]]
+    assert pool.writes == [(slots, [[0, 1], [0, 3], [1, 3]])]
+    assert manager.num_prefetched == 3

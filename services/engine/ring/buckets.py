@@ -65,7 +65,11 @@ class BucketPlan:
         return Bucket.FREE
 
     def counts(self, budget: int) -> BucketCounts:
-        """Sizes with `free = budget - used`; raises BucketError when the identity cannot hold."""
+        """Sizes with `free = budget - used`; raises BucketError when the identity cannot hold. Kept with the
+        plan (RingManager.plan hands the same plan out many times, the ring snapshot counts every one of them)."""
+        cached = self.__dict__.get("_counts")
+        if cached is not None and cached[0] == budget:
+            return cached[1]
         sizes = (len(self.protect), len(self.skeleton), len(self.evidence), len(self.recent))
         used = sum(sizes)
         overlap = used - len(self.resident)
@@ -78,6 +82,7 @@ class BucketPlan:
                 f"{counts.protect} + {counts.skeleton} + {counts.evidence} + {counts.recent} + {counts.free} "
                 f"!= {budget}"
             )
+        object.__setattr__(self, "_counts", (budget, counts))  # frozen: as functools.cached_property does
         return counts
 
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import chain, compress
 from pathlib import Path
 from typing import Protocol
 
@@ -132,15 +134,23 @@ class SeqRing:
     decode_steps: int = 0
     scored_at: int | None = None  # decode_steps at the last decode re-selection's scoring step (the prefetch counts
     # from it)
-    pinned: list[bytes] = field(default_factory=list)  # host pages pinned for this sequence
+    pinned: list[bytes] = field(default_factory=list)  # host pages pinned for this sequence (unpinned in this order)
+    pinned_set: set[bytes] = field(default_factory=set)  # the same hashes, for membership (demote asks per victim)
     num_restores: int = 0
     pending: PendingEvidence | None = None  # a decode re-selection not in effect yet (prefetch_steps)
-    prefetched: dict[bytes, torch.Tensor] = field(default_factory=dict)  # page bytes on the device, by hash
+    # pages fetched ahead: by hash, the row of `prefetched_data` (uint8 [P, slot bytes] on the device) that holds
+    # its bytes (one tensor as fetched, not a tensor per page: a restore of all of them in order writes it as is)
+    prefetched: dict[bytes, int] = field(default_factory=dict)
+    prefetched_data: torch.Tensor | None = None
     restored_bytes: int = 0
     num_demotions: int = 0
     num_adopted: int = 0  # prefix pages taken from the host store (never resident before)
     hidden_pages: int = 0  # pages a sparse step could not see (over the whole request)
     anchor: list[int] = field(default_factory=list)  # the prompt's final evidence, best first (anchor_pages)
+    # RingManager.plan's last plans by page count, each with the evidence and skeleton it was planned from: the
+    # scheduler and the ring snapshot ask for the same plan many times per step, and it changes only when
+    # one of the three does (a new page, a re-selection)
+    plans: dict[int, tuple[frozenset[int], frozenset[int], BucketPlan]] = field(default_factory=dict, repr=False)
 
     @property
     def outgrew_device(self) -> bool:
@@ -164,7 +174,7 @@ def page_ranking(scores: torch.Tensor, num_pages: int, excluded: set[int], head_
 
 
 def pick_pages(
-    order: list[int], num_pages: int, excluded: set[int], room: int, reach: int, anchored: Sequence[int] = ()
+    order: Iterable[int], num_pages: int, excluded: set[int], room: int, reach: int, anchored: Sequence[int] = ()
 ) -> list[int]:
     """Evidence in `order` (best first): each page with `reach` seam neighbours either side (anchored pages
     without: they came with theirs already), skipping excluded ones and pages past num_pages, up to `room`."""
@@ -208,6 +218,25 @@ class RingManager:
         self._audit = Path(limits.audit_dir) if limits.audit_dir else None
         if self._audit is not None:
             self._audit.mkdir(parents=True, exist_ok=True)
+        self._deferred: list[tuple[list[int], torch.Tensor]] | None = None  # prefetched writes (batched_writes)
+
+    @contextmanager
+    def batched_writes(self) -> Iterator[None]:
+        """Restores of prefetched pages inside this block are written to the pool in one batch as it ends (also
+        when it raises), not one write per sequence: the scheduler's continued decode step makes room for every
+        sequence of the burst in turn, and nothing reads a slot before that step runs. Only for a block that
+        neither preempts nor finishes a sequence (a slot restored in it is never released and reused in it)."""
+        assert self._deferred is None, "batched_writes does not nest"
+        self._deferred = []
+        try:
+            yield
+        finally:
+            deferred, self._deferred = self._deferred, None
+            if len(deferred) == 1:
+                self.pool.write_pages(*deferred[0])
+            elif deferred:
+                slots = [slot for new, _ in deferred for slot in new]
+                self.pool.write_pages(slots, torch.cat([data for _, data in deferred]))
 
     # -- planning ---------------------------------------------------------------------------------
 
@@ -216,7 +245,15 @@ class RingManager:
         lim = self.limits
         num_pages = -(-num_tokens // lim.page_size)
         evidence = ring.evidence if lim.retrieval else set()
-        return plan_buckets(num_pages, lim.budget_pages, lim.protect_pages, lim.recent_pages, ring.skeleton, evidence)
+        # plan_buckets is a function of these and of the (frozen) limits only: the same inputs, the same plan
+        cached = ring.plans.get(num_pages)
+        if cached is not None and cached[0] == evidence and cached[1] == ring.skeleton:
+            return cached[2]
+        plan = plan_buckets(num_pages, lim.budget_pages, lim.protect_pages, lim.recent_pages, ring.skeleton, evidence)
+        if len(ring.plans) >= 4:  # a sequence asks about its current and next page (and a scoring pass's)
+            ring.plans.clear()
+        ring.plans[num_pages] = (frozenset(evidence), frozenset(ring.skeleton), plan)
+        return plan
 
     def counts(self, ring: SeqRing, num_tokens: int) -> BucketCounts:
         return self.plan(ring, num_tokens).counts(self.limits.budget_pages)
@@ -267,6 +304,7 @@ class RingManager:
         page_hashes.extend(adopted)
         self.host.pin(adopted)
         ring.pinned.extend(adopted)
+        ring.pinned_set.update(adopted)
         ring.num_adopted += count
         return count
 
@@ -274,7 +312,9 @@ class RingManager:
 
     def demote(self, slot_ids: list[int], page_hashes: list[bytes], keep: frozenset[int], ring: SeqRing) -> None:
         """Release the slots of finished pages outside `keep`; their host copy is authoritative."""
-        victims = [i for i, s in enumerate(slot_ids) if s >= 0 and i not in keep and i < len(page_hashes)]
+        # the pages with a slot, found in C (a long context's table has hundreds of pages, a few dozen resident)
+        resident = compress(range(len(slot_ids)), map(NOT_RESIDENT.__lt__, slot_ids))
+        victims = [i for i in resident if i not in keep and i < len(page_hashes)]
         if not victims:
             return
         if self.host is None:
@@ -282,9 +322,10 @@ class RingManager:
         hashes = [page_hashes[i] for i in victims]
         if not self.host.wait(hashes, timeout_s=30.0):
             raise RingExhaustedError(f"{len(hashes)} page(s) have no host copy yet; cannot demote them")
-        fresh = [h for h in hashes if h not in ring.pinned]
+        fresh = [h for h in hashes if h not in ring.pinned_set]
         self.host.pin(fresh)
         ring.pinned.extend(fresh)
+        ring.pinned_set.update(fresh)
         for i in victims:
             self.slots.release(slot_ids[i])
             slot_ids[i] = NOT_RESIDENT
@@ -295,9 +336,11 @@ class RingManager:
         """The sequence is done with its host pages (a pending re-selection and its fetch are dropped)."""
         ring.pending = None
         ring.prefetched = {}
+        ring.prefetched_data = None
         if self.host is not None and ring.pinned:
             self.host.unpin(ring.pinned)
             ring.pinned = []
+            ring.pinned_set = set()
 
     def slots_needed(self, slot_ids: list[int], keep: frozenset[int]) -> int:
         """Pages of `keep` without a slot (new pages and pages to restore)."""
@@ -323,6 +366,7 @@ class RingManager:
         if to_fetch:
             self._restore(slot_ids, page_hashes, to_fetch, ring)
         ring.prefetched = {}
+        ring.prefetched_data = None
 
     def _restore(self, slot_ids: list[int], page_hashes: list[bytes], pages: list[int], ring: SeqRing) -> None:
         """Pages fetched ahead (prefetched) are written from the device; the rest come from the host now."""
@@ -331,7 +375,15 @@ class RingManager:
         now = [p for p in pages if page_hashes[p] not in ring.prefetched]
         if ahead:
             new = [self.slots.allocate() for _ in ahead]
-            self.pool.write_pages(new, torch.stack([ring.prefetched[page_hashes[p]] for p in ahead]))
+            data = ring.prefetched_data
+            assert data is not None
+            rows = [ring.prefetched[page_hashes[p]] for p in ahead]
+            if rows != list(range(data.shape[0])):  # else every fetched page, in the fetch's (page) order
+                data = data.index_select(0, device_index(rows, data.device))
+            if self._deferred is not None:
+                self._deferred.append((new, data))
+            else:
+                self.pool.write_pages(new, data)
             for p, slot in zip(ahead, new, strict=True):
                 self.slots.register(slot, page_hashes[p])
                 slot_ids[p] = slot
@@ -350,15 +402,19 @@ class RingManager:
 
     def add_scores(self, ring: SeqRing, scores: torch.Tensor, num_query_tokens: int) -> None:
         """Accumulate one step's page scores ([pages], unit mass per query token and head)."""
-        scores = scores.detach().float().cpu()
+        if scores.requires_grad or scores.dtype != torch.float32 or scores.device.type != "cpu":
+            scores = scores.detach().float().cpu()  # (each of these is a dispatch even when it changes nothing)
         if scores.dim() == 2:  # per-head masses [heads, pages] of an attention query pass (fused in select)
             ring.scores = scores
             ring.scored_tokens += num_query_tokens
             return
-        if ring.scores is None or ring.scores.shape[0] < scores.shape[0]:
+        if ring.scores is None:  # the first (a decode re-selection's only) scoring step: a copy, later ones add to it
+            ring.scores = scores.add(0.0)  # the values zeros + scores held (-0.0 made 0.0 too), in one op
+            ring.scored_tokens += num_query_tokens
+            return
+        if ring.scores.shape[0] < scores.shape[0]:
             grown = torch.zeros(scores.shape[0])
-            if ring.scores is not None:
-                grown[: ring.scores.shape[0]] = ring.scores
+            grown[: ring.scores.shape[0]] = ring.scores
             ring.scores = grown
         ring.scores[: scores.shape[0]] += scores
         ring.scored_tokens += num_query_tokens
@@ -436,7 +492,9 @@ class RingManager:
             return
         if data.device.type == "cuda":
             data.record_stream(torch.cuda.current_stream(data.device))  # filled on the prefetcher's stream
-        ring.prefetched = dict(zip(hashes, data.unbind(0), strict=True))
+        assert len(hashes) == data.shape[0], (len(hashes), data.shape)
+        ring.prefetched = {h: i for i, h in enumerate(hashes)}
+        ring.prefetched_data = data
 
     def _prefetch(self, page_hashes: list[bytes]) -> Future[tuple[list[bytes], torch.Tensor]]:
         assert self.host is not None and self._prefetcher is not None
@@ -474,7 +532,8 @@ class RingManager:
         ranked: list[int] = torch.argsort(scores, descending=True, stable=True).tolist()
         decoding = ring.final_scored and bool(ring.anchor)
         kept = [p for p in ring.anchor[: lim.anchor_pages] if p not in excluded] if decoding else []
-        order = kept + [p for p in ranked if p not in excluded and p not in kept]
+        # lazily: pick_pages stops once the room is filled, long before the end of a long context's ranking
+        order = chain(kept, (p for p in ranked if p not in excluded and p not in kept))
         chosen = pick_pages(order, num_candidate_pages, excluded, lim.evidence_pages, lim.neighbor_pages, kept)
         ring.evidence = set(chosen)
         if not decoding and ring.final_scored:

@@ -47,12 +47,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from services.common.pagehash import chain_hashes, root_hash
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.recurrent_state import RecurrentStates, state_key
 from services.engine.kv.slots import SlotAllocator
+from services.engine.ring.buckets import BucketPlan
 from services.engine.ring.ring import HostPages, PagesLostError, RingExhaustedError, RingManager, restore_pages
 from services.engine.step.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
 from services.kvstore.pages import KVStoreError
@@ -228,13 +230,15 @@ class Scheduler:
                 return None  # its re-selection takes effect at the very next step: the host selects first
             if self.states is not None and self.states.is_boundary(w.start + w.num_steps):
                 return None  # the state snapshot at this boundary is taken when the host reads the step
-        for seq in seqs:
-            try:
-                self._make_room_or_raise(seq, 1, preempt=False)
-            except (_NoRoom, PagesLostError, RingExhaustedError) as exc:
-                logger.debug("%s: no continued step (%s); the host schedules the next one", seq.request_id, exc)
-                self._room_keys.pop(seq, None)  # the next schedule plans it again
-                return None
+        # the sequences' prefetched pages written in one batch (nothing here preempts or reads a slot)
+        with self.ring.batched_writes() if self.ring is not None else nullcontext():
+            for seq in seqs:
+                try:
+                    self._make_room_or_raise(seq, 1, preempt=False)
+                except (_NoRoom, PagesLostError, RingExhaustedError) as exc:
+                    logger.debug("%s: no continued step (%s); the host schedules the next one", seq.request_id, exc)
+                    self._room_keys.pop(seq, None)  # the next schedule plans it again
+                    return None
         works = [w._replace(on_device=True) for w in self._burst([self._work(seq, 1) for seq in seqs])]
         assert all(w.device_argmax for w in works), "a continued decode step the decode runner does not accept"
         return self._stamp(works)
@@ -368,12 +372,15 @@ class Scheduler:
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def _needed(self, seq: Sequence, want: int) -> int:
-        """Slots this sequence still lacks for a step of `want` tokens."""
+    def _needed(self, seq: Sequence, want: int, plan: BucketPlan | None = None) -> int:
+        """Slots this sequence still lacks for a step of `want` tokens (`plan`: its ring's plan for the step,
+        when the caller has it)."""
         end = seq.num_computed + want
         if seq.ring is None or self.ring is None:
             return self._pages_for(end) - len(seq.page_table.slot_ids)
-        return self.ring.slots_needed(seq.page_table.slot_ids, self.ring.plan(seq.ring, end).resident)
+        if plan is None:
+            plan = self.ring.plan(seq.ring, end)
+        return self.ring.slots_needed(seq.page_table.slot_ids, plan.resident)
 
     def _fits(self, seq: Sequence, want: int) -> bool:
         return self._needed(seq, want) <= self.slots.num_available()
@@ -396,33 +403,43 @@ class Scheduler:
     def _make_room_or_raise(self, seq: Sequence, want: int, preempt: bool = True) -> bool:
         end = seq.num_computed + want
         table = seq.page_table
+        plan: BucketPlan | None = None
         if seq.ring is not None and self.ring is not None:
-            self.ring.apply_pending(seq.ring)  # a decode re-selection whose step has come
+            ring = seq.ring
+            self.ring.apply_pending(ring)  # a decode re-selection whose step has come
             # a decode step inside an already resident page, with the same evidence and skeleton as the
             # step before: the plan (and so the resident set) is the same; skip walking the page table
-            key = (table, -(-end // self.page_size), frozenset(seq.ring.evidence), frozenset(seq.ring.skeleton))
+            # (compared before a new key is built: the sets are copied only when they changed)
+            num_pages = -(-end // self.page_size)
             last = self._room_keys.get(seq)
-            if last is not None and last[0] is table and last[1:] == key[1:]:
+            if (
+                last is not None
+                and last[0] is table
+                and last[1] == num_pages
+                and last[2] == ring.evidence
+                and last[3] == ring.skeleton
+            ):
                 return True
-            self._room_keys[seq] = key
-        if seq.ring is not None and self.ring is not None:
-            plan = self.ring.plan(seq.ring, end)
-            self.ring.demote(table.slot_ids, table.page_hashes, plan.resident, seq.ring)
+            self._room_keys[seq] = (table, num_pages, frozenset(ring.evidence), frozenset(ring.skeleton))
+            # one plan for the whole room-making: it depends on the sequence's length, evidence and skeleton,
+            # which neither demote nor preempting another sequence changes (preempting this one returns)
+            plan = self.ring.plan(ring, end)
+            self.ring.demote(table.slot_ids, table.page_hashes, plan.resident, ring)
             computed_pages = seq.num_computed // self.page_size
             hidden = computed_pages - sum(1 for p in plan.resident if p < computed_pages)
-            if seq.ring.policy == "sparse":
-                seq.ring.hidden_pages = max(seq.ring.hidden_pages, hidden)
-        while self._needed(seq, want) > self.slots.num_available():
+            if ring.policy == "sparse":
+                ring.hidden_pages = max(ring.hidden_pages, hidden)
+        while self._needed(seq, want, plan) > self.slots.num_available():
             if not preempt:
-                raise _NoRoom(f"{self._needed(seq, want)} slot(s) needed, {self.slots.num_available()} free")
+                raise _NoRoom(f"{self._needed(seq, want, plan)} slot(s) needed, {self.slots.num_available()} free")
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
-        if seq.ring is not None and self.ring is not None:
-            plan = self.ring.plan(seq.ring, end)
+        if plan is not None and seq.ring is not None and self.ring is not None:
             self.ring.materialize(table.slot_ids, table.page_hashes, plan.resident, seq.ring)
-            assert set(table.resident_pages()) == plan.resident, (table.resident_pages(), plan)
+            # the invariant, in O(resident pages) (PageTable.resident_exactly), not a walk of every page
+            assert table.resident_exactly(plan.resident), (table.resident_pages(), plan)
         else:
             while len(table.slot_ids) < self._pages_for(end):
                 table.slot_ids.append(self.slots.allocate())

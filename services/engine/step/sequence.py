@@ -6,6 +6,7 @@ import enum
 import queue
 import time
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -67,7 +68,20 @@ class PageTable:
     page_hashes: list[bytes] = field(default_factory=list)
 
     def resident_pages(self) -> list[int]:
-        return [p for p, s in enumerate(self.slot_ids) if s != NOT_RESIDENT]
+        """The pages with a slot, in order (compress and map run in C: a long context's table has hundreds
+        of pages, walked per sequence and step)."""
+        return list(compress(range(len(self.slot_ids)), map(NOT_RESIDENT.__ne__, self.slot_ids)))
+
+    def resident_exactly(self, pages: frozenset[int]) -> bool:
+        """Whether exactly `pages` have a slot: each of them has one and no other page does. The same answer
+        as `set(resident_pages()) == pages` in O(len(pages)) Python steps (the count of slots runs in C), so
+        that the scheduler can check its plan against the table on every room-making."""
+        slot_ids = self.slot_ids
+        n = len(slot_ids)
+        for p in pages:
+            if p >= n or slot_ids[p] == NOT_RESIDENT:
+                return False
+        return n - slot_ids.count(NOT_RESIDENT) == len(pages)
 
 
 @dataclass(eq=False)  # identity: a sequence is one request
