@@ -11,6 +11,8 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from services.engine.ring.exact_attention import grouped_attention_lse, rows_to_heads
+
 if TYPE_CHECKING:
     from services.engine.kernels.decode_attention_triton import Partials
 
@@ -204,7 +206,7 @@ def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return out[0].transpose(0, 1)  # [n, Hq, D]
 
 
-PROMPT_BUCKET = 1024  # prompt_sdpa pads a whole prompt to a multiple of this: cuDNN builds one plan per length
+PROMPT_BUCKET = 1024  # prompt_sdpa pads a chunk (and wants a past) to a multiple of this: one cuDNN plan a length
 
 
 _PROMPT_REFUSED: set[tuple[torch.dtype, int]] = set()  # (dtype, head_dim) cuDNN would not run in this process
@@ -279,14 +281,12 @@ def _sdpa_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tu
             q, k, v, None, True, 0.0, causal, False, scale=scale
         )[:2]
         return out, lse.reshape(1, heads, t, 1).float()
-    group = heads // k.shape[1]
-    kk, vv = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
-    scores = (q.float() @ kk.transpose(-1, -2)) * scale
-    if causal:
-        seen = torch.ones(t, k.shape[2], dtype=torch.bool).tril()
-        scores = scores.masked_fill(~seen, float("-inf"))
-    lse = torch.logsumexp(scores, -1, keepdim=True)
-    return torch.softmax(scores, -1) @ vv, lse
+    mask = None
+    if causal:  # the additive [G * T, S] mask in grouped_sdpa's row order
+        seen = position_mask(torch.arange(t), torch.arange(k.shape[2])).repeat(heads // k.shape[1], 1)
+        mask = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
+    out, lse = grouped_attention_lse(q[0].transpose(0, 1), k[0], v[0], mask, scale)  # [Hkv, G * T, D], [Hkv, G * T]
+    return rows_to_heads(out, t, heads).transpose(0, 1)[None], lse.reshape(1, heads, t, 1)
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, enable_gqa: bool = False) -> Tensor:

@@ -105,9 +105,9 @@ class StepAttention:
         self.mode = prefill_mode() if pool.device.type == "cuda" or explicit else "masked"
         paged = self.mode in ("cudnn", "triton")
         self.kernel = triton_module("prefill_attention_triton", pool.device) if paged else None
-        self.prompt_kernel = self.mode == "cudnn"  # whole prompts through cuDNN, the rest as `triton`
+        self.prompt_kernel = self.mode == "cudnn"  # chunks over a bucketed past through cuDNN, the rest as `triton`
         if paged and self.kernel is None:
-            self.mode = "flash"  # not the Triton tier (whole prompts still through cuDNN)
+            self.mode = "flash"  # not the Triton tier (prompt chunks still through cuDNN)
         self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}  # (span, window, local) -> mask
 
     def kv_sink(self, layer_idx: int) -> None:
