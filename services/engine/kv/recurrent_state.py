@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from services.engine.kv.transfers import device_index
 from services.engine.models.config import LinearAttentionShape
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class RecurrentBatch:
         """Rows (of B) whose state is written back; None: all of them."""
         if all(self.keep):
             return None
-        return torch.tensor([i for i, k in enumerate(self.keep) if k], dtype=torch.long, device=self.slots.device)
+        return device_index([i for i, k in enumerate(self.keep) if k], self.slots.device)
 
 
 class RecurrentStates:
@@ -119,8 +120,7 @@ class RecurrentStates:
     def batch(self, slots: list[int], lengths: list[int], fresh: list[bool], keep: list[bool]) -> RecurrentBatch:
         dev = self.device
         return RecurrentBatch(
-            self, torch.tensor(slots, dtype=torch.long, device=dev), lengths,
-            torch.tensor(fresh, dtype=torch.bool, device=dev), keep,
+            self, device_index(slots, dev), lengths, device_index([int(f) for f in fresh], dev).bool(), keep,
         )  # fmt: skip
 
     # -- snapshots -------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.paged_attention import SeqSpan, StepAttention
 from services.engine.kv.recurrent_state import RecurrentStates
-from services.engine.kv.transfers import copied, to_host
+from services.engine.kv.transfers import copied, device_index, to_host
 from services.engine.models.loader import CausalLM
 from services.engine.ring.ring import HostPages
 from services.engine.step.decode_graph import DecodeGraphs
@@ -104,8 +104,10 @@ class ModelRunner:
             spans.append(self._span(w))
             if w.samples:
                 sample_rows.append(len(token_ids) - 1)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        # every index through pinned memory (kv/transfers.py): a pageable copy would make the host wait for the
+        # step before this one, a prompt chunk that samples nothing included, and the device then waits for the host
+        ids = device_index(token_ids, self.device)
+        pos = device_index(positions, self.device)
         cfg = self.model.config
         attn = StepAttention(self.pool, spans, cfg.num_heads // cfg.num_kv_heads, self.model.embed_tokens.weight.dtype)
         if self.states is not None:  # each sequence's slot; a scoring pass reads its state, keeps nothing
@@ -119,7 +121,7 @@ class ModelRunner:
         scores = [span.scores for span in spans]
         if not sample_rows:
             return torch.empty(0, device=self.device), scores
-        rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        rows_t = device_index(sample_rows, self.device)
         return self.model.logits(hidden.index_select(0, rows_t)), scores  # [M, V]
 
     def _local_span(self, span: SeqSpan, w: Work, end: int) -> None:
@@ -151,19 +153,19 @@ class ModelRunner:
         size = self.pool.page_size
         table = w.seq.page_table
         end = w.start + w.num_new
-        slots = torch.tensor(table.slot_ids, dtype=torch.long, device=self.device)
+        slots = device_index(table.slot_ids, self.device)
         new_pos = torch.arange(w.start, end, device=self.device)
         write_rows = slots[new_pos // size] * size + new_pos % size
         last_page = (end - 1) // size
         resident = [p for p in range(last_page + 1) if table.slot_ids[p] != NOT_RESIDENT]
-        res_t = torch.tensor(resident, dtype=torch.long, device=self.device)
+        res_t = device_index(resident, self.device)
         read_rows = self.pool.rows(slots[res_t])
         if len(resident) == last_page + 1:
             read_rows, key_pos = read_rows[:end], None
-        else:
+        else:  # the last page (resident: it takes the new rows) is the only one cut at `end` (a slice, not a mask)
             key_pos = (res_t[:, None] * size + torch.arange(size, device=self.device)[None, :]).reshape(-1)
-            keep = key_pos < end
-            read_rows, key_pos = read_rows[keep], key_pos[keep]
+            kept = len(resident) * size - ((last_page + 1) * size - end)
+            read_rows, key_pos = read_rows[:kept], key_pos[:kept]
         span = SeqSpan(w.start, w.num_new, write_rows, read_rows, key_pos)
         if self.pool.local is not None:
             self._local_span(span, w, end)
