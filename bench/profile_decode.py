@@ -10,7 +10,9 @@
                                                                 # steps slow), step time percentiles, cProfile
     PYTHONPATH=. python3 bench/profile_decode.py --mode gaps      # a 30K request's overlapped decode (--context: other
                                                                 # lengths) under torch.profiler: device busy vs span,
-                                                                # its idle gaps, the engine phases the host was in
+                                                                # its idle gaps, the engine phases the host was in;
+                                                                # --model-dir D --batch 32 --budget 4096 --kv-format
+                                                                # fp8: a production shape's sessions at batch
     PYTHONPATH=. python3 bench/profile_decode.py --mode prefill   # an 8K prompt through the ring: each prefill step's
                                                                 # phases, then its kernels under torch.profiler
     PYTHONPATH=. python3 bench/profile_decode.py --mode logits    # the engine's logits after a prefill vs
@@ -283,30 +285,38 @@ def ring(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
-def gaps(engine, vocab: int, context: int = 30000) -> None:  # type: ignore[no-untyped-def]
-    """One request's overlapped decode (30K: through the ring) under torch.profiler: how much of its span the
-    device is busy, the idle gaps between its kernels and copies (what ran before and after each), and the
-    engine phases (record_function ranges) the host was in during them."""
+def gaps(engine, vocab: int, context: int = 30000, batch: int = 1, new_tokens: int = 200, budget: int = 0) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
+    """`batch` requests' overlapped decode (past the ring budget: through the ring) under torch.profiler: how
+    much of its span the device is busy, the idle gaps between its kernels and copies (what ran before and
+    after each), and the engine phases (record_function ranges) the host was in during them. The profile
+    starts once every request has its first token (all of them decoding together)."""
     from torch.profiler import ProfilerActivity, profile
 
-    _run(engine, _prompt(context, vocab, 4), 24, "warm")
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    seq = engine.submit("gaps", _prompt(context, vocab, 7), params, namespace="gaps")
+    if batch == 1:
+        _run(engine, _prompt(context, vocab, 4), 24, "warm")
+    else:  # the batch's decode graphs, captured before the profile (as bench/scale_engine.warm_graphs does)
+        size = engine.pool.page_size
+        widths = [-(-min(budget or context + new_tokens, context + new_tokens) // size) * size]
+        engine.runner.decode.warm_up([1 << k for k in range(batch.bit_length() + 1) if 1 << k < 2 * batch], widths)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    seqs = [
+        engine.submit(f"gaps{i}", _prompt(context, vocab, 7 + i), params, namespace=f"gaps{i}") for i in range(batch)
+    ]
     engine.poll()
     prof, tokens0 = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), -1
     phases = _ring_phases(engine, labels=True)
     while engine.scheduler.has_work():
-        if tokens0 < 0 and seq.known_outputs >= 1:  # the decode (one step() runs overlapped bursts till the end)
-            tokens0 = seq.known_outputs
+        if tokens0 < 0 and all(s.known_outputs >= 1 for s in seqs):  # one step() runs overlapped bursts on
+            tokens0 = sum(s.known_outputs for s in seqs)
             phases.on = True
             prof.start()
         engine.step()
     torch.cuda.synchronize()
     if tokens0 < 0:
-        print(f"the request ended before its first token: {seq.status}")
+        print(f"the requests ended before their first tokens: {[s.status for s in seqs]}")
         return
     prof.stop()
-    tokens = len(seq.output_ids) - tokens0
+    tokens = sum(len(s.output_ids) for s in seqs) - tokens0
     phases.on = False
     raw = list(prof.profiler.kineto_results.events())  # type: ignore[union-attr]
     events = sorted(
@@ -339,7 +349,8 @@ def gaps(engine, vocab: int, context: int = 30000) -> None:  # type: ignore[no-u
             cur_e, last = t, name
     busy += cur_e - cur_s
     wall = end - start
-    print(f"{tokens} tokens at {context}, overlapped bursts: GPU span {wall / 1e3:.2f} ms ({wall / tokens:.1f} us a "
+    print(f"{tokens} tokens ({batch} requests) at {context}, overlapped bursts: GPU span {wall / 1e3:.2f} ms "
+          f"({wall / tokens:.1f} us a "
           f"token), busy {busy / 1e3:.2f} ms ({busy / tokens:.1f} us a token, {100 * busy / wall:.1f}%)")  # fmt: skip
     print("idle gaps by (before -> after): count, total us, max us")
     for key, g in sorted(gap_by.items(), key=lambda kv: -sum(kv[1]))[:20]:
@@ -435,11 +446,20 @@ def main() -> int:
     )
     parts = ", ".join(KNOCKABLE)
     p.add_argument("--knock", default="", help=f"--mode kernels: parts left out ({parts}; comma-separated)")
+    p.add_argument("--model-dir", default="", help="--mode gaps: an HF directory instead of a random Gemma 3 270M")
+    p.add_argument("--batch", type=int, default=1, help="--mode gaps: requests decoding together")
+    p.add_argument("--budget", type=int, default=4096, help="--mode gaps with --model-dir: ring budget a sequence")
+    p.add_argument("--kv-format", default="auto", help="--mode gaps with --model-dir: the engine's kv_format")
+    p.add_argument("--token-kib", type=int, default=128, help="--mode gaps with --model-dir: host KiB a token")
+    p.add_argument("--new-tokens", type=int, default=200, help="--mode gaps: tokens each request decodes")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill tokens a step")
     a = p.parse_args()
     knocked = {part for part in a.knock.split(",") if part}
     if knocked - set(KNOCKABLE) or (knocked and a.mode != "kernels"):
         p.error(f"--knock takes {parts} with --mode kernels")
     knock_out(knocked)
+    if a.model_dir and a.mode != "gaps":
+        p.error("--model-dir, --batch, --budget and --kv-format are --mode gaps options")
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
         print("profile_decode.py needs a CUDA device")
@@ -448,15 +468,26 @@ def main() -> int:
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         os.environ["KVMEM_CACHE_DIR"] = str(tmp / "cache")
-        hf = write_random_gemma(tmp / "gemma", 0, device)
+        model = a.model_dir or str(tmp / "gemma")
+        hf = None if a.model_dir else write_random_gemma(tmp / "gemma", 0, device)
         kw: dict[str, object] = dict(max_context=4096, kv_capacity=4096, max_running=4)
         if a.mode in ("ring", "gaps", "prefill") or (a.context or 0) > 4000:
             from bench.store import kvstore, redis_server
 
+            context = a.context or 30000
+            host_mib = 4096
+            if a.model_dir:
+                host_mib = a.batch * (context + a.new_tokens + 256) * a.token_kib // 1024 + 1024
             url = stack.enter_context(redis_server())
-            stack.enter_context(kvstore(url, 4096, "--arena-dir", "/dev/shm"))
-            kw = dict(max_context=32768, kv_capacity=4096, max_running=16, redis_url=url, host_kv_mib=4096)
-        cfg = EngineConfig(model=str(tmp / "gemma"), device="cuda", prefill_chunk=2048, **kw)  # type: ignore[arg-type]  # noqa: E501
+            stack.enter_context(kvstore(url, host_mib, "--arena-dir", "/dev/shm"))
+            kw = dict(max_context=32768, kv_capacity=4096, max_running=16, redis_url=url, host_kv_mib=host_mib)
+            if a.model_dir:  # a ring budget per sequence inside a pool for the batch
+                max_context = -(-(context + a.new_tokens + 64) // 1024) * 1024
+                kw = dict(
+                    max_context=max_context, kv_capacity=a.batch * a.budget + 4 * 64, ring_budget=a.budget,
+                    max_running=max(16, a.batch), redis_url=url, host_kv_mib=host_mib, kv_format=a.kv_format,
+                )  # fmt: skip
+        cfg = EngineConfig(model=model, device="cuda", prefill_chunk=a.chunk, **kw)  # type: ignore[arg-type]
         engine, info = build_engine(cfg, start=False)
         stack.callback(engine.stop)
         if a.mode == "logits":
@@ -466,7 +497,7 @@ def main() -> int:
             if a.mode == "kernels":
                 kernels(engine, info.vocab_size, a.context or 2000)
             elif a.mode == "gaps":
-                gaps(engine, info.vocab_size, a.context or 30000)
+                gaps(engine, info.vocab_size, a.context or 30000, a.batch, a.new_tokens, a.budget)
             else:
                 {"host": host, "ring": ring, "prefill": prefill}[a.mode](engine, info.vocab_size)
     return 0
