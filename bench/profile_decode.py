@@ -370,6 +370,18 @@ def gaps(engine, vocab: int, context: int = 30000, batch: int = 1, new_tokens: i
     for g0, g1, before, after in sorted(idle, key=lambda g: g[0] - g[1])[:12]:
         at = [stack(g0 + f * (g1 - g0)) for f in (0.0, 1 / 3, 2 / 3, 1.0)]
         print(f"  {g1 - g0:7.1f}  {before[:32]} -> {after[:32]}\n      " + "\n      ".join(at))
+    waits: dict[str, list[float]] = {}  # the host's synchronising waits, by the phases it was in
+    for e in raw:
+        if e.device_type() == torch.autograd.DeviceType.CPU and e.name() in (
+            "cudaStreamSynchronize",
+            "cudaDeviceSynchronize",
+            "cudaEventSynchronize",
+            "cudaMemcpy",
+        ):
+            waits.setdefault(f"{e.name()}: {stack(e.start_ns() / 1e3)}", []).append(e.duration_ns() / 1e6)
+    print("host synchronisations by phase stack: count, total ms, max ms")
+    for key, w in sorted(waits.items(), key=lambda kv: -sum(kv[1]))[:15]:
+        print(f"  {len(w):5d} {sum(w):8.1f} {max(w):7.2f}  {key}")
     print("phase wall times over the profiled decode: name, calls, total ms, ms per call")
     for name, ts in sorted(phases.total.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {name:28s} {len(ts):5d} {1e3 * sum(ts):8.1f} {1e3 * sum(ts) / len(ts):7.3f}")

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.kernels import active_tier
+from services.engine.kv.transfers import device_index
 
 if TYPE_CHECKING:
     from services.engine.kv.kv_pool import KVPool
@@ -108,7 +109,8 @@ class PageSummaries:
         flat = (num_pages, -1, self.kmin.shape[-1])
         kmin, kmax = self.kmin[:, :num_pages], self.kmax[:, :num_pages]
         if rows is not None and len(rows) < len(self.layers):  # only these layers (scored_rows)
-            kmin, kmax = kmin[rows], kmax[rows]
+            take = row_index(rows, kmin.device)
+            kmin, kmax = kmin[take], kmax[take]
         return kmin.transpose(0, 1).reshape(flat), kmax.transpose(0, 1).reshape(flat)
 
     def _tables(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,6 +153,15 @@ class PageSummaries:
 
     def nbytes(self) -> int:
         return 3 * self.kmin.numel() * 4
+
+
+def row_index(rows: Sequence[int], device: torch.device) -> slice | torch.Tensor:
+    """An index of these rows of a tensor's first dimension: a slice when they are consecutive (scored_rows
+    always are: the layers past a depth), else int64 on `device` through pinned memory. A Python list as an
+    index would be copied from pageable memory: the host would wait for every step queued before it."""
+    if list(rows) == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return device_index(list(rows), device)
 
 
 def summary_update_reference(

@@ -71,9 +71,10 @@ from services.engine.kernels import triton_module
 from services.engine.kv.attention import PAD_POS, KVSink, sdpa
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.recurrent_state import RecurrentBatch, RecurrentStates
-from services.engine.kv.transfers import device_index, to_host
+from services.engine.kv.transfers import to_host
 from services.engine.models.loader import CausalLM
 from services.engine.ring.local_ring import ring_read_set
+from services.engine.ring.summaries import row_index
 from services.engine.step.scheduler import Work
 from services.engine.step.sequence import NOT_RESIDENT, Sequence
 
@@ -429,7 +430,7 @@ class DecodeGraphs:
             q = self._last.queries.index_select(0, self._paged_index)[:, i].float() * self._query_scales  # [L, Hq, D]
             rows = ring.summaries.scored_rows()  # the layers that score (RingLimits.score_from)
             if len(rows) < q.shape[0]:
-                q = q[device_index(rows, q.device)]  # pinned: the burst on the device is not waited for
+                q = q[row_index(rows, q.device)]  # a slice: the burst on the device is not waited for
             bounds = ring.summaries.stacked_bounds(num_pages, rows)
             out.append(ring.summaries.score(q.reshape(1, -1, q.shape[-1]), *bounds, self._score_scale))
         return out
