@@ -22,6 +22,7 @@ from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
 from services.engine.ring.local_ring import LocalRings, ring_span
 from services.engine.ring.ring import RingLimits
+from services.engine.ring.summaries import warm_page_scores
 from services.engine.step.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,9 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
             config.ring_budget_pages, config.protect_pages, config.recent_pages, config.skeleton_pages,
             config.evidence_pages, config.ring_chunk, config.prefill_policy, "on" if config.retrieval else "OFF",
         )  # fmt: skip
+        max_pages = -(-max_context // config.page_size)
+        heads = (model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
+        warm_page_scores(device, *heads, max_pages, (torch.float32, config.torch_dtype))
     limits = EngineLimits(
         max_context=max_context,
         page_size=config.page_size,

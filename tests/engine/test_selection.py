@@ -3,11 +3,13 @@ and decode re-selections that keep the prompt's best pages (anchor_pages)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from services.engine.kernels import active_tier
 from services.engine.kv.slots import SlotAllocator
 from services.engine.ring.ring import RingManager, SeqRing
-from services.engine.ring.summaries import PageSummaries, page_scores, page_votes
+from services.engine.ring.summaries import PageSummaries, page_scores, page_votes, warm_page_scores
 from tests.engine.helpers import ring_limits
 
 
@@ -182,3 +184,35 @@ def test_score_from_skips_the_early_layers() -> None:
     assert torch.equal(kmin, s.kmin[2, :5]) and torch.equal(kmax, s.kmax[2, :5])
     full = s.stacked_bounds(5)[0]
     assert full.shape == (5, 6, 8) and torch.equal(full[:, 4:], kmin)
+
+
+def test_warm_page_scores_is_a_no_op_off_cuda() -> None:
+    assert warm_page_scores(torch.device("cpu"), 4, 2, 8, 4096, (torch.float32,)) == 0
+
+
+@pytest.mark.gpu
+def test_warm_page_scores_compiles_every_variant_a_context_meets() -> None:
+    """After the warm-up, scoring at any page count up to max_pages, in either query dtype, compiles nothing
+    (the first decode re-selection of a fresh engine stalled every running sequence for ~2 s without it)."""
+    from services.engine.kernels import summaries_triton as st
+
+    if active_tier().backend != "triton":
+        pytest.skip("the Triton tier compiles the variants")
+    dev = torch.device("cuda")
+    calls = warm_page_scores(dev, 32, 8, 128, 2048, (torch.float32, torch.bfloat16))
+    assert calls == 2 * 3  # 512, 1024, 2048 pages: PAGE_BLOCKS 16, 32, 64
+
+    def compiled() -> int:
+        kernels = (st._score_mass_kernel, st._score_stats_kernel)
+        if not all(hasattr(k, "device_caches") for k in kernels):
+            pytest.skip("this Triton keeps no device_caches")
+        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+
+    before = compiled()
+    for pages in (3, 300, 700, 1500, 2048):
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(1, 1024, 128, device=dev).to(dtype)
+            kmin = torch.randn(pages, 256, 128, device=dev)
+            out = page_scores(q, kmin, kmin + 1, 128**-0.5)
+            assert out.shape == (pages,) and torch.isfinite(out).all()
+    assert compiled() == before

@@ -155,6 +155,36 @@ class PageSummaries:
         return 3 * self.kmin.numel() * 4
 
 
+def warm_page_scores(
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_pages: int,
+    dtypes: Sequence[torch.dtype],
+) -> int:
+    """Run page scoring once per compiled variant a sequence of up to `max_pages` pages can meet (the Triton
+    tier compiles one per power of two of page blocks past 512 pages), for queries of each dtype; returns the
+    calls made. Without it the first decode re-selection compiles the kernels (~1 s each on a cold cache) while
+    every running sequence waits. A no-op off CUDA (the interpreter's tests compile nothing)."""
+    if device.type != "cuda" or _kernels(device) is None or max_pages <= 0:
+        return 0
+    counts, n = [], 512
+    while True:
+        counts.append(min(n, max_pages))
+        if n >= max_pages:
+            break
+        n *= 2
+    calls = 0
+    for dtype in dict.fromkeys(dtypes):
+        q = torch.randn(1, num_heads, head_dim, device=device).to(dtype)
+        for count in counts:
+            bounds = torch.randn(count, num_kv_heads, head_dim, device=device)
+            page_scores(q, bounds - 1, bounds + 1, head_dim**-0.5)
+            calls += 1
+    return calls
+
+
 def row_index(rows: Sequence[int], device: torch.device) -> slice | torch.Tensor:
     """An index of these rows of a tensor's first dimension: a slice when they are consecutive (scored_rows
     always are: the layers past a depth), else int64 on `device` through pinned memory. A Python list as an
