@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.kernels import active_tier
 from services.engine.kv.slots import SlotAllocator
 from services.engine.ring.ring import RingManager, SeqRing
 from services.engine.ring.summaries import PageSummaries, page_scores, page_votes, warm_page_scores
@@ -194,11 +193,20 @@ def test_warm_page_scores_is_a_no_op_off_cuda() -> None:
 def test_warm_page_scores_compiles_every_variant_a_context_meets() -> None:
     """After the warm-up, scoring at any page count up to max_pages, in either query dtype, compiles nothing
     (the first decode re-selection of a fresh engine stalled every running sequence for ~2 s without it)."""
+    from services.engine import kernels
+
+    dev = torch.device("cuda")
+    before_tier = kernels.active_tier()
+    kernels.use_tier(kernels.select_tier(dev, "triton"))
+    try:
+        _warm_then_score(dev)
+    finally:
+        kernels.use_tier(before_tier)
+
+
+def _warm_then_score(dev: torch.device) -> None:
     from services.engine.kernels import summaries_triton as st
 
-    if active_tier().backend != "triton":
-        pytest.skip("the Triton tier compiles the variants")
-    dev = torch.device("cuda")
     calls = warm_page_scores(dev, 32, 8, 128, 2048, (torch.float32, torch.bfloat16))
     assert calls == 2 * 3  # 512, 1024, 2048 pages: PAGE_BLOCKS 16, 32, 64
 
