@@ -304,6 +304,15 @@ def test_write_kv_matches_index_copy(where: str, dtype: torch.dtype) -> None:
     write_kv_reference(*want, rows, k, v)
     write_kv(*stores, rows, k, v)
     assert torch.equal(stores[0], want[0]) and torch.equal(stores[1], want[1])
+    # a prompt chunk: more tokens than a program takes, not a multiple of it, and Hkv * D not a power of two
+    stores = [torch.randn(2000, 3, 64, generator=g).to(device, dtype) for _ in range(2)]
+    want = [s.clone() for s in stores]
+    rows = torch.randperm(2000, generator=g)[:1037].to(device)
+    kv = torch.randn(1037, 11, 64, generator=g).to(device, dtype)
+    k, v = kv[:, 5:8], kv[:, 8:11]
+    write_kv_reference(*want, rows, k, v)
+    write_kv(*stores, rows, k, v)
+    assert torch.equal(stores[0], want[0]) and torch.equal(stores[1], want[1])
 
 
 # -- GPU only: CUDA graphs and compiled variants -------------------------------------------------------------

@@ -104,44 +104,63 @@ def test_supported() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("mode", ["cudnn", "triton", "flash"])
 @pytest.mark.parametrize("kv", ["fp16", "fp8"])
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_step_attention_modes_match_masked(
-    mode: str, kv: str, triton_tier: None, fp8_in_place: None, monkeypatch: pytest.MonkeyPatch
+    mode: str, kv: str, where: str, triton_tier: None, fp8_in_place: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One step packing two sequences' chunks (one with 21 earlier tokens on scattered pages, one fresh) and a
-    decode token: each KVMEM_PREFILL_ATTENTION mode gives the masked path's output, and `triton` (and `cudnn`,
-    for chunks under a bucket) really runs the
-    kernel (interpreted here) on the two chunks, not on the single token; an fp8 pool layer too (read in place
-    by the kernel, with fp8=True, under KVMEM_FP8_ATTENTION=1; gathered and dequantised by the other paths)."""
+    """One step packing two sequences' chunks (one with 21 earlier tokens on scattered pages, one fresh) and two
+    decode tokens (one over a gapped ring read set): each KVMEM_PREFILL_ATTENTION mode gives the masked path's
+    output, `triton` (and `cudnn`, for chunks under a bucket) really runs the kernel (interpreted here) on the
+    two chunks, and every mode but the masked one runs both decode tokens through one flash-decoding launch;
+    an fp8 pool layer too (read in place by the kernels, with fp8=True, under KVMEM_FP8_ATTENTION=1; gathered
+    and dequantised by the masked path). On CUDA the same with the compiled kernels."""
+    from services.engine import kernels
+    from services.engine.kernels import decode_attention_triton as dat
     from services.engine.kernels import prefill_attention_triton as pat
     from services.engine.kv.kv_formats import parse_format
     from services.engine.kv.kv_pool import KVPool
     from services.engine.kv.paged_attention import SeqSpan, StepAttention
 
+    dev = device_or_skip(where)
+    if dev.type == "cuda":
+        monkeypatch.setattr(kernels, "_active", kernels.select_tier(dev, "triton"))  # the fixture's tier after
     page, hq, hkv, d = 8, 4, 2, 32
-    pool = KVPool(1, 24, page, hkv, d, torch.float16, torch.device("cpu"), [parse_format(kv)])
+    pool = KVPool(1, 24, page, hkv, d, torch.float16, dev, [parse_format(kv)])
     g = torch.Generator().manual_seed(5)
     slots = [torch.tensor([9, 2, 17, 5, 11]), torch.tensor([0, 3, 20]), torch.tensor([7, 8])]
     past, new = [21, 0, 12], [18, 19, 1]
 
     def rows(s: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         pos = torch.arange(lo, hi)
-        return s[pos // page] * page + pos % page
+        return (s[pos // page] * page + pos % page).to(dev)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).half().to(dev)
 
     for s, p in zip(slots, past, strict=True):  # the earlier tokens' K/V are in the pool already
         if p:
             r = rows(s, 0, p)
-            pool.write(0, r, torch.randn(p, hkv, d, generator=g).half(), torch.randn(p, hkv, d, generator=g).half())
+            pool.write(0, r, randn(p, hkv, d), randn(p, hkv, d))
     spans = [
         SeqSpan(p, n, rows(s, p, p + n), rows(s, 0, p + n), None) for s, p, n in zip(slots, past, new, strict=True)
     ]
-    total = sum(new)
-    q = torch.randn(total, hq, d, generator=g).half()
-    k = torch.randn(total, hkv, d, generator=g).half()
-    v = torch.randn(total, hkv, d, generator=g).half()
-    calls = []
+    # a ring's decode token: its page 1 not resident (a gapped read set with key positions)
+    ring_slots, ring_past = torch.tensor([4, 6, 10, 12]), 29
+    r = rows(ring_slots, 0, ring_past)
+    pool.write(0, r, randn(ring_past, hkv, d), randn(ring_past, hkv, d))
+    kept = torch.cat((torch.arange(0, page), torch.arange(2 * page, ring_past + 1)))
+    ring_rows = (ring_slots[kept // page] * page + kept % page).to(dev)
+    spans.append(SeqSpan(ring_past, 1, rows(ring_slots, ring_past, ring_past + 1), ring_rows, kept.to(dev)))
+    total = sum(new) + 1
+    q, k, v = randn(total, hq, d), randn(total, hkv, d), randn(total, hkv, d)
+    calls, decodes = [], []
     real = pat.prefill_attention
     monkeypatch.setattr(
         pat, "prefill_attention", lambda *a, **kw: calls.append((a[0].shape[0], kw["fp8"])) or real(*a, **kw)
+    )
+    real_decode = dat.decode_attention
+    monkeypatch.setattr(
+        dat, "decode_attention", lambda *a, **kw: decodes.append((a[0].shape[0], kw["fp8"])) or real_decode(*a, **kw)
     )
     outs = {}
     for m in ("masked", mode):
@@ -149,6 +168,7 @@ def test_step_attention_modes_match_masked(
         outs[m] = StepAttention(pool, spans, hq // hkv, torch.float16).attend(0, q, k, v, d**-0.5)
     paged = mode in ("cudnn", "triton")  # cudnn: short chunks (and every chunk on the CPU) as triton
     assert calls == ([(18, kv == "fp8"), (19, kv == "fp8")] if paged else [])
+    assert decodes == [(2, kv == "fp8")]  # both decode tokens in one launch (not in the masked reference)
     assert not outs[mode].isnan().any()
     assert _rel(outs[mode], outs["masked"]) < (2e-3 if kv == "fp16" else 1e-2)  # fp8: q in bf16 in the kernel
 
@@ -251,3 +271,27 @@ def test_step_attention_cudnn_mode_takes_whole_prompts_only(monkeypatch: pytest.
         outs[m] = pa.StepAttention(pool, spans, hq // hkv, torch.bfloat16).attend(0, q, k, v, d**-0.5)
     assert calls == [1100, 1030]
     assert _rel(outs["cudnn"], outs["masked"]) < 1e-2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize(
+    "where,t,n,heads,d,dtype",
+    [
+        ("cpu", 48, 37, 4, 32, torch.float32),
+        ("cpu", 16, 16, 2, 16, torch.bfloat16),
+        pytest.param("cuda", 8192, 8064, 32, 128, torch.bfloat16, marks=pytest.mark.gpu),
+    ],
+)
+def test_lse_merge_matches_its_reference(where: str, t: int, n: int, heads: int, d: int, dtype: torch.dtype) -> None:
+    """The merge of a chunk's two attention parts in one launch: the torch lerp's output, from the [1, H, T, D]
+    views of [T, H, D] rows that cuDNN returns, the padded rows past n dropped."""
+    from services.engine.kernels import prefill_attention_triton as pat
+
+    dev = device_or_skip(where)
+    g = torch.Generator().manual_seed(t + n)
+    own, past = (torch.randn(t, heads, d, generator=g).to(dev, dtype).transpose(0, 1)[None] for _ in range(2))
+    l_own, l_past = (4 * torch.randn(1, heads, t, 1, generator=g).to(dev) for _ in range(2))
+    want = pat.lse_merge_reference(own, l_own, past, l_past, n)
+    got = pat.lse_merge(own, l_own, past, l_past, n)
+    assert got.shape == (n, heads, d) and got.is_contiguous() and got.dtype == dtype
+    assert _rel(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)

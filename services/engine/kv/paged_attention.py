@@ -17,6 +17,7 @@ import torch
 
 from services.engine.kernels import triton_module
 from services.engine.kv.attention import (
+    PAD_POS,
     causal_sdpa,
     grouped_sdpa,
     position_mask,
@@ -25,6 +26,7 @@ from services.engine.kv.attention import (
     prompt_sdpa_refused,
 )
 from services.engine.kv.kv_pool import KVPool
+from services.engine.kv.transfers import device_index
 from services.engine.ring.exact_attention import grouped_attention_lse, merge_partials, page_mass, rows_to_heads
 from services.engine.ring.summaries import PageSummaries
 
@@ -109,6 +111,11 @@ class StepAttention:
         if paged and self.kernel is None:
             self.mode = "flash"  # not the Triton tier (prompt chunks still through cuDNN)
         self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}  # (span, window, local) -> mask
+        # the step's single-token spans (decode rows beside prompt chunks) in one launch of the flash-decoding
+        # kernel reading the pool in place, instead of a gather and an SDPA call each, a layer (every mode but
+        # the masked reference)
+        self.decode_kernel = triton_module("decode_attention_triton", pool.device) if self.mode != "masked" else None
+        self._decode_set: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def kv_sink(self, layer_idx: int) -> None:
         return None  # attend writes (and, for local layers, stages) the rows itself
@@ -130,6 +137,7 @@ class StepAttention:
         if self.pool.is_local(layer_idx):
             return self._attend_local(layer_idx, q, k, v, scale, window)
         self.pool.write(layer_idx, self.write_rows, k, v)
+        decoded = self._decode_rows(layer_idx, q, scale) if window is None else {}
         outs = []
         start = 0
         for i, span in enumerate(self.spans):
@@ -138,6 +146,10 @@ class StepAttention:
                 self._summarize(layer_idx, span)
                 if span.score_tokens and not span.score_by_attention and span.summaries.scores_layer(layer_idx):
                     self._score(layer_idx, span, q_s, scale)
+            if i in decoded:
+                outs.append(decoded[i])
+                start += span.num_new
+                continue
             plain = span.key_pos is None and window is None and not span.host_pages and not span.score_by_attention
             if self.prompt_kernel and plain and prompt_sdpa_fits(q_s, span.num_past):
                 k_s, v_s = k[start : start + span.num_new], v[start : start + span.num_new]
@@ -149,6 +161,52 @@ class StepAttention:
             outs.append(self._attend_span(i, layer_idx, span, q_s, scale, window))
             start += span.num_new
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _decode_rows(self, layer_idx: int, q: torch.Tensor, scale: float) -> dict[int, torch.Tensor]:
+        """The single-token spans' outputs {span index: [1, Hq, D]} from one flash-decoding launch over their
+        read rows in place (a plain layer, or an fp8 one read in place); {} where the kernel does not apply."""
+        kernel = self.decode_kernel
+        if kernel is None:
+            return {}
+        plain, fp8 = self.pool.plain_kv(layer_idx), self.pool.fp8_kv(layer_idx)
+        stores, is_fp8 = (plain, False) if plain is not None else (fp8, True)
+        if stores is None or not kernel.supported(stores[0], is_fp8):
+            return {}
+        if self._decode_set is None:
+            self._decode_set = self._decode_read_set(kernel.PAGE_ROWS)
+        members, q_rows, rows, key_pos, q_pos = self._decode_set
+        if not members:
+            return {}
+        out = kernel.decode_attention(
+            q.index_select(0, q_rows), *stores, rows, key_pos, q_pos, scale, sorted_keys=True, fp8=is_fp8
+        )
+        return {i: out[j : j + 1] for j, i in enumerate(members)}
+
+    def _decode_read_set(
+        self, page_rows: int
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the single-token spans, their rows of q, read rows [B, W] and key positions [B, W] padded at the end
+        with PAD_POS to a multiple of page_rows, their query positions [B]), once a step (every layer's)."""
+        dev = self.pool.device
+        members, q_rows, starts = [], [], 0
+        for i, span in enumerate(self.spans):
+            if span.num_new == 1 and not span.host_pages and not span.score_by_attention:
+                members.append(i)
+                q_rows.append(starts)
+            starts += span.num_new
+        if not members:
+            empty = torch.empty(0, dtype=torch.long, device=dev)
+            return [], empty, empty, empty, empty
+        spans = [self.spans[i] for i in members]
+        width = -(-max(int(s.read_rows.shape[0]) for s in spans) // page_rows) * page_rows
+        rows = torch.zeros(len(spans), width, dtype=torch.long, device=dev)
+        key_pos = torch.full((len(spans), width), PAD_POS, dtype=torch.long, device=dev)
+        for j, s in enumerate(spans):
+            n = s.read_rows.shape[0]
+            rows[j, :n] = s.read_rows
+            key_pos[j, :n] = s.key_pos if s.key_pos is not None else torch.arange(n, device=dev)
+        q_pos = device_index([s.num_past for s in spans], dev)
+        return members, device_index(q_rows, dev), rows, key_pos, q_pos
 
     def _attend_prompt(
         self, layer_idx: int, span: SeqSpan, q_s: torch.Tensor, k_s: torch.Tensor, v_s: torch.Tensor, scale: float
