@@ -114,7 +114,8 @@ class StepAttention:
         # the step's single-token spans (decode rows beside prompt chunks) in one launch of the flash-decoding
         # kernel reading the pool in place, instead of a gather and an SDPA call each, a layer (every mode but
         # the masked reference)
-        self.decode_kernel = triton_module("decode_attention_triton", pool.device) if self.mode != "masked" else None
+        batch_decode = self.mode != "masked" and os.environ.get("KVMEM_DECODE_ROWS", "1") != "0"  # 0: off (bench)
+        self.decode_kernel = triton_module("decode_attention_triton", pool.device) if batch_decode else None
         self._decode_set: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def kv_sink(self, layer_idx: int) -> None:
