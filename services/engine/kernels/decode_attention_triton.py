@@ -336,7 +336,7 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compiled variant whatever a step's token count
 def _write_kv_kernel(
     k_ptr, v_ptr, rows_ptr, k_store_ptr, v_store_ptr, num_tokens, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_sr, stride_sh, stride_tr, stride_th, D: tl.constexpr, HD: tl.constexpr, HD_BLOCK: tl.constexpr,

@@ -196,7 +196,7 @@ def prefill_attention(
 lse_merge_reference = lse_merge_torch  # kv/attention.py's torch form
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one compiled variant whatever a chunk's length
 def _lse_merge_kernel(
     own_ptr, past_ptr, l_own_ptr, l_past_ptr, out_ptr, n,
     s_oh, s_ot, s_ph, s_pt, s_lh, s_lt, s_mh, s_mt, s_qt, s_qh,
