@@ -57,17 +57,22 @@ class Sites:
         return "\n".join(lines)
 
 
-def measure(engine, title: str, prompts: list[list[int]], new_tokens: int, depth: int) -> str:  # type: ignore[no-untyped-def]
+def count_sites(engine, prompts: list[list[int]], new_tokens: int, tag: str, depth: int) -> Sites:  # type: ignore[no-untyped-def]  # noqa: E501
+    """The synchronising calls while `prompts` run at once on `engine` (started), by site."""
     sites = Sites(depth)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = sites.record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            engine_requests(engine, prompts, new_tokens, title.split()[0])
+            engine_requests(engine, prompts, new_tokens, tag)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sites.table(title)
+    return sites
+
+
+def measure(engine, title: str, prompts: list[list[int]], new_tokens: int, depth: int) -> str:  # type: ignore[no-untyped-def]
+    return count_sites(engine, prompts, new_tokens, title.split()[0], depth).table(title)
 
 
 def main() -> None:
