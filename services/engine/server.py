@@ -195,8 +195,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             local_rings=local.num_rings if local else 0,
             local_rings_free=local.num_free() if local else 0,
             local_rings_parked=local.num_parked if local else 0,
-            local_ring_reuses_total=e.scheduler.num_local_reuses,
-            local_ring_fills_total=e.scheduler.num_local_fills,
+            local_ring_reuses_total=e.scheduler.prefixes.num_local_reuses,
+            local_ring_fills_total=e.scheduler.prefixes.num_local_fills,
             device_kv_bytes=e.pool.nbytes + e.pool.local_nbytes,
             overlapped_steps_total=s.overlapped_steps_total,
         )

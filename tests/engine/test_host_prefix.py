@@ -39,7 +39,7 @@ def test_second_engine_restores_the_first_engines_prefix(
     run_until_done(second, [seq])
     tokens, done = drain(events_of(seq))
     assert done.cached_tokens == 40  # the 10 whole prompt pages, from the host store
-    assert second.scheduler.num_host_restored == 10
+    assert second.scheduler.prefixes.num_host_restored == 10
     assert tokens == reference_greedy(model, turn2, 6)  # restored K/V is the K/V the model computes
     second.slots.check_integrity()
     for engine in (first, second):
@@ -60,7 +60,7 @@ def test_restore_is_capped_by_the_free_slots(model, smol_tokenizer: Tokenizer, s
     small.poll()
     small.step()  # admission: the restore happens here, while the 8 slots are held
     # 7 restored + the next chunk's 4 pages + 1 = 12 (restoring more would leave no room to prefill)
-    assert small.scheduler.num_host_restored == 7
+    assert small.scheduler.prefixes.num_host_restored == 7
     for slot in held:
         small.slots.release(slot)
     run_until_done(small, [seq])
@@ -78,6 +78,6 @@ def test_without_a_store_nothing_is_restored(model, smol_tokenizer: Tokenizer) -
     seq = engine.submit("plain", prompt, greedy(3))
     run_until_done(engine, [seq])
     tokens, done = drain(events_of(seq))
-    assert done.cached_tokens == 0 and engine.scheduler.num_host_restored == 0
+    assert done.cached_tokens == 0 and engine.scheduler.prefixes.num_host_restored == 0
     assert tokens == reference_greedy(model, prompt, 3)
     engine.stop()

@@ -203,7 +203,7 @@ def test_a_stop_mid_burst_still_parks_the_ring_for_the_next_turn(
     run_until_done(engine, [seq])
     tokens, done = drain(events_of(seq))
     reused = (0, 0) if overlap else (43, 1)
-    assert (done.cached_tokens, engine.scheduler.num_local_reuses) == reused  # type: ignore[union-attr]
+    assert (done.cached_tokens, engine.scheduler.prefixes.num_local_reuses) == reused  # type: ignore[union-attr]
     assert tokens == reference_greedy(gemma, turn2, 4)
 
 
@@ -221,7 +221,7 @@ def test_the_next_turn_takes_the_parked_ring_and_the_tail_page(gemma, smol_token
     run_until_done(engine, [seq])
     tokens, done = drain(events_of(seq))
     assert done.cached_tokens == 43  # 41 + 3 - 1 (the last answer token was never fed): 10 pages + 3 tokens
-    assert (engine.scheduler.num_local_reuses, engine.scheduler.num_local_fills) == (1, 0)
+    assert (engine.scheduler.prefixes.num_local_reuses, engine.scheduler.prefixes.num_local_fills) == (1, 0)
     assert tokens == reference_greedy(gemma, turn2, 4)
     other = engine.submit("t3", _prompt(30, 9) + prompt, greedy(2))  # no parked ring fits: computed afresh
     run_until_done(engine, [other])
@@ -263,8 +263,8 @@ def test_a_reused_prefix_fills_the_ring_from_the_host_copy(
         assert done.cached_tokens == cached
         assert tokens == reference_greedy(gemma, turn2, 6)
         engine.slots.check_integrity()
-    assert second.scheduler.num_host_restored == 10
-    assert (first.scheduler.num_local_reuses, second.scheduler.num_local_fills) == (1, 1)
+    assert second.scheduler.prefixes.num_host_restored == 10
+    assert (first.scheduler.prefixes.num_local_reuses, second.scheduler.prefixes.num_local_fills) == (1, 1)
     for engine in (first, second):
         engine.stop()
 
@@ -401,7 +401,7 @@ def test_preempted_sequences_take_their_parked_ring_back(gemma, smol_tokenizer: 
     seqs = [engine.submit(f"p{i}", p, greedy(14)) for i, p in enumerate(prompts)]
     run_until_done(engine, seqs)
     assert engine.scheduler.num_preemptions >= 1
-    assert engine.scheduler.num_local_reuses >= 1  # a preempted sequence came back to its parked ring
+    assert engine.scheduler.prefixes.num_local_reuses >= 1  # a preempted sequence came back to its parked ring
     assert [drain(events_of(s))[0] for s in seqs] == [reference_greedy(gemma, p, 14) for p in prompts]
     assert engine.pool.local is not None and engine.pool.local.num_free() == engine.pool.local.num_rings
 
@@ -455,7 +455,7 @@ def test_a_ring_filled_from_quantised_host_pages_continues_as_a_cold_prefill(
     seq = second.submit("t2", turn2, greedy(6))
     run_until_done(second, [seq])
     tokens, done = drain(events_of(seq))
-    assert done.cached_tokens == 40 and second.scheduler.num_local_fills == 1
+    assert done.cached_tokens == 40 and second.scheduler.prefixes.num_local_fills == 1
     assert tokens == expected
     for engine in (cold, first, second):
         engine.stop()
@@ -500,5 +500,5 @@ def test_a_parked_ring_serves_a_prefix_ending_at_a_page_boundary(gemma, smol_tok
     seq = engine.submit("t2", other, greedy(5))
     run_until_done(engine, [seq])
     tokens, done = drain(events_of(seq))
-    assert done.cached_tokens == 40 and engine.scheduler.num_local_reuses == 1
+    assert done.cached_tokens == 40 and engine.scheduler.prefixes.num_local_reuses == 1
     assert tokens == reference_greedy(gemma, other, 5)

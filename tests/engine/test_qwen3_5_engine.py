@@ -118,7 +118,7 @@ def test_turn_two_reuses_the_prefix_up_to_a_snapshot(model: Qwen3_5ForCausalLM, 
     turn2 = prompt + answer + _prompt(7, 4)  # turn 1 computed 34 tokens: snapshots at 8, 16, 24, 32
     got, cached = _ask(engine, "t2", turn2, 6)
     assert cached == 32
-    assert engine.scheduler.num_state_restores == 1
+    assert engine.scheduler.prefixes.num_state_restores == 1
     assert got == reference(model, turn2, 6)  # the answer of a cold prefill
 
 
@@ -155,7 +155,7 @@ def test_the_decode_runner_carries_the_states_through_bursts(
         assert min(float((snap - ref).abs().max()) for ref in want.values()) < 1e-4
     turn2 = prompts[0] + answers[0] + _prompt(5, 20)  # turn 1 computed 26 tokens: its last snapshot at 24 (decode)
     got, cached = _ask(engine, "t2", turn2, 6)
-    assert cached == 24 and engine.scheduler.num_state_restores == 1
+    assert cached == 24 and engine.scheduler.prefixes.num_state_restores == 1
     assert got == reference(model, turn2, 6)
 
 
@@ -172,7 +172,7 @@ def test_second_engine_restores_state_from_the_store(
     turn2 = prompt + _prompt(5, 6)
     got, cached = _ask(second, "b", turn2, 5)
     assert cached == 40  # pages and the state at 40 from the store (the first engine's snapshot)
-    assert second.scheduler.num_host_restored == 10 and second.scheduler.num_state_restores == 1
+    assert second.scheduler.prefixes.num_host_restored == 10 and second.scheduler.prefixes.num_state_restores == 1
     assert got == reference(model, turn2, 5)
     states = first.runner.states
     assert states is not None and states.num_snapshots_taken == 3  # chunk ends on boundaries: 16, 32, 40
