@@ -17,7 +17,7 @@ before normalisation, a built-in check).
 Both run on the active kernel tier (services.engine.kernels.active_tier): Triton
 (kernels/summaries_triton.py) or CuPy RawKernels (kernels/summaries_cupy.py) on CUDA, these torch
 functions otherwise. `summary_update_reference` and `page_scores_reference` are the references the
-kernels are tested against (tests/engine/test_kernels_summaries.py); bench/kernels.py times them.
+kernels are tested against (tests/engine/test_kernels_summaries.py); bench/kernel_table.py times them.
 `PageSummaries.update_rows` summarises straight from a pool layer's rows (no [P, page, Hkv, D]
 copy in fp32) where the pool stores a plain float dtype.
 """

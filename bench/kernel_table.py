@@ -1,7 +1,7 @@
 """Page-summary, page-scoring and decode-attention kernels: each available backend against the torch path.
 
-    python bench/kernels.py --device cuda            # GPU: triton, cupy and torch
-    .venv/bin/python bench/kernels.py --device cpu --contexts 2048 --reps 3 \
+    python bench/kernel_table.py --device cuda            # GPU: triton, cupy and torch
+    .venv/bin/python bench/kernel_table.py --device cpu --contexts 2048 --reps 3 \
         --decode-widths 256 --decode-batches 1,2      # smoke test (torch only)
 
 Shapes: Gemma 3 270M (18 layers, 1 KV head, 4 query heads, head_dim 256) and SmolLM2 (30 layers,
@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 from services.engine.kv.attention import PAD_POS  # noqa: E402
 from services.engine.ring.summaries import page_scores_reference, summary_update_reference  # noqa: E402
 
-logger = logging.getLogger("bench.kernels")
+logger = logging.getLogger("bench.kernel_table")
 PAGE = 64
 
 
