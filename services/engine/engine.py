@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -357,6 +357,9 @@ class Engine:
                 seq.num_computed = w.start + w.num_new
                 self._publish_pages(seq, seq.num_computed)
                 continue
+            if launched.tokens is not None and len(chosen) > 1 and self._whole_runs(seq):
+                self._append_run(seq, w.start + w.num_new, cast(list[int], chosen))  # device tokens: ints
+                continue
             for i, token in enumerate(chosen):  # one token per step of a burst, as steps one by one
                 computed = w.start + w.num_new + i
                 if launched.tokens is None:
@@ -434,6 +437,43 @@ class Engine:
             text += seq.detokenizer.flush()
         logprobs = (sampled,) if isinstance(sampled, Sampled) and sampled.logprob is not None else ()
         seq.events.put(Chunk([token], text, logprobs))
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _whole_runs(self, seq: Sequence) -> bool:
+        """A burst's tokens may be taken as one run (_append_run): no stop string to find between them, no
+        grammar to advance, no recurrent-state boundary to publish at."""
+        return not seq.detokenizer.has_stops and seq.matcher is None and self.runner.states is None
+
+    def _append_run(self, seq: Sequence, first_computed: int, tokens: list[int]) -> None:
+        """A burst's device-chosen tokens, as _append of each in turn after _publish_pages of its step (the
+        tokens up to the first stop token or the length limit), with one page publication, one detokenizer
+        update and one event for the run: per token that was ~30 us of the engine thread at batch 32."""
+        reason: FinishReason | None = None
+        taken = 0
+        for token in tokens:
+            if seq.num_pending:
+                seq.fill_pending(token)
+            else:
+                seq.output_ids.append(token)
+            taken += 1
+            known = seq.known_outputs
+            if known == 1:
+                self.stats.prompt_tokens_total += len(seq.prompt_ids)
+                self.stats.cached_tokens_total += seq.num_cached
+            self.stats.generated_tokens_total += 1
+            if token in seq.stop_token_ids:
+                reason = FinishReason.STOP
+                break
+            if known >= seq.max_tokens or len(seq.prompt_ids) + known >= self.limits.max_context:
+                reason = FinishReason.LENGTH
+                break
+        self._publish_pages(seq, first_computed + taken - 1)  # the last token's step: every page before it
+        known = seq.known_outputs
+        text = seq.detokenizer.update(seq.output_ids, known - 1 if reason is FinishReason.STOP else known)
+        if reason is not None:
+            text += seq.detokenizer.flush()
+        seq.events.put(Chunk(tokens[:taken], text))
         if reason is not None:
             self._finish(seq, reason)
 

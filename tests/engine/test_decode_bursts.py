@@ -181,6 +181,46 @@ def test_a_stop_token_mid_burst_ends_the_sequence_there(smol_tokenizer: Tokenize
     assert tokens == reference_greedy(model, follow, 6)
 
 
+def test_a_burst_streams_its_tokens_as_one_event_with_the_text_of_single_steps(smol_tokenizer: Tokenizer) -> None:
+    """A sequence without stop strings takes a burst's tokens as one run (one detokenizer update, one event):
+    the streamed tokens and text, the finish and its counts are those of single steps, with a stop token and
+    the max_tokens limit both falling inside a run; with a stop string every token is still its own event."""
+    from services.engine.step.sequence import Chunk
+
+    model = tiny_model(VOCAB, seed=3)
+    free_run = _burst_run(model, smol_tokenizer, 1, [greedy(20)] * 3, "free", num_slots=64)[0][0][0]
+    stop_text = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=("zzzz",))
+
+    def streamed(burst: int, params: list[SamplingParams]) -> list[tuple[list[list[int]], str, object]]:
+        engine = make_engine(model, smol_tokenizer, decode_burst=burst, num_slots=64)
+        rng = random.Random(11)
+        prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (7, 30, 19)]
+        seqs = [engine.submit(f"e{i}", q, params[i], namespace=f"text{burst}") for i, q in enumerate(prompts)]
+        run_until_done(engine, seqs)
+        out = []
+        for seq in seqs:
+            events = events_of(seq)
+            chunks = [ev for ev in events if isinstance(ev, Chunk)]
+            out.append(([c.token_ids for c in chunks], "".join(c.text for c in chunks), events[-1]))
+        return out
+
+    inside = 0  # stop tokens (each a first occurrence in the free run) that came inside a run
+    for k in [i for i in range(2, 20) if free_run[i] not in free_run[:i]]:
+        stop_token = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=(free_run[k],))
+        params = [stop_token, greedy(18), stop_text]
+        single, burst = streamed(1, params), streamed(4, params)
+        for (ids1, text1, done1), (ids4, text4, done4) in zip(single, burst, strict=True):
+            assert sum(ids4, []) == sum(ids1, []) and text4 == text1 and done4 == done1
+            assert all(len(ids) == 1 for ids in ids1)
+        assert sum(burst[0][0], []) == free_run[: k + 1] and len(sum(burst[1][0], [])) == 18
+        assert max(len(ids) for ids in burst[1][0]) > 1 and len(burst[1][0][-1]) > 1  # the limit inside a run
+        assert all(len(ids) == 1 for ids in burst[2][0])  # a stop string: token by token
+        inside += len(burst[0][0][-1]) > 1
+        if inside >= 2:
+            break
+    assert inside >= 2
+
+
 @pytest.mark.parametrize("lengths", [(62,), (7, 30, 19)], ids=["one", "three"])
 def test_ring_bursts_end_at_re_selection_steps(
     model, smol_tokenizer: Tokenizer, start_store: StartStore, lengths: tuple[int, ...]

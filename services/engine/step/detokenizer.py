@@ -53,6 +53,11 @@ class Detokenizer:
         return self._emit(len(self._text.rstrip("\ufffd")))
 
     @property
+    def has_stops(self) -> bool:
+        """Whether a stop string may end the output (each token's text must then be looked at)."""
+        return bool(self._stop)
+
+    @property
     def text(self) -> str:
         """Everything emitted so far."""
         return self._text[: self._sent]
