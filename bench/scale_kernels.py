@@ -1,6 +1,6 @@
 """Decode kernels at Llama-3.1-8B's shapes (issue 26), CUDA: what a batch-1 or batched decode step spends.
 
-    PYTHONPATH=. python3 bench/scale_kernels.py [--only linear,attention,head,swiglu,fp8] [--sweep]
+    PYTHONPATH=. python3 bench/scale_kernels.py [--only linear,attention,head,swiglu,fp8,prefill_gemm] [--sweep]
 
 - linear: each projection of a decode step (qkv 6144 x 4096, o 4096 x 4096, gate/up 2 x 14336 x 4096 with the
   SiLU product, down 4096 x 14336) at M rows: cuBLAS (F.linear; gate/up then the torch product), the Triton
@@ -15,6 +15,11 @@
 - fp8: both attention kernels over fp8 rows read in place (`fp8=True`, uint8 [R, 8, 16 + 128]) against the same rows
   in bf16: decode at B x rows (the ring's 32 x 4K, one 128K session) and the last 8K chunk of a 32K prefill; TB/s
   counts the K/V bytes in each format, TFLOP/s the causal attention FLOPs.
+
+- prefill_gemm: cuBLAS TFLOP/s of each projection at prompt-chunk row counts M (8,192 exactly, 8,192 + a few decode
+  rows, 16,384 and beyond, a whole 32,640-token prompt), the (M, projection) cells in a shuffled order, five passes,
+  the median of each: whether a step should plan its rows to a multiple of something (a first, ordered table
+  favoured M = 8,192 by 10-15%, possibly the GPU's clocks settling after the first cells).
 
 Times are microseconds per layer, from CUDA-graph replays of 32 calls on 32 distinct weights / pools (one decode
 step's layers; nothing stays in L2). bench/kernel_sweep.py is the same method at Gemma 3 270M's shapes.
@@ -257,11 +262,47 @@ def fp8_table(
     print(f"prefill attention {n} of {t_all}: " + " | ".join(cells), flush=True)
 
 
+def prefill_gemm_table(
+    dev: torch.device,
+    ms: tuple[int, ...] = (8192, 8209, 8320, 16384, 16389, 16512, 32640),
+    passes: int = 5,
+) -> None:
+    import random
+    import statistics
+
+    weights = {k: torch.randn(n, kk, device=dev, dtype=torch.bfloat16) for k, (n, kk) in PROJECTIONS.items()}
+    inputs = {
+        (m, k): torch.randn(m, weights[k].shape[1], device=dev, dtype=torch.bfloat16) for m in ms for k in weights
+    }
+    cells = list(inputs)
+    times: dict[tuple[int, str], list[float]] = {c: [] for c in cells}
+    rng = random.Random(0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(passes):
+        rng.shuffle(cells)
+        for m, k in cells:
+            x, w = inputs[(m, k)], weights[k]
+            F.linear(x, w)
+            start.record()
+            for _ in range(5):
+                F.linear(x, w)
+            end.record()
+            torch.cuda.synchronize()
+            times[(m, k)].append(start.elapsed_time(end) / 5)
+    print(f"prefill GEMMs, cuBLAS TFLOP/s (median of {passes} shuffled passes): M, then {' / '.join(weights)}")
+    for m in ms:
+        row = []
+        for k, w in weights.items():
+            ms_call = statistics.median(times[(m, k)])
+            row.append(f"{k} {2 * m * w.shape[0] * w.shape[1] / ms_call / 1e9:4.0f}")
+        print(f"  M {m:6d}: " + ", ".join(row), flush=True)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("scale_kernels.py needs a CUDA device")
         return 2
-    tables = {"attention", "linear", "head", "swiglu", "fp8"}
+    tables = {"attention", "linear", "head", "swiglu", "fp8", "prefill_gemm"}
     only = set(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else tables
     dev = torch.device("cuda")
     if "attention" in only:
@@ -274,6 +315,8 @@ def main() -> int:
         swiglu_table(dev)
     if "fp8" in only:
         fp8_table(dev)
+    if "prefill_gemm" in only:
+        prefill_gemm_table(dev)
     return 0
 
 
