@@ -407,22 +407,25 @@ class Engine:
         known = seq.known_outputs
         return min(seq.max_tokens - known, self.limits.max_context - len(seq.prompt_ids) - known)
 
-    def _append(self, seq: Sequence, token: int, sampled: Sampled | int | None = None) -> None:
-        """The next output token (the first PENDING one when a burst is being read): stream it, stop on it; a
-        grammar advances by it."""
-        if seq.matcher is not None and not seq.matcher.accept(token):  # the mask allowed it: never expected
-            logger.error("%s: token %d is outside its grammar", seq.request_id, token)
-            self._fail(seq, "internal", "the answer left its grammar")
-            return
+    def _take(self, seq: Sequence, token: int) -> None:
+        """The next output token into the sequence (the first PENDING one when a burst is being read), counted."""
         if seq.num_pending:
             seq.fill_pending(token)
         else:
             seq.output_ids.append(token)
-        known = seq.known_outputs
-        if known == 1:
+        if seq.known_outputs == 1:
             self.stats.prompt_tokens_total += len(seq.prompt_ids)
             self.stats.cached_tokens_total += seq.num_cached
         self.stats.generated_tokens_total += 1
+
+    def _append(self, seq: Sequence, token: int, sampled: Sampled | int | None = None) -> None:
+        """The next output token: stream it, stop on it; a grammar advances by it."""
+        if seq.matcher is not None and not seq.matcher.accept(token):  # the mask allowed it: never expected
+            logger.error("%s: token %d is outside its grammar", seq.request_id, token)
+            self._fail(seq, "internal", "the answer left its grammar")
+            return
+        self._take(seq, token)
+        known = seq.known_outputs
         reason: FinishReason | None = None
         if token in seq.stop_token_ids:  # a document the budget closed ends "length", as it was cut there
             closed = seq.matcher is not None and seq.matcher.closed_by_budget
@@ -432,7 +435,7 @@ class Engine:
             text = seq.detokenizer.update(seq.output_ids, known)
             if seq.detokenizer.matched_stop is not None:
                 reason = FinishReason.STOP
-        if reason is None and (known >= seq.max_tokens or len(seq.prompt_ids) + known >= self.limits.max_context):
+        if reason is None and self._tokens_left(seq) <= 0:
             reason = FinishReason.LENGTH
             text += seq.detokenizer.flush()
         logprobs = (sampled,) if isinstance(sampled, Sampled) and sampled.logprob is not None else ()
@@ -452,20 +455,12 @@ class Engine:
         reason: FinishReason | None = None
         taken = 0
         for token in tokens:
-            if seq.num_pending:
-                seq.fill_pending(token)
-            else:
-                seq.output_ids.append(token)
+            self._take(seq, token)
             taken += 1
-            known = seq.known_outputs
-            if known == 1:
-                self.stats.prompt_tokens_total += len(seq.prompt_ids)
-                self.stats.cached_tokens_total += seq.num_cached
-            self.stats.generated_tokens_total += 1
             if token in seq.stop_token_ids:
                 reason = FinishReason.STOP
                 break
-            if known >= seq.max_tokens or len(seq.prompt_ids) + known >= self.limits.max_context:
+            if self._tokens_left(seq) <= 0:
                 reason = FinishReason.LENGTH
                 break
         self._publish_pages(seq, first_computed + taken - 1)  # the last token's step: every page before it

@@ -16,10 +16,9 @@ def test_prompt_chunks_and_batches_synchronise_only_to_read_tokens(tmp_path: Pat
     from bench.sync_sites import count_sites
     from services.engine.builder import build_engine
     from services.engine.config import EngineConfig
+    from tests.engine.helpers import device_or_skip
 
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    write_random_llama(tmp_path, "tiny", torch.device("cuda"))
+    write_random_llama(tmp_path, "tiny", device_or_skip("cuda"))
     cfg = EngineConfig(
         model=str(tmp_path), device="cuda", max_context=4096, kv_capacity=16384, prefill_chunk=1024, max_running=16
     )

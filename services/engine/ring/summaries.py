@@ -164,12 +164,15 @@ def warm_page_scores(
     dtypes: Sequence[torch.dtype],
 ) -> int:
     """Run page scoring once per compiled variant a sequence of up to `max_pages` pages can meet (the Triton
-    tier compiles one per power of two of page blocks past 512 pages), for queries of each dtype; returns the
-    calls made. Without it the first decode re-selection compiles the kernels (~1 s each on a cold cache) while
-    every running sequence waits. A no-op off CUDA (the interpreter's tests compile nothing)."""
-    if device.type != "cuda" or _kernels(device) is None or max_pages <= 0:
+    tier compiles one per power of two of page blocks past MIN_PAGE_BLOCKS x BLOCK_PAGES pages), for queries of
+    each dtype; returns the calls made. Without it the first decode re-selection compiles the kernels (~1 s
+    each on a cold cache) while every running sequence waits. A no-op off CUDA (the interpreter's tests
+    compile nothing)."""
+    kernels = _kernels(device)
+    if device.type != "cuda" or kernels is None or max_pages <= 0:
         return 0
-    counts, n = [], 512
+    n = getattr(kernels, "MIN_PAGE_BLOCKS", 1) * getattr(kernels, "BLOCK_PAGES", max_pages)  # one variant below
+    counts = []
     while True:
         counts.append(min(n, max_pages))
         if n >= max_pages:
