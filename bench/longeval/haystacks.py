@@ -13,8 +13,9 @@ import ast
 import functools
 import hashlib
 import random
+import re
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 KINDS = ("prose", "code", "logs", "tables")
@@ -134,6 +135,24 @@ def paragraphs(kind: str, half: int, rng: random.Random, count: int) -> list[str
         raise ValueError(f"unknown haystack kind {kind!r}; one of {KINDS}")
     start = rng.randrange(len(pool))
     return [pool[(start + i) % len(pool)] for i in range(count)]  # consecutive: text that reads on
+
+
+@functools.cache
+def _sentence_set(half: int) -> frozenset[str]:
+    return frozenset(s for p in _docstrings(half) for s in re.split(r"(?<=[.!?])\s+", p) if 40 <= len(s) <= 200)
+
+
+@functools.cache
+def _sentences(half: int) -> tuple[str, ...]:
+    """One half's sentences, none of which the other half has too (shared boilerplate)."""
+    return tuple(sorted(_sentence_set(half) - _sentence_set(1 - half)))
+
+
+def sentences(half: int, rng: random.Random, most: int = 200) -> Iterator[str]:
+    """Up to `most` sentences (40-200 characters) of one half's docstrings in a seeded order, each once: a passage
+    of them reads as prose but is in no module's order (bench/longeval's `recite` copies one)."""
+    pool = _sentences(half)
+    yield from (pool[i] for i in rng.sample(range(len(pool)), min(most, len(pool))))
 
 
 def build(kind: str, half: int, rng: random.Random, target_tokens: int, count: Callable[[str], int]) -> list[str]:

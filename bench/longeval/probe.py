@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
                     dumps.append({"variant": name, "case_id": case.case_id, "mass": torch.cat(heads.layers),
                                   "excluded": sorted(excluded), "needle_pages": needle_pages, "ok": None})  # fmt: skip
                 rows.append({"case_id": case.case_id, "kind": case.kind, "depth": case.depth, "shape": case.shape,
-                             "ok": tasks.score(case, text), "text": text[:80], "needle_pages": needle_pages,
+                             "ok": tasks.score(case, text), "found": tasks.found(case, text), "text": text[:80],
+                             "needle_pages": needle_pages,
                              "ranks": ranks, "selected": hit, "candidates": rec["candidates"] if rec else 0,
                              "unverified": done.unverified})  # fmt: skip
             engine.stop()
@@ -306,7 +307,9 @@ def main(argv: list[str] | None = None) -> None:
             ok = sum(r["ok"] for r in rows)
             sel = [all(r["selected"]) for r in rows if r["selected"]]
             ranks = sorted(min(r["ranks"]) for r in rows if r["ranks"])
-            print(f"{name:48s} right {ok}/{len(rows)}  needle selected {sum(sel)}/{len(sel)}  "
+            values = [f for r in rows if len(r["found"]) > 1 for f in r["found"]]  # several answers: how many found
+            found = f"  values {sum(values)}/{len(values)}" if values else ""
+            print(f"{name:48s} right {ok}/{len(rows)}{found}  needle selected {sum(sel)}/{len(sel)}  "
                   f"ranks {ranks}  {time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
         for name, tables in head_table.items():
             ranks = torch.stack(tables)  # [cases, L, Hq]

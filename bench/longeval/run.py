@@ -59,7 +59,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     # of the layers' heads summed, no seam neighbours (nine picks, not three), decode keeping the best 4
     "v3": {"KVMEM_CACHEGUARD_QUERY_SPAN": "question", "KVMEM_RING_QUERY_PASS": "exact", "KVMEM_RING_HEAD_FUSION": "sum",
            "KVMEM_RING_SCORE_FROM": "0.5", "KVMEM_NEIGHBOR_PAGES": "0", "KVMEM_RING_ANCHOR_PAGES": "4",
-           "KVMEM_RING_VOTE_TOP": "0", "KVMEM_RING_EXCLUDE_RECENT": "0"},
+           "KVMEM_RING_VOTE_TOP": "0", "KVMEM_RING_EXCLUDE_RECENT": "0", "KVMEM_RING_READ_AHEAD": "0",
+           "KVMEM_RESCORE_INTERVAL": "16"},
 }  # fmt: skip
 # v3 with every layer scoring (Gemma 3's global layers are 5, 11 and 17: the upper half leaves two of three voting)
 VARIANTS["v3all"] = {**VARIANTS["v3"], "KVMEM_RING_SCORE_FROM": "0"}
@@ -67,6 +68,11 @@ VARIANTS["v3all"] = {**VARIANTS["v3"], "KVMEM_RING_SCORE_FROM": "0"}
 # (`max`: the head that singles a page out decides) or by the shares weighted by each head's concentration (`peak`)
 VARIANTS["v4max"] = {**VARIANTS["v3all"], "KVMEM_RING_HEAD_FUSION": "max"}
 VARIANTS["v4peak"] = {**VARIANTS["v3all"], "KVMEM_RING_HEAD_FUSION": "peak"}
+# decode re-selection (issue 25 item 3, the `recite` task): v3 with each decode pick's next page(s) read ahead
+# (ra1, ra2), and v3 with no decode re-selection at all (the prompt's selection kept to the end: its control)
+VARIANTS["ra1"] = {**VARIANTS["v3"], "KVMEM_RING_READ_AHEAD": "1"}
+VARIANTS["ra2"] = {**VARIANTS["v3"], "KVMEM_RING_READ_AHEAD": "2"}
+VARIANTS["noresel"] = {**VARIANTS["v3"], "KVMEM_RESCORE_INTERVAL": "0"}
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -103,6 +109,9 @@ def build_cases(args: argparse.Namespace, count, digits: tuple[int, ...]) -> lis
                 kind, half = kinds[rng.randrange(len(kinds))]
                 if task == "codeqa" and "code" in [k for k, _ in kinds]:
                     kind, half = next(k for k in kinds if k[0] == "code")
+                if task == "recite" and kind == "prose" and len(kinds) > 1:  # its passage is docstring sentences
+                    others = [k for k in kinds if k[0] != "prose"]
+                    kind, half = others[rng.randrange(len(others))]
                 cases.append(make_case(split, task, kind, half, length, depth, shape, i, count, digits))
     return cases
 

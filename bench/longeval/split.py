@@ -52,6 +52,15 @@ LIST_QUESTIONS = (
     " {keys}.",
     "Go through these keys in order and write 'key: value' for each, on its own line, using the text above: {keys}.",
 )
+# the long copy (issue 25 item 3, `recite`): {key} names the passage, {noun} what it is; the answer copies it word
+# for word, so its later sentences need the passage's later pages, which the prompt's selection may lack
+RECITE_NOUNS = ("memo", "notice", "bulletin", "statement", "letter", "circular", "dispatch", "minute")
+RECITE_ASKS = (
+    ("Copy the {noun} {key} word for word.", "The {noun} {key} begins."),
+    ("Reproduce the {noun} {key} in full, exactly as written.", "The {noun} {key} begins."),
+    ("Write out the complete text of the {noun} {key}.", "The {noun} {key} begins."),
+    ("Repeat the {noun} {key} verbatim, every sentence.", "The {noun} {key} begins."),
+)
 CODE_QUESTIONS = (
     ("What does the function {name} return?", "{name} returns"),
     ("Which constant is returned by {name}()?", "{name}() returns"),
@@ -100,6 +109,8 @@ class Split:
     code_nouns: tuple[str, ...]
     code_templates: tuple[str, ...]
     code_asks: tuple[tuple[str, str], ...]
+    recite_nouns: tuple[str, ...]
+    recite_asks: tuple[tuple[str, str], ...]
     kinds: tuple[tuple[str, int], ...]  # (haystack kind, standard-library half)
     seed: int
 
@@ -112,12 +123,14 @@ TUNING = Split(
     "tuning", _half(VALUE_TEMPLATES, 0), _half(QUESTIONS, 0), _half(MULTI_QUESTIONS, 0), _half(LIST_QUESTIONS, 0),
     _half(CODE_QUESTIONS, 0),
     _half(INTROS, 0), _half(CODE_NOUNS, 0), _half(CODE_TEMPLATES, 0), _half(CODE_ASKS, 0),
+    _half(RECITE_NOUNS, 0), _half(RECITE_ASKS, 0),
     (("prose", 0), ("code", 0), ("logs", 0)), seed=1_000,
 )  # fmt: skip
 HELDOUT = Split(
     "heldout", _half(VALUE_TEMPLATES, 1), _half(QUESTIONS, 1), _half(MULTI_QUESTIONS, 1), _half(LIST_QUESTIONS, 1),
     _half(CODE_QUESTIONS, 1),
     _half(INTROS, 1), _half(CODE_NOUNS, 1), _half(CODE_TEMPLATES, 1), _half(CODE_ASKS, 1),
+    _half(RECITE_NOUNS, 1), _half(RECITE_ASKS, 1),
     (("prose", 1), ("code", 1), ("tables", 1)), seed=2_000,
 )  # fmt: skip
 SPLITS = {s.name: s for s in (TUNING, HELDOUT)}

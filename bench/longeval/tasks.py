@@ -3,7 +3,9 @@
 Tasks: `single_code` (the classic needle: one unkeyed fact per document, "the pass key is N"),
 `single_number`, `single_word`, `single_uuid` (one needle), `multikey` (the needle among three
 distractor needles of other keys, same template), `multivalue` (one key, three values at spread depths:
-all must be named), `multiquery` (three keys asked at once), `vartrack` (a two-hop chain of variable
+all must be named), `multiquery` (three keys asked at once), `listing` (sixteen keys, one answer line each),
+`recite` (a passage of ~720 tokens copied word for word: a long answer whose later sentences need the
+passage's later pages, issue 25 item 3), `vartrack` (a two-hop chain of variable
 assignments), `codeqa` (what a function planted in the text returns) and `fwe` (the three most frequent
 words of a word list: aggregation, expected to need `shard`).
 
@@ -26,10 +28,15 @@ from bench.longeval import haystacks
 from bench.longeval.split import Split
 
 TASKS = ("single_code", "single_number", "single_word",
-         "single_uuid", "multikey", "multivalue", "multiquery", "listing", "vartrack", "codeqa",
+         "single_uuid", "multikey", "multivalue", "multiquery", "listing", "recite", "vartrack", "codeqa",
          "fwe")  # fmt: skip
 NUMERIC = frozenset({"single_code", "single_number", "multikey", "vartrack", "codeqa"})
 LIST_KEYS = 16  # listing: ~14 tokens a line, an answer of ~220 tokens over 16 needles (more than a 1K pool's evidence)
+# recite: a passage of about this many tokens (~11 pages of 64, more than a 1K pool's nine evidence pages) of
+# docstring sentences in a new order, copied word for word: the answer's later sentences need the passage's later
+# pages, which the prompt's selection may lack. Prose, not a table of codes: dense Gemma 3 270M copied 20 of 32
+# such sentences (CPU, 2.2K tokens), but 4 of 64 rows of "row 07: 1869953" before repeating one; SmolLM2 8 and 18
+RECITE_TOKENS = 720
 SHAPES = ("chat_qlast", "chat_qfirst", "chat_doc_earlier", "completion", "completion_digits")
 _ADJ = ["amber", "silent", "brisk", "hollow", "crimson", "gentle", "rapid", "frozen", "golden", "lucky", "misty",
         "noble", "quiet", "rustic", "sunny", "tidal", "vivid", "wooden", "young", "zesty"]  # fmt: skip
@@ -46,7 +53,7 @@ class Case:
     split: str
     task: str
     kind: str
-    length: int  # target prompt tokens
+    length: int  # target prompt tokens (recite: prompt + answer)
     depth: float
     shape: str
     answers: tuple[str, ...]  # every one must appear in the answer text (case-insensitive)
@@ -170,6 +177,20 @@ def make_case(
             answers = tuple(values)
             question, prefix = rng.choice(split.list_questions).format(keys=", ".join(keys)), f"{keys[0]}:"
             max_tokens = 24 * LIST_KEYS
+        elif task == "recite":  # the long copy: every sentence after the first (the answer's start) is an answer
+            noun = rng.choice(split.recite_nouns)
+            prose_half = next(h for k, h in split.kinds if k == "prose")
+            sentences = haystacks.sentences(prose_half, rng)
+            passage: list[str] = []
+            while count(" ".join(passage)) < RECITE_TOKENS:
+                passage.append(next(sentences))
+            head, tail = f"The {noun} {key} begins.", f"The {noun} {key} ends."
+            needles, answers = [(depth, "\n".join([head, " ".join(passage), tail]))], tuple(passage[1:])
+            question, prefix = rng.choice(split.recite_asks)
+            question = question.format(noun=noun, key=key)
+            prefix = prefix.format(noun=noun, key=key) + "\n" + passage[0]
+            max_tokens = count(" ".join(passage[1:])) + 32
+            budget -= max_tokens  # the prompt and its answer together fill `length` (SmolLM2 has 8,192 positions)
         elif task == "vartrack":
             a, b = rng.sample(_NOUN, 2)
             var_a, var_b = f"VAR_{a.upper()}", f"VAR_{b.upper()}"

@@ -67,6 +67,10 @@ class EngineConfig:
     # re-selection keeps the prompt's best anchor pages, recent pages are no candidates (bench/longeval)
     ring_vote_top: int = 0
     ring_anchor_pages: int = 4
+    # a decode re-selection also takes the pages after each page it picks from the decode step's scores: an answer
+    # that reads the context in order (a copy, a list) moves on into the next page before the next re-selection is
+    # in effect (rescore_interval + prefetch steps later); bench/longeval's `recite` task
+    ring_read_ahead: int = 0
     ring_exclude_recent: bool = False
     # how the last prompt chunk's query picks the prompt's evidence (RingLimits.query_pass): "bound" (a scoring
     # pass over the page summaries' Quest bound), "attention" (the scoring pass attends every page, host ones
@@ -300,6 +304,9 @@ class EngineConfig:
             "--ring-anchor-pages", type=int, default=int(env("KVMEM_RING_ANCHOR_PAGES", str(cls.ring_anchor_pages)))
         )
         p.add_argument(
+            "--ring-read-ahead", type=int, default=int(env("KVMEM_RING_READ_AHEAD", str(cls.ring_read_ahead)))
+        )
+        p.add_argument(
             "--ring-exclude-recent",
             type=int,
             default=int(env("KVMEM_RING_EXCLUDE_RECENT", str(int(cls.ring_exclude_recent)))),
@@ -383,6 +390,7 @@ class EngineConfig:
             retrieval=not a.no_retrieval,
             ring_vote_top=a.ring_vote_top,
             ring_anchor_pages=a.ring_anchor_pages,
+            ring_read_ahead=a.ring_read_ahead,
             ring_exclude_recent=bool(a.ring_exclude_recent),
             ring_query_pass=a.ring_query_pass,
             ring_head_fusion=a.ring_head_fusion,

@@ -77,3 +77,27 @@ def test_a_listing_case_needs_every_needle_and_asks_for_a_long_answer() -> None:
     rows = {"ring": {case.case_id: {"found": found(case, half), "completion_tokens": 230}}}
     lines = tables.recall_lines({case.case_id: case.to_json()}, rows, {case.case_id})
     assert "| ring (1 cases, median answer 230 tokens) | 8/16 = 50% | 8/8 = 100% | 0/8 = 0% |" in lines
+
+
+def test_a_recite_case_copies_one_passage_whose_sentences_are_the_answers_in_order() -> None:
+    """recite (issue 25 item 3): one passage of docstring sentences, the answer's start given (its first sentence);
+    the rest of its sentences, in order, are the answers; the prompt and the answer together fill the case's
+    length; its haystack is not prose (the passage's own source)."""
+    from bench.longeval.tasks import RECITE_TOKENS, found
+
+    cases = run.build_cases(_args(tasks="recite", shapes="completion,chat_qlast", lengths="4096"), _count, _DIGITS)
+    assert {c.kind for c in cases} <= {"code", "tables"}
+    case = next(c for c in cases if c.shape == "completion")
+    assert len(case.answers) >= 10 and len(set(case.answers)) == len(case.answers)
+    places = [case.prompt.index(s) for s in case.answers]
+    assert places == sorted(places) and all(case.prompt.count(s) == 1 for s in case.answers)
+    passage = case.prompt[places[0] : places[-1] + len(case.answers[-1])]
+    assert _count(passage) >= RECITE_TOKENS * 0.8 and case.max_tokens > _count(passage)
+    assert 4096 - 400 < _count(case.prompt) + case.max_tokens <= 4096
+    first = case.prompt.rsplit("\n", 1)[-1]  # the answer's start: the passage's first sentence
+    assert case.prompt.count(first) == 2 and found(case, first) == [False] * len(case.answers)
+    assert found(case, passage) == [True] * len(case.answers)
+    assert set(SPLITS["heldout"].recite_asks).isdisjoint(SPLITS["tuning"].recite_asks)
+    tuning = run.build_cases(_args(tasks="recite", shapes="completion", lengths="4096", split="tuning"), _count,
+                             _DIGITS)  # fmt: skip
+    assert {s for c in tuning for s in c.answers}.isdisjoint({s for c in cases for s in c.answers})

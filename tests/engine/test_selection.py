@@ -95,6 +95,27 @@ def test_decode_reselection_keeps_the_prompts_anchor_pages() -> None:
     assert ring.anchor == [5, 9, 12, 20]  # unchanged by decode re-selections
 
 
+def test_decode_reselection_reads_ahead_of_its_picks_not_of_the_anchors() -> None:
+    """read_ahead 1: each page a decode re-selection picks from the decode step's scores brings the page after it
+    (an answer that copies the context in order needs it next); the prompt's own selection and the anchors do not."""
+    manager, ring = _manager(anchor_pages=1, read_ahead=1)
+    scores = torch.zeros(30)
+    scores[[5, 9, 12, 20]] = torch.tensor([4.0, 3, 2, 1])
+    manager.add_scores(ring, scores, 1)
+    ring.final_scored = True
+    manager.select(ring, 30, "r", 0)
+    assert ring.evidence == {5, 9, 12, 20}  # the prompt's selection: no read-ahead
+    decode = torch.zeros(30)
+    decode[[25, 14, 29]] = torch.tensor([4.0, 3, 2])
+    manager.add_scores(ring, decode, 1)
+    manager.select(ring, 30, "r", 1)
+    assert ring.evidence == {5, 25, 26, 14}  # anchor 5 alone, then 25 and 26, then 14 (room for 4)
+    decode[[25, 14, 29]] = torch.tensor([2.0, 3, 4])
+    manager.add_scores(ring, decode, 1)
+    manager.select(ring, 30, "r", 2)
+    assert ring.evidence == {5, 29, 14, 15}  # page 29 is the last of 30: nothing after it
+
+
 # -- real attention query pass (RingLimits.query_pass "attention" / "exact") and head fusion ----------------
 
 

@@ -100,6 +100,9 @@ class RingLimits:
     # order) and fills the rest from the decode step's scores: an answer that drifts keeps what the question
     # needed (0: a decode re-selection replaces the whole set, as before)
     anchor_pages: int = 0
+    # a decode re-selection takes this many pages after each page it picks from the decode step's scores (not after
+    # the anchors): an answer that reads the context in order reaches the next page before the next re-selection
+    read_ahead: int = 0
     exclude_recent: bool = False  # selection skips pages the recent window keeps resident anyway
     # the prompt's selection: "bound" (a scoring pass over the Quest bound), "attention" (a scoring pass that
     # attends every page, host ones streamed, ranked by its real attention mass), "exact" (the last chunk itself
@@ -174,14 +177,22 @@ def page_ranking(scores: torch.Tensor, num_pages: int, excluded: set[int], head_
 
 
 def pick_pages(
-    order: Iterable[int], num_pages: int, excluded: set[int], room: int, reach: int, anchored: Sequence[int] = ()
+    order: Iterable[int],
+    num_pages: int,
+    excluded: set[int],
+    room: int,
+    reach: int,
+    anchored: Sequence[int] = (),
+    ahead: int = 0,
 ) -> list[int]:
-    """Evidence in `order` (best first): each page with `reach` seam neighbours either side (anchored pages
-    without: they came with theirs already), skipping excluded ones and pages past num_pages, up to `room`."""
+    """Evidence in `order` (best first): each page with `reach` seam neighbours either side and at least `ahead`
+    pages after it (anchored pages without either: they came with theirs already), skipping excluded ones and
+    pages past num_pages, up to `room`."""
     chosen: list[int] = []
     for p in order:
         r = 0 if p in anchored else reach
-        for q in [p, *range(p + 1, p + 1 + r), *range(p - 1, p - 1 - r, -1)]:
+        a = 0 if p in anchored else max(reach, ahead)
+        for q in [p, *range(p + 1, p + 1 + a), *range(p - 1, p - 1 - r, -1)]:
             if len(chosen) >= room:
                 return chosen
             if 0 <= q < num_pages and q not in excluded and q not in chosen:
@@ -534,7 +545,8 @@ class RingManager:
         kept = [p for p in ring.anchor[: lim.anchor_pages] if p not in excluded] if decoding else []
         # lazily: pick_pages stops once the room is filled, long before the end of a long context's ranking
         order = chain(kept, (p for p in ranked if p not in excluded and p not in kept))
-        chosen = pick_pages(order, num_candidate_pages, excluded, lim.evidence_pages, lim.neighbor_pages, kept)
+        ahead = lim.read_ahead if decoding else 0
+        chosen = pick_pages(order, num_candidate_pages, excluded, lim.evidence_pages, lim.neighbor_pages, kept, ahead)
         ring.evidence = set(chosen)
         if not decoding and ring.final_scored:
             ring.anchor = chosen  # the prompt's final selection, best first
