@@ -67,9 +67,10 @@ class EngineConfig:
     # re-selection keeps the prompt's best anchor pages, recent pages are no candidates (bench/longeval)
     ring_vote_top: int = 0
     ring_anchor_pages: int = 4
-    # a decode re-selection also takes the pages after each page it picks from the decode step's scores: an answer
-    # that reads the context in order (a copy, a list) moves on into the next page before the next re-selection is
-    # in effect (rescore_interval + prefetch steps later); bench/longeval's `recite` task
+    # read-ahead (RingLimits.read_ahead): the prompt's selection also takes the pages after its best page, a decode
+    # re-selection the pages after each page it picks from the decode step's scores: an answer that reads the context
+    # in order (a copy, a list) moves on into the next page before the next re-selection is in effect
+    # (rescore_interval + prefetch steps later); bench/longeval's `recite` task. Off: R lead pages take R evidence picks
     ring_read_ahead: int = 0
     ring_exclude_recent: bool = False
     # how the last prompt chunk's query picks the prompt's evidence (RingLimits.query_pass): "bound" (a scoring

@@ -95,16 +95,17 @@ def test_decode_reselection_keeps_the_prompts_anchor_pages() -> None:
     assert ring.anchor == [5, 9, 12, 20]  # unchanged by decode re-selections
 
 
-def test_decode_reselection_reads_ahead_of_its_picks_not_of_the_anchors() -> None:
-    """read_ahead 1: each page a decode re-selection picks from the decode step's scores brings the page after it
-    (an answer that copies the context in order needs it next); the prompt's own selection and the anchors do not."""
+def test_read_ahead_follows_the_prompts_best_page_and_each_decode_pick_not_the_anchors() -> None:
+    """read_ahead 1: the prompt's final selection takes the page after its best one (where an answer that continues
+    the context starts), and each page a decode re-selection picks from the decode step's scores brings the page
+    after it (an answer that copies the context in order needs it next); the anchors bring none."""
     manager, ring = _manager(anchor_pages=1, read_ahead=1)
     scores = torch.zeros(30)
     scores[[5, 9, 12, 20]] = torch.tensor([4.0, 3, 2, 1])
     manager.add_scores(ring, scores, 1)
     ring.final_scored = True
     manager.select(ring, 30, "r", 0)
-    assert ring.evidence == {5, 9, 12, 20}  # the prompt's selection: no read-ahead
+    assert ring.anchor == [5, 6, 9, 12]  # the best page, the one after it, then by rank (room for 4)
     decode = torch.zeros(30)
     decode[[25, 14, 29]] = torch.tensor([4.0, 3, 2])
     manager.add_scores(ring, decode, 1)

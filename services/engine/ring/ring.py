@@ -100,8 +100,10 @@ class RingLimits:
     # order) and fills the rest from the decode step's scores: an answer that drifts keeps what the question
     # needed (0: a decode re-selection replaces the whole set, as before)
     anchor_pages: int = 0
-    # a decode re-selection takes this many pages after each page it picks from the decode step's scores (not after
-    # the anchors): an answer that reads the context in order reaches the next page before the next re-selection
+    # read-ahead: the prompt's final selection takes this many pages after its best page (where an answer that
+    # continues the context starts), and a decode re-selection as many after each page it picks from the decode
+    # step's scores (not after the anchors): an answer that reads the context in order (a copy, a list) reaches the
+    # next page before the next re-selection is in effect
     read_ahead: int = 0
     exclude_recent: bool = False  # selection skips pages the recent window keeps resident anyway
     # the prompt's selection: "bound" (a scoring pass over the Quest bound), "attention" (a scoring pass that
@@ -544,8 +546,12 @@ class RingManager:
         decoding = ring.final_scored and bool(ring.anchor)
         kept = [p for p in ring.anchor[: lim.anchor_pages] if p not in excluded] if decoding else []
         # lazily: pick_pages stops once the room is filled, long before the end of a long context's ranking
-        order = chain(kept, (p for p in ranked if p not in excluded and p not in kept))
+        order: Iterable[int] = chain(kept, (p for p in ranked if p not in excluded and p not in kept))
         ahead = lim.read_ahead if decoding else 0
+        if lim.read_ahead and not decoding and ring.final_scored:  # where the answer starts, and what follows it
+            first = next((p for p in ranked if p not in excluded), None)
+            if first is not None:
+                order = chain([first], range(first + 1, first + 1 + lim.read_ahead), order)
         chosen = pick_pages(order, num_candidate_pages, excluded, lim.evidence_pages, lim.neighbor_pages, kept, ahead)
         ring.evidence = set(chosen)
         if not decoding and ring.final_scored:
