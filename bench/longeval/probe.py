@@ -71,14 +71,14 @@ class SelectionSpy:
     def install(self) -> None:
         spy = self
 
-        def select(mgr: RingManager, ring, num_candidate_pages, request_id, step, end_tokens=0):  # type: ignore[no-untyped-def]
+        def select(mgr: RingManager, ring, num_candidate_pages, request_id, step, end_tokens=0, *copy):  # type: ignore[no-untyped-def]
             final = ring.final_scored and not ring.anchor and ring.scores is not None
             ranked = []
             if final:
                 excluded = set(range(mgr.limits.protect_pages)) | ring.skeleton
                 scores = page_ranking(ring.scores, num_candidate_pages, excluded, mgr.limits.head_fusion)
                 ranked = torch.argsort(scores, descending=True, stable=True).tolist()
-            spy._orig(mgr, ring, num_candidate_pages, request_id, step, end_tokens)
+            spy._orig(mgr, ring, num_candidate_pages, request_id, step, end_tokens, *copy)
             if final:
                 if spy.force:
                     chosen = [p for p in spy.force if p < num_candidate_pages]

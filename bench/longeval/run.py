@@ -60,7 +60,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "v3": {"KVMEM_CACHEGUARD_QUERY_SPAN": "question", "KVMEM_RING_QUERY_PASS": "exact", "KVMEM_RING_HEAD_FUSION": "sum",
            "KVMEM_RING_SCORE_FROM": "0.5", "KVMEM_NEIGHBOR_PAGES": "0", "KVMEM_RING_ANCHOR_PAGES": "4",
            "KVMEM_RING_VOTE_TOP": "0", "KVMEM_RING_EXCLUDE_RECENT": "0", "KVMEM_RING_READ_AHEAD": "0",
-           "KVMEM_RESCORE_INTERVAL": "16"},
+           "KVMEM_RING_FOLLOW_COPY": "0", "KVMEM_RESCORE_INTERVAL": "16"},
 }  # fmt: skip
 # v3 with every layer scoring (Gemma 3's global layers are 5, 11 and 17: the upper half leaves two of three voting)
 VARIANTS["v3all"] = {**VARIANTS["v3"], "KVMEM_RING_SCORE_FROM": "0"}
@@ -73,6 +73,12 @@ VARIANTS["v4peak"] = {**VARIANTS["v3all"], "KVMEM_RING_HEAD_FUSION": "peak"}
 VARIANTS["ra1"] = {**VARIANTS["v3"], "KVMEM_RING_READ_AHEAD": "1"}
 VARIANTS["ra2"] = {**VARIANTS["v3"], "KVMEM_RING_READ_AHEAD": "2"}
 VARIANTS["noresel"] = {**VARIANTS["v3"], "KVMEM_RESCORE_INTERVAL": "0"}
+# copy following (ring_follow_copy): each decode re-selection leads with the pages where the answer's last 4 tokens
+# occur in the prompt, alone (follow) and with the prompt's read-ahead of 4 pages (followra4), and that read-ahead
+# alone (ra4)
+VARIANTS["follow"] = {**VARIANTS["v3"], "KVMEM_RING_FOLLOW_COPY": "4"}
+VARIANTS["ra4"] = {**VARIANTS["v3"], "KVMEM_RING_READ_AHEAD": "4"}
+VARIANTS["followra4"] = {**VARIANTS["follow"], "KVMEM_RING_READ_AHEAD": "4"}
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

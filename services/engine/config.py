@@ -72,6 +72,9 @@ class EngineConfig:
     # in order (a copy, a list) moves on into the next page before the next re-selection is in effect
     # (rescore_interval + prefetch steps later); bench/longeval's `recite` task. Off: R lead pages take R evidence picks
     ring_read_ahead: int = 0
+    # copy following (RingLimits.follow_copy): a decode re-selection finds the answer's last this-many tokens in the
+    # prompt and leads with the pages the copy reads until the next re-selection is in effect (0: off)
+    ring_follow_copy: int = 0
     ring_exclude_recent: bool = False
     # how the last prompt chunk's query picks the prompt's evidence (RingLimits.query_pass): "bound" (a scoring
     # pass over the page summaries' Quest bound), "attention" (the scoring pass attends every page, host ones
@@ -308,6 +311,9 @@ class EngineConfig:
             "--ring-read-ahead", type=int, default=int(env("KVMEM_RING_READ_AHEAD", str(cls.ring_read_ahead)))
         )
         p.add_argument(
+            "--ring-follow-copy", type=int, default=int(env("KVMEM_RING_FOLLOW_COPY", str(cls.ring_follow_copy)))
+        )
+        p.add_argument(
             "--ring-exclude-recent",
             type=int,
             default=int(env("KVMEM_RING_EXCLUDE_RECENT", str(int(cls.ring_exclude_recent)))),
@@ -392,6 +398,7 @@ class EngineConfig:
             ring_vote_top=a.ring_vote_top,
             ring_anchor_pages=a.ring_anchor_pages,
             ring_read_ahead=a.ring_read_ahead,
+            ring_follow_copy=a.ring_follow_copy,
             ring_exclude_recent=bool(a.ring_exclude_recent),
             ring_query_pass=a.ring_query_pass,
             ring_head_fusion=a.ring_head_fusion,

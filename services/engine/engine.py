@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+import numpy as np
 import torch
 
 from services.common.pagehash import page_hash, root_hash
@@ -382,10 +383,18 @@ class Engine:
         elif w.score_tokens and w.seq.in_prefill:
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)
         elif w.score_tokens:  # decode: the scheduler scores only the steps that re-select
-            table = w.seq.page_table
+            seq, table = w.seq, w.seq.page_table
+            prompt, recent = None, list[int]()
+            if self.ring.limits.follow_copy:  # the answer's last known tokens, the prompt's before the first ones
+                n = self.ring.limits.follow_copy
+                if ring.prompt_tokens is None:
+                    ring.prompt_tokens = np.asarray(seq.prompt_ids, dtype=np.int64)
+                prompt = ring.prompt_tokens
+                recent = (seq.prompt_ids[-n:] + seq.output_ids[max(0, seq.known_outputs - n) : seq.known_outputs])[-n:]
             self.ring.select_deferred(
-                ring, candidates, w.seq.request_id, self.stats.steps_total, table.slot_ids, table.page_hashes, end
-            )
+                ring, candidates, seq.request_id, self.stats.steps_total, table.slot_ids, table.page_hashes, end,
+                prompt, recent,
+            )  # fmt: skip
 
     def _new_ring(self, seq: Sequence) -> None:
         """Ring state for a sequence being admitted (summaries sized to its longest possible context)."""

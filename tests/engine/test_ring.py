@@ -345,6 +345,35 @@ def test_voting_selection_runs_through_prefill_and_decode(model, smol_tokenizer:
     assert seq.ring is None and engine.ring.num_restores > 0
 
 
+def test_copy_following_gets_the_prompt_and_the_answers_last_tokens(
+    model, smol_tokenizer: Tokenizer, store_address: str
+) -> None:
+    """follow_copy through a real sparse prefill and decode: every decode re-selection is handed the prompt's ids
+    and the sequence's last known tokens (the prompt's before the answer has that many), with the bucket identity
+    checked every step."""
+    limits = ring_limits(budget_pages=8, anchor_pages=1, follow_copy=4)
+    engine = make_engine(model, smol_tokenizer, num_slots=8, ring=limits, ring_chunk=8, store_address=store_address)
+    prompt = _prompt(70, 8)
+    seq = engine.submit("follow", prompt, greedy(14))
+    calls: list[tuple[list[int], list[int]]] = []
+    select = engine.ring.select
+
+    def spy(ring, num_pages, request_id, step, end_tokens=0, prompt_ids=None, recent=()):  # noqa: ANN001, ANN202
+        if prompt_ids is not None:
+            calls.append((prompt_ids.tolist(), list(recent)))
+            calls[-1][1].append(seq.known_outputs)
+        return select(ring, num_pages, request_id, step, end_tokens, prompt_ids, recent)
+
+    engine.ring.select = spy  # type: ignore[method-assign]
+    _run_checking_buckets(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert done.prefill_policy == "sparse" and len(tokens) == 14
+    assert len(calls) >= 2  # re-selections every 4 decode steps
+    for ids, (*recent, known) in calls:
+        assert ids == prompt
+        assert recent == (prompt + seq.output_ids[:known])[-4:]
+
+
 @pytest.mark.parametrize("query_pass", ["attention", "exact"])
 def test_attention_query_pass_runs_through_prefill_and_decode(
     model, smol_tokenizer: Tokenizer, store_address: str, query_pass: str

@@ -246,3 +246,49 @@ def _warm_then_score(dev: torch.device) -> None:
             out = page_scores(q, kmin, kmin + 1, 128**-0.5)
             assert out.shape == (pages,) and torch.isfinite(out).all()
     assert compiled() == before
+
+
+# -- copy following (RingLimits.follow_copy) --------------------------------------------------------------------
+
+
+def test_copy_source_finds_where_the_answer_copies_from() -> None:
+    """The position after the answer's last tokens in the prompt: the first occurrence at or after where it last
+    read, else the last one before; shorter tails when the longest occurs nowhere; none on disallowed pages."""
+    import numpy as np
+
+    from services.engine.ring.ring import copy_source
+
+    prompt = np.array([9, 1, 2, 3, 4, 8, 8, 8, 1, 2, 3, 5, 8, 8, 8, 8], dtype=np.int64)  # page_size 4: 4 pages
+    every = np.ones(4, dtype=bool)
+    assert copy_source(prompt, [1, 2, 3, 4], 4, -1, every, 4) == 5  # the only 4-token occurrence
+    assert copy_source(prompt, [1, 2, 3], 4, -1, every, 4) == 4  # two occurrences: the first at or after -1
+    assert copy_source(prompt, [1, 2, 3], 4, 6, every, 4) == 11  # the first at or after 6
+    assert copy_source(prompt, [1, 2, 3], 4, 12, every, 4) == 11  # none after 12: the last before it
+    assert copy_source(prompt, [7, 2, 3], 4, -1, every, 4) == 4  # [7, 2, 3] nowhere: the tail [2, 3]
+    assert copy_source(prompt, [7, 6], 4, -1, every, 4) == -1  # not even 2 tokens occur
+    assert copy_source(prompt, [1, 2, 3], 4, -1, np.array([True, False, True, True]), 4) == 11  # page 1 not allowed
+    # [5, 8, 8, 8, 8] and [8, 8, 8, 8] occur only where the prompt ends (nothing after them to read): [8, 8, 8] at 5
+    assert copy_source(prompt, [5, 8, 8, 8, 8], 5, -1, every, 4) == 8
+
+
+def test_follow_copy_leads_a_decode_reselection_with_the_pages_being_copied() -> None:
+    """page_size 4, prefetch 0, rescore every 4 steps: the answer copies from position 41 (page 10), so the lead
+    is pages 10..12 (to where the copy is once the next re-selection is in effect, one page beyond), then the
+    anchor, then the decode step's best; without follow_copy the decode step's scores alone."""
+    import numpy as np
+
+    prompt = np.arange(100, 100 + 120, dtype=np.int64)  # distinct tokens: token 100 + i sits at position i
+    for follow, expected in ((0, {5, 25, 26, 27}), (3, {10, 11, 12, 5})):
+        manager, ring = _manager(anchor_pages=1, follow_copy=follow, rescore_interval=4)
+        scores = torch.zeros(30)
+        scores[[5, 9, 12, 20]] = torch.tensor([4.0, 3, 2, 1])
+        manager.add_scores(ring, scores, 1)
+        ring.final_scored = True
+        manager.select(ring, 30, "r", 0)
+        assert ring.follow_at == 20  # the prompt's best page's start: where a copy most likely begins
+        decode = torch.zeros(30)
+        decode[[25, 26, 27, 28]] = torch.tensor([4.0, 3, 2, 1])
+        manager.add_scores(ring, decode, 1)
+        manager.select(ring, 30, "r", 1, prompt=prompt, recent=[137, 138, 139, 140])
+        assert ring.evidence == expected
+        assert ring.follow_at == (41 if follow else 20)

@@ -19,6 +19,7 @@ from itertools import chain, compress
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from services.engine.kv.kv_pool import KVPool
@@ -105,6 +106,11 @@ class RingLimits:
     # step's scores (not after the anchors): an answer that reads the context in order (a copy, a list) reaches the
     # next page before the next re-selection is in effect
     read_ahead: int = 0
+    # copy following: a decode re-selection finds the answer's last `follow_copy` tokens in the prompt (fewer, down to
+    # 2, when those do not occur) and leads with the pages from there to where the copy will be when the next
+    # re-selection is in effect: an answer that copies the context (a quote, a listing, code) reads its source page
+    # by token identity, which a one-token query's Quest bound does not find (0: off)
+    follow_copy: int = 0
     exclude_recent: bool = False  # selection skips pages the recent window keeps resident anyway
     # the prompt's selection: "bound" (a scoring pass over the Quest bound), "attention" (a scoring pass that
     # attends every page, host ones streamed, ranked by its real attention mass), "exact" (the last chunk itself
@@ -152,6 +158,8 @@ class SeqRing:
     num_adopted: int = 0  # prefix pages taken from the host store (never resident before)
     hidden_pages: int = 0  # pages a sparse step could not see (over the whole request)
     anchor: list[int] = field(default_factory=list)  # the prompt's final evidence, best first (anchor_pages)
+    follow_at: int = -1  # follow_copy: the prompt position the answer was last found copying from (-1: not yet)
+    prompt_tokens: np.ndarray | None = field(default=None, repr=False)  # follow_copy: the prompt's ids, searched
     # RingManager.plan's last plans by page count, each with the evidence and skeleton it was planned from: the
     # scheduler and the ring snapshot ask for the same plan many times per step, and it changes only when
     # one of the three does (a new page, a re-selection)
@@ -200,6 +208,26 @@ def pick_pages(
             if 0 <= q < num_pages and q not in excluded and q not in chosen:
                 chosen.append(q)
     return chosen
+
+
+def copy_source(
+    prompt: np.ndarray, recent: Sequence[int], longest: int, near: int, allowed: np.ndarray, page_size: int
+) -> int:
+    """Where an answer that copies the prompt reads next: the position after an occurrence of its last `longest`
+    tokens in `prompt` (the last 2 at the shortest, when no longer tail occurs), the first at or after `near` (where it
+    last read), else the last one before it; only positions on pages `allowed` [pages] marks (the prompt's other
+    pages are resident anyway). -1 when the tail occurs nowhere allowed."""
+    for n in range(min(longest, len(recent)), 1, -1):
+        tail = np.asarray(recent[-n:], dtype=prompt.dtype)
+        starts = np.flatnonzero(prompt[: len(prompt) - n] == tail[0])  # an occurrence with a token after it
+        for i in range(1, n):
+            starts = starts[prompt[starts + i] == tail[i]]
+        after = starts + n
+        after = after[allowed[np.minimum(after // page_size, len(allowed) - 1)]]
+        if len(after):
+            ahead = after[after >= near]
+            return int(ahead[0] if len(ahead) else after[-1])
+    return -1
 
 
 def restore_pages(host: HostPages, pool: KVPool, slots: SlotAllocator, page_hashes: list[bytes]) -> list[int]:
@@ -441,16 +469,18 @@ class RingManager:
         slot_ids: list[int],
         page_hashes: list[bytes],
         end_tokens: int = 0,
+        prompt: np.ndarray | None = None,
+        recent: Sequence[int] = (),
     ) -> None:
         """A decode re-selection: with prefetch_steps, `select` now, in effect prefetch_steps decode steps
         later (apply_pending); meanwhile the chosen pages that are only on the host are fetched to the
         device in the background, so the step that takes them in does not wait for the store."""
         if self.limits.prefetch_steps <= 0:
-            self.select(ring, num_candidate_pages, request_id, step, end_tokens)
+            self.select(ring, num_candidate_pages, request_id, step, end_tokens, prompt, recent)
             return
         self.apply_pending(ring, force=True)  # an earlier re-selection takes effect first
         current = ring.evidence
-        self.select(ring, num_candidate_pages, request_id, step, end_tokens)
+        self.select(ring, num_candidate_pages, request_id, step, end_tokens, prompt, recent)
         chosen, ring.evidence = ring.evidence, current
         wanted = self._to_prefetch(ring, chosen, slot_ids, page_hashes, end_tokens)
         fetch = self._prefetch(wanted) if wanted and self._prefetcher is not None else None
@@ -526,13 +556,23 @@ class RingManager:
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True)
 
-    def select(self, ring: SeqRing, num_candidate_pages: int, request_id: str, step: int, end_tokens: int = 0) -> None:
+    def select(
+        self,
+        ring: SeqRing,
+        num_candidate_pages: int,
+        request_id: str,
+        step: int,
+        end_tokens: int = 0,
+        prompt: np.ndarray | None = None,
+        recent: Sequence[int] = (),
+    ) -> None:
         """Top-scored candidate pages plus their neighbours become the evidence set; scores reset.
 
         `end_tokens`: the sequence's length once the step this selection serves is written; with
         exclude_recent the pages the recent window will hold then are not candidates (they are resident
         anyway, and a selection that picks them leaves the budget unused). A decode re-selection (the
-        prompt's final selection made: ring.final_scored) starts from the prompt's best anchor_pages."""
+        prompt's final selection made: ring.final_scored) starts from the prompt's best anchor_pages, and with
+        follow_copy from the pages the answer is copying (`prompt`'s token ids, the answer's `recent` ones)."""
         lim = self.limits
         if not lim.retrieval or ring.scores is None:
             ring.evidence = set()
@@ -545,6 +585,8 @@ class RingManager:
         ranked: list[int] = torch.argsort(scores, descending=True, stable=True).tolist()
         decoding = ring.final_scored and bool(ring.anchor)
         kept = [p for p in ring.anchor[: lim.anchor_pages] if p not in excluded] if decoding else []
+        if decoding and lim.follow_copy and prompt is not None:
+            kept = self._copy_lead(ring, num_candidate_pages, excluded, prompt, recent) + kept
         # lazily: pick_pages stops once the room is filled, long before the end of a long context's ranking
         order: Iterable[int] = chain(kept, (p for p in ranked if p not in excluded and p not in kept))
         ahead = lim.read_ahead if decoding else 0
@@ -556,10 +598,27 @@ class RingManager:
         ring.evidence = set(chosen)
         if not decoding and ring.final_scored:
             ring.anchor = chosen  # the prompt's final selection, best first
+            ring.follow_at = chosen[0] * lim.page_size if chosen else -1  # a copy most likely starts there
         if self._audit is not None:
             self._write_audit(ring, scores, chosen, request_id, step)
         ring.scores = None
         ring.scored_tokens = 0
+
+    def _copy_lead(
+        self, ring: SeqRing, num_pages: int, excluded: set[int], prompt: np.ndarray, recent: Sequence[int]
+    ) -> list[int]:
+        """follow_copy: the pages from where the answer copies the prompt now to where it will be once the next
+        re-selection is in effect (prefetch_steps + rescore_interval tokens on, one page beyond), not excluded;
+        none when its last tokens occur nowhere in the candidate pages."""
+        lim = self.limits
+        allowed = np.ones(num_pages, dtype=bool)
+        allowed[[p for p in excluded if p < num_pages]] = False
+        at = copy_source(prompt, recent, lim.follow_copy, ring.follow_at, allowed, lim.page_size)
+        if at < 0:
+            return []
+        ring.follow_at = at
+        last = (at + lim.prefetch_steps + lim.rescore_interval) // lim.page_size + 1
+        return [p for p in range(at // lim.page_size, min(num_pages, last + 1)) if p not in excluded]
 
     def _write_audit(self, ring: SeqRing, scores: torch.Tensor, chosen: list[int], request_id: str, step: int) -> None:
         assert self._audit is not None
