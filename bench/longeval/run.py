@@ -79,6 +79,8 @@ VARIANTS["noresel"] = {**VARIANTS["v3"], "KVMEM_RESCORE_INTERVAL": "0"}
 VARIANTS["follow"] = {**VARIANTS["v3"], "KVMEM_RING_FOLLOW_COPY": "4"}
 VARIANTS["ra4"] = {**VARIANTS["v3"], "KVMEM_RING_READ_AHEAD": "4"}
 VARIANTS["followra4"] = {**VARIANTS["follow"], "KVMEM_RING_READ_AHEAD": "4"}
+VARIANTS["followra1"] = {**VARIANTS["follow"], "KVMEM_RING_READ_AHEAD": "1"}
+VARIANTS["followra2"] = {**VARIANTS["follow"], "KVMEM_RING_READ_AHEAD": "2"}
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
