@@ -20,9 +20,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _compile(fn, types: dict[str, str], constexprs: dict[str, object], div16: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]  # noqa: E501
+def _compile(fn, types: dict[str, str], constexprs: dict[str, object], div16: tuple[str, ...] = (), **options):  # type: ignore[no-untyped-def]  # noqa: E501
     """`div16`: the arguments the launch specialises as multiples of 16 (Triton does so for every pointer torch
-    allocates and every integer divisible by 16): what the compiler knows of alignment at run time."""
+    allocates and every integer divisible by 16): what the compiler knows of alignment at run time. `options`:
+    the launch's compile options (num_warps, num_stages), Triton's defaults when absent."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -30,7 +31,7 @@ def _compile(fn, types: dict[str, str], constexprs: dict[str, object], div16: tu
     signature = dict(types, **{name: "constexpr" for name in constexprs})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options or None)
 
 
 def _pipelined_word_loads(ptx: str) -> None:
