@@ -13,8 +13,10 @@
 - swiglu: the SwiGLU of prefill rows (M x 2 x 14336 -> M x 14336): torch's silu then multiply (two launches) against
   kernels/norm_triton.py `silu_mul` (one), and the largest difference between them. GB/s counts 3 x M x 14336 x 2 B.
 - fp8: both attention kernels over fp8 rows read in place (`fp8=True`, uint8 [R, 8, 16 + 128]) against the same rows
-  in bf16: decode at B x rows (the ring's 32 x 4K, one 128K session) and the last 8K chunk of a 32K prefill; TB/s
-  counts the K/V bytes in each format, TFLOP/s the causal attention FLOPs.
+  in bf16: decode at B x rows (the ring's 32 x 4K, one 32K session), its fp8 dots in bf16 (KVMEM_FP8_DOT=bf16, the
+  kernel before fp16 operands) and in fp16 (the default) in the same process, with --sweep the fp16 path's warps /
+  stages / rows per step; and the last 8K chunk of a 32K prefill; TB/s counts the K/V bytes in each format (an fp8
+  row is 144 bytes), TFLOP/s the causal attention FLOPs.
 
 - prefill_gemm: cuBLAS TFLOP/s of each projection at prompt-chunk row counts M (8,192 exactly, 8,192 + a few decode
   rows, 16,384 and beyond, a whole 32,640-token prompt), the (M, projection) cells in a shuffled order, five passes,
@@ -27,9 +29,11 @@ step's layers; nothing stays in L2). bench/kernel_sweep.py is the same method at
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -215,14 +219,57 @@ def _decode_us(
     )
 
 
+@contextlib.contextmanager
+def _fp8_dot(mode: str) -> Iterator[None]:
+    """KVMEM_FP8_DOT=mode for the calls inside (dat.fp8_dot is read once: its cache is cleared on the way in and
+    out); a CUDA graph captured inside keeps the mode's kernel."""
+    before = os.environ.get("KVMEM_FP8_DOT")
+    os.environ["KVMEM_FP8_DOT"] = mode
+    dat.fp8_dot.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KVMEM_FP8_DOT"]
+        else:
+            os.environ["KVMEM_FP8_DOT"] = before
+        dat.fp8_dot.cache_clear()
+
+
+# (NUM_WARPS, num_stages at D 128, rows per loop step or 0 for block_rows) of the fp16-dot fp8 path, --sweep
+FP8_VARIANTS = ((4, 4, 0), (4, 3, 0), (4, 2, 0), (8, 4, 0), (4, 4, 32), (4, 4, 128))
+
+
+def _fp8_sweep(
+    q: torch.Tensor, k8s: list[torch.Tensor], v8s: list[torch.Tensor], reads: tuple[torch.Tensor, ...], d: int
+) -> str:
+    """The fp16-dot fp8 decode at each FP8_VARIANTS entry (the module's settings patched, then restored)."""
+    real_rows, real_warps, real_stages = dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM
+    cells = []
+    for warps, stages, step in FP8_VARIANTS:
+        dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM = warps, {d: stages}
+        dat.block_rows = (lambda w, step=step: step) if step else real_rows  # type: ignore[assignment]
+        try:
+            with _fp8_dot("fp16"):
+                cells.append(f"{warps}w/{stages}s/{step or 'auto'}: {_decode_us(q, k8s, v8s, reads, True):6.1f} us")
+        except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit is reported
+            cells.append(f"{warps}w/{stages}s/{step or 'auto'}: {type(exc).__name__}")
+        finally:
+            dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM = real_rows, real_warps, real_stages
+    return " | ".join(cells)
+
+
 def fp8_table(
     dev: torch.device,
-    cases: tuple[tuple[int, int], ...] = ((32, 4096), (1, 131_072)),
+    cases: tuple[tuple[int, int], ...] = ((32, 4096), (1, 32_768)),
     chunk: tuple[int, int] = (8192, 24_576),
     layers: int = 8,
+    sweep: bool = False,
 ) -> None:
     """The attention kernels over fp8 rows in place against the same rows in bf16 (`layers` distinct pools):
-    decode of `cases` (batch, rows each), prefill of a `chunk` (new tokens, past tokens)."""
+    decode of `cases` (batch, rows each) with the fp8 rows' dots in bf16 (KVMEM_FP8_DOT=bf16, before) and in fp16
+    (the default), each one's relative difference from bf16 attention and from each other, and with `sweep` the
+    fp16 path's FP8_VARIANTS; prefill of a `chunk` (new tokens, past tokens)."""
     from services.engine.kernels import prefill_attention_triton as pat
     from services.engine.kv.kv_formats import parse_format
 
@@ -237,15 +284,25 @@ def fp8_table(
         rows = torch.arange(total, device=dev).view(batch, length).contiguous()
         key_pos = torch.arange(length, device=dev).expand(batch, -1).contiguous()
         q_pos = torch.full((batch,), length - 1, device=dev)
-        want = dat.decode_attention(q, ks[0], vs[0], rows, key_pos, q_pos, d**-0.5, sorted_keys=True)
-        got = dat.decode_attention(q, k8s[0], v8s[0], rows, key_pos, q_pos, d**-0.5, sorted_keys=True, fp8=True)
-        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
-        cells = []
-        for name, kk, vv, f8 in (("bf16", ks, vs, False), ("fp8", k8s, v8s, True)):
-            t = _decode_us(q, kk, vv, (rows, key_pos, q_pos), f8)
-            nbytes = 2 * total * kv_heads * kk[0].shape[-1] * kk[0].element_size()
-            cells.append(f"{name} {t:7.1f} us {nbytes / t / 1e6:4.2f} TB/s")
-        print(f"decode attention B={batch} rows {length}: " + " | ".join(cells) + f" | rel diff {rel:.2e}", flush=True)
+        reads = (rows, key_pos, q_pos)
+        want = dat.decode_attention(q, ks[0], vs[0], *reads, d**-0.5, sorted_keys=True).float()
+        t_bf16 = _decode_us(q, ks, vs, reads, False)
+        nbytes = 2 * total * kv_heads * ks[0].shape[-1] * ks[0].element_size()
+        cells = [f"bf16 {t_bf16:7.1f} us {nbytes / t_bf16 / 1e6:4.2f} TB/s"]
+        nbytes = 2 * total * kv_heads * k8s[0].shape[-1]
+        outs, times = {}, {}
+        for mode in ("bf16", "fp16"):
+            with _fp8_dot(mode):
+                outs[mode] = dat.decode_attention(q, k8s[0], v8s[0], *reads, d**-0.5, sorted_keys=True, fp8=True)
+                times[mode] = t = _decode_us(q, k8s, v8s, reads, True)
+            rel = ((outs[mode].float() - want).norm() / want.norm()).item()
+            cells.append(f"fp8 {mode} dots {t:7.1f} us {nbytes / t / 1e6:4.2f} TB/s rel diff {rel:.2e}")
+        old, new = outs["bf16"].float(), outs["fp16"].float()
+        speedup, between = times["bf16"] / times["fp16"], ((new - old).norm() / old.norm()).item()
+        cells.append(f"fp16 dots {speedup:.2f}x the bf16 ones, rel diff between them {between:.2e}")
+        print(f"decode attention B={batch} rows {length}: " + " | ".join(cells), flush=True)
+        if sweep:
+            print(f"  fp8 fp16 dots B={batch} rows {length}: " + _fp8_sweep(q, k8s, v8s, reads, d), flush=True)
         del ks, vs, k8s, v8s
         torch.cuda.empty_cache()
     n, past = chunk
@@ -314,7 +371,7 @@ def main() -> int:
     if "swiglu" in only:
         swiglu_table(dev)
     if "fp8" in only:
-        fp8_table(dev)
+        fp8_table(dev, sweep="--sweep" in sys.argv)
     if "prefill_gemm" in only:
         prefill_gemm_table(dev)
     return 0

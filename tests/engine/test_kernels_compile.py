@@ -20,9 +20,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _compile(fn, types: dict[str, str], constexprs: dict[str, object], div16: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]  # noqa: E501
+def _compile(fn, types: dict[str, str], constexprs: dict[str, object], div16: tuple[str, ...] = (), **options):  # type: ignore[no-untyped-def]  # noqa: E501
     """`div16`: the arguments the launch specialises as multiples of 16 (Triton does so for every pointer torch
-    allocates and every integer divisible by 16): what the compiler knows of alignment at run time."""
+    allocates and every integer divisible by 16): what the compiler knows of alignment at run time. `options`:
+    the launch's compile options (num_warps, num_stages), Triton's defaults when absent."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -30,7 +31,7 @@ def _compile(fn, types: dict[str, str], constexprs: dict[str, object], div16: tu
     signature = dict(types, **{name: "constexpr" for name in constexprs})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options or None)
 
 
 def _pipelined_word_loads(ptx: str) -> None:
@@ -65,14 +66,28 @@ def compile_fp8_attention() -> None:
     ints = ["width", "rows_per_split", "num_splits", "window", "span"]
     ints += [f"stride_{s}" for s in ("qb", "qh", "kr", "kh", "vr", "vh", "ob", "oh")]
     types = dict(ptrs, scale_log2="fp32", **{name: "i32" for name in ints})
-    constexprs = dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, HAS_WINDOW=False, RING=False, DIRECT=False, DOT_FP32=False,
-                      INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, PDL=True, SORTED=True, FP8=True)  # fmt: skip
     div16 = (*ptrs, "width", "rows_per_split", "stride_qb", "stride_qh", "stride_kr", "stride_vr", "stride_kh",
              "stride_vh", "stride_ob",
              "stride_oh")  # fmt: skip
-    ptx = _compile(dat._split_kernel, types, constexprs, div16).asm["ptx"]
-    assert "e4m3" in ptx
-    _pipelined_word_loads(ptx)
+    for f16 in (False, True):  # KVMEM_FP8_DOT=bf16, and the default fp16 operands
+        constexprs = dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, HAS_WINDOW=False, RING=False, DIRECT=False,
+                          DOT_FP32=False, INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, PDL=True, SORTED=True,
+                          FP8=True, FP8_F16=f16)  # fmt: skip
+        ptx = _compile(dat._split_kernel, types, constexprs, div16).asm["ptx"]
+        assert "e4m3" in ptx
+        _pipelined_word_loads(ptx)
+        if f16:
+            _fp16_codes(ptx)
+
+
+def _fp16_codes(ptx: str) -> None:
+    """The fp16 decode path (attention_tiles.softmax_step_f16) converts each pair of codes with one cvt (the bf16
+    path adds a cvt.bf16.f16 a code: 128 a thread a tile at the 8B shape) and reads the value codes 16 bytes at a time
+    from shared memory, transposed as fp16 by ldmatrix.trans (the bf16 path: 64 ld.shared.b8 a thread a tile)."""
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
+    assert "bf16.f16" not in ptx, "codes converted through bf16"
+    assert not re.search(r"ld\.shared\.[bu]8", ptx), "codes read from shared memory byte by byte"
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx, "no fp16 value tile transposed by ldmatrix"
 
 
 def compile_silu_mul() -> None:

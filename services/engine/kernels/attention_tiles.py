@@ -10,6 +10,8 @@ to every row) scales the scores inside the exponent's argument (one fused multip
 one sets invisible scores to -inf first and keeps exp2 finite for a row that has seen nothing yet.
 kernels/decode_attention_triton.py (one token per sequence, the G query heads of a KV head as rows) and
 kernels/prefill_attention_triton.py (a prompt chunk's rows of one query head) call these; Triton inlines them.
+`softmax_step_f16` is the fp8 step with fp16 operands (the decode kernel's default, KVMEM_FP8_DOT): q and the
+codes in fp16, each scale folded into the scores or the weights of the second dot.
 """
 
 from __future__ import annotations
@@ -41,14 +43,32 @@ def fp8_rows_aligned(store: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _e4m3_to_f16(codes):  # type: ignore[no-untyped-def]
+    """uint8 e4m3fn codes -> fp16 (exact), four at a time, in the codes' own layout. For the value tile, whose
+    dot reads it transposed (the rows are the reduced dim): Triton's own conversion is elementwise, so it moves the
+    layout change to the dot operand before it, onto the 8-bit codes, and sm_90 has no transposing ldmatrix for
+    bytes: 64 ld.shared.u8 a thread a tile (and an imad to pair them). Marked impure, this conversion stays where
+    it is: the codes load from shared memory 16 bytes at a time and the fp16 tile goes through ldmatrix.trans."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r",
+        [codes],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def load_kv(  # type: ignore[no-untyped-def]
     k_ptr, v_ptr, row, kv, stride_kr, stride_kh, stride_vr, stride_vh, d, ok, MASKED: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, F16: tl.constexpr = False, INTERPRETED: tl.constexpr = False,
 ):  # fmt: skip
     """K and V tiles [BLOCK_N, D] of the pool rows `row` for KV head `kv`, and their per-row scales [BLOCK_N];
     MASKED: rows where `ok` is false are not read (zeros). Plain layers: the stored values, scales 1. FP8 (uint8
-    rows: an fp32 scale padded to 16 bytes, then D e4m3fn codes): the codes as bf16 (exact) and the scales, which
-    softmax_step applies to the scores and the probabilities instead of to every element."""
+    rows: an fp32 scale padded to 16 bytes, then D e4m3fn codes): the codes as bf16 (F16: fp16; both exact) and the
+    scales, which softmax_step applies to the scores and the probabilities instead of to every element.
+    INTERPRETED: no inline PTX (F16's value codes are converted by Triton there)."""
     if FP8:  # every fp8 row starts on 16 bytes (a row is 16 + D bytes, D % 16 == 0: `supported`), so its codes
         # do too: said to the compiler, the codes load 16 bytes at a time (and pipeline); 4-byte words with the
         # old 4 + D rows ran the decode kernel at a third of bf16's bandwidth, bytes one by one at a quarter
@@ -74,8 +94,15 @@ def load_kv(  # type: ignore[no-untyped-def]
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     if FP8:
-        k = k.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-        v = v.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        if F16:  # one cvt.rn.f16x2.e4m3x2 per two codes on sm_90
+            k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            if INTERPRETED:
+                v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            else:
+                v = _e4m3_to_f16(v)
+        else:  # sm_90 has no e4m3 -> bf16 cvt: Triton converts e4m3x2 -> f16x2, then each f16 -> bf16
+            k = k.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            v = v.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
         if MASKED:
             k_scale = tl.load(ks_ptrs, mask=ok, other=0.0)
             v_scale = tl.load(vs_ptrs, mask=ok, other=0.0)
@@ -122,4 +149,51 @@ def softmax_step(  # type: ignore[no-untyped-def]
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+# fp16 operands (softmax_step_f16): q is clamped to fp16's range; the value scales enter the running max within
+# [2^-64, 2^64] (a row's largest |value| from ~1e-17 to ~8e21: the weights stay < 1.07 and the sums l < 2^80; a
+# smaller scale only weighs less)
+F16_MAX = tl.constexpr(65504.0)
+_V_SCALE_MIN = tl.constexpr(2.0**-64)
+_V_SCALE_MAX = tl.constexpr(2.0**64)
+_2_M23 = tl.constexpr(2.0**-23)  # an fp32's bits times this, minus 127: about its log2
+
+
+@triton.jit
+def softmax_step_f16(  # type: ignore[no-untyped-def]
+    q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, scale_log2, MASKED: tl.constexpr, DOT_FP32: tl.constexpr
+):
+    """softmax_step for fp8 rows whose codes are fp16 (load_kv with F16), q in fp16: no conversion to bf16 and
+    no per-element scale. s = (q . codes_k) * k_scale[row]; the running max m is that of s + log2(v_scale[row])
+    instead of s, so the weights of the second dot, w = exp2(s - m) * v_scale[row], are < 1.07 and fp16 keeps them
+    at 11 bits (a bare p * v_scale would sink into fp16's subnormals at small scales and long rows). The sums l
+    and the accumulator use the same m, which is all the merge needs (Partials: m is then a reference, not the
+    largest score). DOT_FP32 (the interpreter): q and w arrive / are rounded to fp16 as on the GPU, and the dots
+    run in fp32, where fp16 products are exact: the tensor cores' arithmetic up to the order of the sums."""
+    if DOT_FP32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * (k_scale * scale_log2)[None, :]  # one multiply an element: the key scale and the softmax scale
+    # log2 of the value scales, from their bits (Mitchell's approximation: below log2 by less than 0.09, so the
+    # weights stay below 1.07; tl.log2 is a ~25-instruction polynomial a value on sm_90)
+    log2_v = tl.clamp(v_scale, _V_SCALE_MIN, _V_SCALE_MAX).to(tl.int32, bitcast=True).to(tl.float32) * _2_M23 - 127.0
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s + log2_v[None, :], axis=1))
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep exp2 finite
+    else:
+        m_safe = m_new
+    p = tl.exp2(s - m_safe[:, None])  # <= 2^64 (fp32): the row sums l
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    w = (p * v_scale[None, :]).to(tl.float16)
+    if DOT_FP32:
+        acc = tl.dot(w.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, v, acc)
     return m_new, l_i, acc

@@ -30,7 +30,9 @@ rounded to the V dtype for the second dot, as flash attention does); fp32 dots r
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +61,18 @@ NUM_STAGES = 2  # its software pipeline depth
 # else was measured)
 STAGES_BY_HEAD_DIM = {128: 4}
 _PLAIN = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def fp8_dot() -> str:
+    """The operands of the fp8 rows' dots: "fp16" (default: q and the codes in fp16, one conversion per two codes,
+    the scales folded into the scores and the weights: attention_tiles.softmax_step_f16) or, with
+    KVMEM_FP8_DOT=bf16, the bf16 dots before it (A/B runs: bench/scale_kernels.py --only fp8). Decided once."""
+    mode = os.environ.get("KVMEM_FP8_DOT", "fp16")
+    if mode not in ("fp16", "bf16"):
+        raise ValueError(f"KVMEM_FP8_DOT={mode!r}: fp16 or bf16")
+    logger.info("fp8 decode attention dots: %s (KVMEM_FP8_DOT)", mode)
+    return mode
 
 
 def supported(k_store: torch.Tensor, fp8: bool = False) -> bool:
@@ -161,7 +175,8 @@ def write_kv_reference(
 @dataclass(frozen=True)
 class Partials:
     """The split kernel's unmerged output (`partial=True`): for each query head, S partial softmaxes over
-    consecutive rows, base 2. m, l [B, Hq, S] fp32 (running max of the scaled scores, sum of exp2(score - m));
+    consecutive rows, base 2. m, l [B, Hq, S] fp32 (running max of the scaled scores, sum of exp2(score - m); fp8
+    rows with fp16 dots: m is that of score + log2 of the row's value scale, any m serving as long as l and acc use it);
     acc [B, Hq, S, D] fp32 (sum of exp2(score - m) * v). `merge_reference` (or the merge kernel, or the block
     kernel's first phase, kernels/block_triton.py) turns them into the attention output."""
 
@@ -230,6 +245,7 @@ def _split_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     SORTED: tl.constexpr = False,  # key positions non-decreasing along each row list (padding last)
     FP8: tl.constexpr = False,  # uint8 fp8 rows (scale + e4m3fn codes, kv_formats.py): q in bf16 against the codes
+    FP8_F16: tl.constexpr = False,  # with FP8: q and the codes in fp16 (attention_tiles.softmax_step_f16)
 ):
     pdl.start(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -244,7 +260,11 @@ def _split_kernel(
         if split == 0:
             kept = keep_ptr + (b * tl.num_programs(1) * G + heads[:, None]) * D + d[None, :]
             tl.store(kept, q.to(keep_ptr.dtype.element_ty), mask=g_ok[:, None])
-    if DOT_FP32:
+    if FP8_F16:  # a larger |q| would be inf in fp16 (a model's queries are far from it)
+        q = tl.clamp(q.to(tl.float32), -tiles.F16_MAX, tiles.F16_MAX).to(tl.float16)
+        if DOT_FP32:  # interpreted: rounded to fp16 as on the GPU, the dots in fp32
+            q = q.to(tl.float32)
+    elif DOT_FP32:
         q = q.to(tl.float32)
     elif FP8:
         q = q.to(tl.bfloat16)
@@ -280,11 +300,16 @@ def _split_kernel(
         if HAS_WINDOW:
             ok = ok & (pos > q_pos - window)
         k, v, k_scale, v_scale = tiles.load_kv(
-            k_ptr, v_ptr, row, kv, stride_kr, stride_kh, stride_vr, stride_vh, d, ok, True, FP8
+            k_ptr, v_ptr, row, kv, stride_kr, stride_kh, stride_vr, stride_vh, d, ok, True, FP8, FP8_F16, INTERPRETED
         )
-        m_i, l_i, acc = tiles.softmax_step(
-            q, k, v, k_scale, v_scale, ok[None, :], m_i, l_i, acc, scale_log2, True, DOT_FP32, FP8
-        )
+        if FP8_F16:
+            m_i, l_i, acc = tiles.softmax_step_f16(
+                q, k, v, k_scale, v_scale, ok[None, :], m_i, l_i, acc, scale_log2, True, DOT_FP32
+            )
+        else:
+            m_i, l_i, acc = tiles.softmax_step(
+                q, k, v, k_scale, v_scale, ok[None, :], m_i, l_i, acc, scale_log2, True, DOT_FP32, FP8
+            )
     if DIRECT:
         o = acc / l_i[:, None]
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -483,7 +508,10 @@ def _attend(
         acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     q_pos = q_pos.contiguous()
     # fp32 dots (IEEE) for fp32 or mixed inputs, and interpreted: the interpreter's tl.dot is wrong on bf16
-    if fp8:  # the codes are bf16 in the kernel
+    f16 = fp8 and fp8_dot() == "fp16"
+    if f16:  # q and the codes are fp16 in the kernel, whatever q's dtype
+        dot_fp32 = INTERPRETED
+    elif fp8:  # the codes are bf16 in the kernel
         dot_fp32 = q.dtype == torch.float32 or INTERPRETED
     else:
         dot_fp32 = k_store.dtype == torch.float32 or q.dtype != k_store.dtype or INTERPRETED
@@ -496,7 +524,7 @@ def _attend(
         G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, RING=span > 0, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
         SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, KEEP_Q=keep_q is not None, SORTED=sorted_keys,
-        FP8=fp8, num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=stages,
+        FP8=fp8, FP8_F16=f16, num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=stages,
         **pdl.launch_args(q.device),
     )  # fmt: skip
     if direct:
