@@ -81,6 +81,8 @@ VARIANTS["ra4"] = {**VARIANTS["v3"], "KVMEM_RING_READ_AHEAD": "4"}
 VARIANTS["followra4"] = {**VARIANTS["follow"], "KVMEM_RING_READ_AHEAD": "4"}
 VARIANTS["followra1"] = {**VARIANTS["follow"], "KVMEM_RING_READ_AHEAD": "1"}
 VARIANTS["followra2"] = {**VARIANTS["follow"], "KVMEM_RING_READ_AHEAD": "2"}
+# the defaults since 2026-12-06: v3 with copy following and a read-ahead of 2 (= followra2)
+VARIANTS["v4"] = dict(VARIANTS["followra2"])
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -70,11 +70,14 @@ class EngineConfig:
     # read-ahead (RingLimits.read_ahead): the prompt's selection also takes the pages after its best page, a decode
     # re-selection the pages after each page it picks from the decode step's scores: an answer that reads the context
     # in order (a copy, a list) moves on into the next page before the next re-selection is in effect
-    # (rescore_interval + prefetch steps later); bench/longeval's `recite` task. Off: R lead pages take R evidence picks
-    ring_read_ahead: int = 0
+    # (rescore_interval + prefetch steps later); bench/longeval's `recite` task. R lead pages take R evidence picks.
+    # 2 with copy following since 2026-12-06 (tuning: 60 of 201 sentences copied vs 55 with 1, dense 61; held-out:
+    # 71% vs dense 60%, keyed tasks unchanged: bench/RESULTS.md, "The long copy, round 2")
+    ring_read_ahead: int = 2
     # copy following (RingLimits.follow_copy): a decode re-selection finds the answer's last this-many tokens in the
-    # prompt and leads with the pages the copy reads until the next re-selection is in effect (0: off)
-    ring_follow_copy: int = 0
+    # prompt and leads with the pages the copy reads until the next re-selection is in effect (0: off; 4 since
+    # 2026-12-06: without it the ring copied 6% of a long passage's sentences, dense 60%)
+    ring_follow_copy: int = 4
     ring_exclude_recent: bool = False
     # how the last prompt chunk's query picks the prompt's evidence (RingLimits.query_pass): "bound" (a scoring
     # pass over the page summaries' Quest bound), "attention" (the scoring pass attends every page, host ones
