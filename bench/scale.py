@@ -159,16 +159,11 @@ def main() -> int:
     p.add_argument(
         "--chunks",
         default="8192",
-        help="prefill chunks (token budget per step) for the TTFT row; the first is the row's; `CgR`: chunk C with "
-        "the projections in row blocks of R (KVMEM_GEMM_ROWS)",
+        help="prefill chunks (token budget per step) for the TTFT row; the first is the row's",
     )
     p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--concurrent", default="32x8192", help="NxL: N prompts of L tokens submitted at once")
-    p.add_argument(
-        "--concurrent-chunks",
-        default="16384",
-        help="token budgets per step for the concurrent row (`CgR` as in --chunks)",
-    )
+    p.add_argument("--concurrent-chunks", default="16384", help="token budgets per step for the concurrent row")
     p.add_argument("--batches", default="8,32,64", help="decode batch sizes ('' to skip)")
     p.add_argument("--batch-len", type=int, default=2048, help="prompt tokens of each batched-decode sequence")
     p.add_argument("--long-len", type=int, default=131_072, help="the long dense session (0: skip)")

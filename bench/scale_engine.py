@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bench.scale_model import HBM_BYTES_PER_S
-from services.engine.models import llama
 from services.engine.step.sampling import SamplingParams
 from services.engine.step.sequence import Chunk, Done, Failed
 
@@ -198,14 +197,9 @@ def engine_rows(run: Run, model_dir: Path, out_dir: Path | None) -> None:
         _engine_rows(run, engine, out_dir)
 
 
-def _chunked(engine, spec: str) -> int:  # type: ignore[no-untyped-def]
-    """A chunk spec `C` (token budget per step) or `CgR` (the same, with projections in row blocks of R:
-    models/llama.GEMM_ROWS, otherwise 0 here) applied to the engine; returns C."""
-    chunk, _, rows = spec.partition("g")
-    llama.GEMM_ROWS = int(rows or 0)
-    engine.scheduler.prefill_chunk = int(chunk)
-    engine.limits = dataclasses.replace(engine.limits, prefill_chunk=int(chunk))
-    return int(chunk)
+def _chunked(engine, chunk: int) -> None:  # type: ignore[no-untyped-def]
+    engine.scheduler.prefill_chunk = chunk
+    engine.limits = dataclasses.replace(engine.limits, prefill_chunk=chunk)
 
 
 def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignore[no-untyped-def]
@@ -213,7 +207,7 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
     rows = set(a.rows.split(","))
     warm = prompts_of(run.gen, sh.vocab, 1, 64)
     engine_requests(engine, warm, 4, "warm")
-    chunks = a.chunks.split(",")
+    chunks = [int(c) for c in a.chunks.split(",")]
     modes = a.prefill_modes.split(",")
     if "ttft" in rows or "decode" in rows:
         # one untimed prompt of the same length first: one-time costs (Triton variants, graph buckets)
@@ -259,7 +253,7 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
         run.save()
     if "concurrent" in rows:
         row = run.row("concurrent")
-        for chunk in a.concurrent_chunks.split(","):
+        for chunk in [int(c) for c in a.concurrent_chunks.split(",")]:
             _chunked(engine, chunk)
             prompts = prompts_of(run.gen, sh.vocab, run.conc, run.conc_len)  # fresh: no prefix reuse
             warm = warm_graphs(run, engine, run.conc, [run.conc_len + 1, run.conc_len + a.new_tokens])

@@ -136,33 +136,3 @@ def test_programmatic_dependent_launch_follows_the_device(where: str) -> None:
     want = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
     assert pdl.enabled(device) == want
     assert kernels.select_tier(device).pdl == want
-
-
-@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize(("m", "rows", "bias"), [(40, 16, False), (37, 16, True), (16, 16, True), (5, 64, False)])
-def test_sliced_linear_is_f_linear_cut_along_m(where: str, m: int, rows: int, bias: bool) -> None:
-    """KVMEM_GEMM_ROWS's products of `rows` rows (a last short one included) fill the same [M, N] as F.linear."""
-    from services.engine.models.llama import sliced_linear
-
-    device = device_or_skip(where)
-    g = torch.Generator().manual_seed(m * 7 + rows)
-    x = torch.randn(m, 48, generator=g).to(device)
-    weight = torch.randn(24, 48, generator=g).to(device)
-    b = torch.randn(24, generator=g).to(device) if bias else None
-    got = sliced_linear(x, weight, b, rows)
-    want = torch.nn.functional.linear(x, weight, b)
-    assert got.shape == (m, 24)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.gpu
-def test_project_takes_row_blocks_when_gemm_rows_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """project() on CUDA with GEMM_ROWS: a taller x in row blocks, the same values as the layer itself (bf16)."""
-    from services.engine.models import llama
-
-    device = device_or_skip("cuda")
-    layer = torch.nn.Linear(256, 512, bias=True).to(device=device, dtype=torch.bfloat16)
-    x = torch.randn(1000, 256, device=device, dtype=torch.bfloat16)
-    monkeypatch.setattr(llama, "GEMM_ROWS", 256)
-    got = llama.project(layer, x)
-    torch.testing.assert_close(got, layer(x), rtol=2e-2, atol=2e-2)

@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, cast
@@ -36,37 +35,13 @@ def fused_kernels(x: Tensor) -> ModuleType | None:
     return triton_module("norm_triton", x.device)
 
 
-# KVMEM_GEMM_ROWS=R (0: off): a CUDA projection of more than R rows runs as products of R rows each, written into one
-# output. cuBLAS's heuristics pick other tiles for very tall products (bench/RESULTS.md, issue 26: at the 8B shape
-# 787 TFLOP/s at M = 8,192 against ~680 at 32,640), so a prompt taken whole (one attention call over all of it)
-# can keep the 8K chunks' GEMM rate. Read once; bench/scale.py sets it per process for its A/B
-GEMM_ROWS = int(os.environ.get("KVMEM_GEMM_ROWS", "0"))
-
-
 def project(layer: nn.Linear, x: Tensor) -> Tensor:
     """layer(x); a decode-sized x (kernels/linear_triton.py: at most 16 rows) on the Triton tier takes the
-    skinny-product kernel, which reads the weight at a higher share of the bandwidth than cuBLAS; with
-    GEMM_ROWS a taller CUDA x goes in row blocks (`sliced_linear`)."""
+    skinny-product kernel, which reads the weight at a higher share of the bandwidth than cuBLAS."""
     kernels = triton_module("linear_triton", x.device)
     if kernels is not None and kernels.supported(x, layer.weight):
         return kernels.linear(x, layer.weight, layer.bias)  # type: ignore[no-any-return]
-    if GEMM_ROWS and x.is_cuda and x.dim() == 2 and x.shape[0] > GEMM_ROWS:
-        return sliced_linear(x, layer.weight, layer.bias, GEMM_ROWS)
     return layer(x)  # type: ignore[no-any-return]
-
-
-def sliced_linear(x: Tensor, weight: Tensor, bias: Tensor | None, rows: int) -> Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) as products of at most `rows` rows of x, each written in place into
-    its rows of one [M, N] output (the same function as F.linear, cut along M)."""
-    out = x.new_empty(x.shape[0], weight.shape[0])
-    wt = weight.t()
-    for start in range(0, x.shape[0], rows):
-        part, dest = x[start : start + rows], out[start : start + rows]
-        if bias is None:
-            torch.mm(part, wt, out=dest)
-        else:
-            torch.addmm(bias, part, wt, out=dest)
-    return out
 
 
 def vocab_head(hidden: Tensor, weight: Tensor, argmax: bool) -> tuple[Tensor, Tensor | None]:
