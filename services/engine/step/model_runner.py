@@ -118,6 +118,10 @@ class ModelRunner:
             hidden = self.model(ids, pos, attn, batch)  # type: ignore[call-arg]
         else:
             hidden = self.model(ids, pos, attn)  # [N, hidden]
+        for w, span in zip(works, spans, strict=True):
+            question = w.seq.ring.question if w.seq.ring is not None else None
+            if span.keep_query is not None and question is not None:
+                question.keep(span.kept_query, w.start, span.keep_query)
         scores = [span.scores for span in spans]
         if not sample_rows:
             return torch.empty(0, device=self.device), scores
@@ -181,6 +185,12 @@ class ModelRunner:
         span.score_tokens = w.score_tokens
         span.score_pages = first_page if w.score_tokens else 0
         span.score_by_attention = w.exact_query
+        question = ring.question
+        if question is not None and not w.score_only:  # question-first (ring/question.py): keep its queries
+            span.keep_query = question.overlap(w.start, end)
+        if question is not None and w.exact_query:  # and let them score the prompt's final selection
+            span.question_query = question.stacked() or None
+            span.question_mode = question.mode
         if ring.policy == "exact" or w.exact_query:
             hidden = [p for p in range(first_page) if table.slot_ids[p] == NOT_RESIDENT]
             if hidden:
