@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 _KV_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUERY_PASSES = ("bound", "attention", "exact")  # EngineConfig.ring_query_pass
-QUESTION_PASSES = ("off", "add", "only")  # EngineConfig.ring_question_pass
+QUESTION_PASSES = ("off", "add", "only", "add_end", "only_end")  # EngineConfig.ring_question_pass
 BURST_ON_CUDA = 8  # bench/RESULTS.md run 9: 8 vs 16 vs 1 step per round trip on the H200
 
 
@@ -93,7 +93,8 @@ class EngineConfig:
     # selection is also ranked by the question's own tokens, their queries kept when their chunk ran and scored
     # against every page (the later ones included) by the last chunk (query_pass attention / exact only): "add" their
     # mass to the tail's, "only" theirs; "off" the tail alone (the generation prompt's few tokens, which read the
-    # document weakly). RingLimits.question_pass
+    # document weakly); "_end": the kept queries rotated to the prompt's end first (RoPE rotations compose), so that
+    # every page is scored at the non-negative distances the model knows (question.realign). RingLimits.question_pass
     ring_question_pass: str = "off"
     audit_dir: str = ""  # write per-selection scores and choices here
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)

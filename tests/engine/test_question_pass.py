@@ -116,3 +116,38 @@ def test_question_first_selection_is_ranked_by_the_question(
     assert not torch.allclose(only, off)
     # the question reads the pages after it (its own are pages 1-2): a page past them carries mass
     assert float(only[:, 4:].sum()) > 0.0
+
+
+def test_realign_rotates_queries_on_to_the_target_position() -> None:
+    """RoPE at positions m, then realigned to position t, equals RoPE at t: scores against keys before t are those
+    of a query at t (the "_end" question passes)."""
+    from services.engine.models.config import ModelConfig
+    from services.engine.models.llama import RotaryEmbedding, apply_rope
+    from services.engine.ring.question import realign
+
+    cfg = ModelConfig(
+        architecture="llama", vocab_size=10, hidden_size=64, intermediate_size=8, num_layers=1,
+        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=None, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
+        max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    rotary = RotaryEmbedding(cfg)
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(5, 4, 16, generator=g)
+    positions = torch.tensor([3, 4, 9, 10, 11])
+    at_m = apply_rope(raw, *rotary(positions, raw.dtype).rows)
+    at_t = apply_rope(raw, *rotary(torch.full((5,), 40), raw.dtype).rows)
+    torch.testing.assert_close(realign(at_m, positions, 40, rotary), at_t, rtol=1e-5, atol=1e-5)
+
+
+def test_question_pass_realigned_to_the_prompts_end_runs_through_the_engine(
+    model, smol_tokenizer: Tokenizer, start_store: StartStore
+) -> None:
+    """ "only_end": the kept queries are rotated to the prompt's end (realign) before they score: the same layers and
+    shapes as "only", other masses (the distances changed), pages after the question still read."""
+    question = (5, 11)
+    only, _ = _final_scores(model, smol_tokenizer, start_store, "only", question)
+    at_end, kept = _final_scores(model, smol_tokenizer, start_store, "only_end", question)
+    assert at_end.shape == only.shape and not torch.allclose(at_end, only)
+    assert all(q.shape[0] == 6 for q in kept.values())
+    assert float(at_end[:, 4:].sum()) > 0.0

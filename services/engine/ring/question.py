@@ -9,8 +9,9 @@ stays causal: nothing the model computes changes), and the last prompt chunk, wh
 question included: their mass is added to the tail's ("add") or ranks alone ("only").
 
 The kept queries carry RoPE at the question's positions, so a page after the question is scored at a negative
-relative distance, which the model never saw in training; content-matching heads are dominated by the slow
-rotary dimensions, where the sign of the distance matters little (measured on the tuning split, bench/RESULTS.md).
+relative distance, which the model never saw in training; the "_end" modes rotate them on to the prompt's end first
+(`realign`: RoPE rotations compose), where every page lies at a distance the model knows. Which of these ranks best
+is for bench/longeval's tuning split to say (bench/RESULTS.md); every mode is off by default.
 Memory: question tokens x query heads x head dim floats per scoring layer, until the final selection.
 """
 
@@ -20,9 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.models.llama import RotaryEmbedding, apply_rope
 from services.engine.ring.exact_attention import page_mass
 
-QUESTION_MODES = ("add", "only")
+QUESTION_MODES = ("add", "only", "add_end", "only_end")
 
 
 @dataclass
@@ -39,6 +41,16 @@ class QuestionQuery:
         assert self.mode in QUESTION_MODES, self.mode
         assert 0 <= self.start < self.end, (self.start, self.end)
         self.upto = self.start
+
+    @property
+    def fusion(self) -> str:
+        """How the question's mass joins the tail's: "add" or "only" (fuse_question)."""
+        return self.mode.removesuffix("_end")
+
+    @property
+    def realigned(self) -> bool:
+        """Whether the kept queries are rotated to the prompt's end (`realign`) before they are kept."""
+        return self.mode.endswith("_end")
 
     def overlap(self, start: int, end: int) -> tuple[int, int] | None:
         """Offsets [lo, hi) in a chunk over positions [start, end) of the question tokens it computes first."""
@@ -75,8 +87,16 @@ def question_mass(
 
 
 def fuse_question(tail: torch.Tensor, question: torch.Tensor | None, mode: str) -> torch.Tensor:
-    """One layer's page masses [Hq, Np]: the tail's, with the question's added ("add") or alone ("only");
-    the tail's where the layer kept no question queries."""
+    """One layer's page masses [Hq, Np]: the tail's, with the question's added ("add") or alone ("only"; either
+    with "_end"); the tail's where the layer kept no question queries."""
     if question is None:
         return tail
-    return question if mode == "only" else tail + question
+    return question if mode.removesuffix("_end") == "only" else tail + question
+
+
+def realign(q: torch.Tensor, positions: torch.Tensor, target: int, rotary: RotaryEmbedding) -> torch.Tensor:
+    """Queries q [n, Hq, D] that carry RoPE at `positions` [n], rotated on to position `target` (RoPE rotates each
+    pair of dims by position x frequency, so rotating by target - position composes to the rotation at target): a
+    key at any position before target is then scored at the non-negative distance it would have from there."""
+    cos, sin = rotary(target - positions, q.dtype).rows
+    return apply_rope(q, cos, sin)
