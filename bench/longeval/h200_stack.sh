@@ -15,6 +15,9 @@
 # Gemma 3 270M: calls 1-4 carry [DIR/whl, DIR/g/q1], [DIR/g/q2], [DIR/g/q3], [DIR/g/q4] with command
 #   `bash bench/longeval/h200_stack.sh setup`; call 5 carries [DIR/g/q5, DIR/gen, DIR/tok] with command
 #   `GGUF=gemma bash bench/longeval/h200_stack.sh go|numerics|probe <args>`.
+# The working tree grows (bench/results): when device_carry.sh's summary marks a call OVER 64 MiB, carry DIR/whl in
+# a setup call of its own first (2026-12-06: [whl, g/q1] was 64.8 MiB; six calls, whl alone, then q1 .. q5; for
+# SmolLM2 on a warm machine whose wheels are installed, p1, p2, then [p3, gen]).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DIR=.wt/dev
