@@ -46,20 +46,6 @@ def test_question_first_scores_the_generation_prompt(tokenizer: Tokenizer) -> No
     assert len(p.token_ids) - 8 <= p.query_start < len(p.token_ids)  # end of the message: the assistant header
 
 
-def test_question_first_sends_the_questions_span(tokenizer: Tokenizer) -> None:
-    """The question of a question-first message as its own span (the engine's question pass), decoding to the
-    question give or take a seam token; none when the question is last, or in a short message."""
-    p = _prepare(tokenizer, [{"role": "user", "content": f"{QUESTION}\n\n{DOC}"}])
-    assert p.question is not None
-    start, end = p.question
-    assert start < end <= p.query_start
-    text = tokenizer.decode(p.token_ids[start:end])
-    assert "access code for amber-falcon-42" in text and "Paragraph" not in text and len(text) < len(QUESTION) + 8
-    assert _prepare(tokenizer, [{"role": "user", "content": f"{DOC}\n\n{QUESTION}"}]).question is None
-    assert _prepare(tokenizer, [{"role": "user", "content": QUESTION}]).question is None
-    assert _prepare(tokenizer, [{"role": "user", "content": f"{QUESTION}\n\n{DOC}"}], span="turn").question is None
-
-
 def test_document_in_an_earlier_message_keeps_the_last_turn(tokenizer: Tokenizer) -> None:
     messages = [{"role": "user", "content": DOC}, {"role": "assistant", "content": "Read it."},
                 {"role": "user", "content": QUESTION}]  # fmt: skip
