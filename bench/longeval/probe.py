@@ -176,15 +176,14 @@ def build_requests(tok, cases: list[tasks.Case], span: str) -> list[dict[str, An
         text = tok.decode(ids)
         needles = [_token_index(tok, text, text.find(value)) for value in case.answers]
         query_start = prepared.query_start if prepared.query_start is not None else -1
-        out.append({"case": case, "ids": ids, "query_start": query_start, "needle_tokens": needles,
-                    "question": prepared.question})  # fmt: skip
+        out.append({"case": case, "ids": ids, "query_start": query_start, "needle_tokens": needles})
     return out
 
 
 def stream(engine, req: dict[str, Any], params: SamplingParams) -> tuple[list[int], str, Done]:  # type: ignore[no-untyped-def]
     """Submit one request (its query span from `req`) and collect its answer: (token ids, text, Done)."""
     qs = req["query_start"] if req["query_start"] >= 0 else None
-    seq = engine.submit(req["case"].case_id, req["ids"], params, query_start=qs, question=req.get("question"))
+    seq = engine.submit(req["case"].case_id, req["ids"], params, query_start=qs)
     ids: list[int] = []
     text = ""
     while True:

@@ -75,7 +75,6 @@ class Prepared(NamedTuple):
     session_id: str
     report: PrefixReport
     query_start: int | None = None  # token index where the last user message starts (the ring's query)
-    question: tuple[int, int] | None = None  # a question-first chat's question tokens [start, end) (question_span)
 
 
 class GuardCore:
@@ -120,15 +119,12 @@ class GuardCore:
         applied = chat.applied if chat is not None else ()
         users = [m for m in prompt.message_spans if m.role == "user"]
         query_start = None
-        question = None
         if users and users[-1].token_start < len(prompt.token_ids):
             last = users[-1]
             query_start = question_start(last, self.tokenizer) if self.query_span == "question" else last.token_start
-            if self.query_span == "question":
-                question = question_span(last, self.tokenizer, query_start)
         elif request.prompt_text is not None and self.query_span == "question":
             query_start = text_question_start(request.prompt_text, len(prompt.token_ids), self.tokenizer)
-        return Prepared(prompt.token_ids, session_id, report._replace(normalizations=applied), query_start, question)
+        return Prepared(prompt.token_ids, session_id, report._replace(normalizations=applied), query_start)
 
     def count_tokens(self, request: PromptRequest) -> int:
         """Number of prompt tokens `prepare` would send now (the session is read, never changed)."""
@@ -239,22 +235,6 @@ def question_start(message: MessageSpan, tokenizer: Tokenizer) -> int:
     if short_last and (last.endswith("?") or not (first.endswith("?") and len(first) <= QUESTION_MAX_CHARS)):
         return max(message.token_start, end - len(tokenizer.encode(last)))
     return max(message.token_start, end)
-
-
-def question_span(message: MessageSpan, tokenizer: Tokenizer, query_start: int) -> tuple[int, int] | None:
-    """A question-first message's question (question_start's first paragraph that asks, when the query span is
-    the message's end): tokens [start, end), where the content starts estimated as the message's end less the
-    content's own tokens (a seam either way); None for any other message."""
-    end = message.token_end - 2  # the template's end-of-message tokens, as question_start counts them
-    if query_start != end or end - message.token_start < QUESTION_MIN_TOKENS:
-        return None  # a short message, or the question last: the query span holds it
-    content = message.content.strip()
-    first, sep, _ = content.partition("\n\n")
-    first = first.strip()
-    if not sep or not first.endswith("?") or len(first) > QUESTION_MAX_CHARS:
-        return None
-    start = max(message.token_start, end - len(tokenizer.encode(content)))
-    return start, min(query_start, start + len(tokenizer.encode(first)))
 
 
 def text_question_start(text: str, num_tokens: int, tokenizer: Tokenizer) -> int | None:

@@ -167,7 +167,6 @@ def ring_limits(config: EngineConfig) -> RingLimits:
         anchor_pages=config.ring_anchor_pages, read_ahead=config.ring_read_ahead, follow_copy=config.ring_follow_copy,
         exclude_recent=config.ring_exclude_recent, query_pass=config.ring_query_pass,
         head_fusion=config.ring_head_fusion, score_from=config.ring_score_from,
-        question_pass=config.ring_question_pass,
     )  # fmt: skip
 
 

@@ -21,7 +21,6 @@ class ConfigError(ValueError):
 
 _KV_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUERY_PASSES = ("bound", "attention", "exact")  # EngineConfig.ring_query_pass
-QUESTION_PASSES = ("off", "add", "only", "add_end", "only_end")  # EngineConfig.ring_question_pass
 BURST_ON_CUDA = 8  # bench/RESULTS.md run 9: 8 vs 16 vs 1 step per round trip on the H200
 
 
@@ -89,13 +88,6 @@ class EngineConfig:
     ring_query_pass: str = "exact"
     ring_score_from: float = 0.5  # layers below this fraction of the model's depth score no pages
     ring_head_fusion: str = "sum"  # how their masses rank pages (summaries.fuse_heads: sum, norm, rrf:K, max, peak)
-    # question-first chats (the question before the document, a span the cache guard sends): the prompt's final
-    # selection is also ranked by the question's own tokens, their queries kept when their chunk ran and scored
-    # against every page (the later ones included) by the last chunk (query_pass attention / exact only): "add" their
-    # mass to the tail's, "only" theirs; "off" the tail alone (the generation prompt's few tokens, which read the
-    # document weakly); "_end": the kept queries rotated to the prompt's end first (RoPE rotations compose), so that
-    # every page is scored at the non-negative distances the model knows (question.realign). RingLimits.question_pass
-    ring_question_pass: str = "off"
     audit_dir: str = ""  # write per-selection scores and choices here
     local_ring: bool = True  # sliding-window layers in a small ring per sequence, not in the slots (local_ring.py)
     # recurrent (linear-attention) layers: their state is snapshotted every this many pages for prefix reuse
@@ -119,8 +111,6 @@ class EngineConfig:
             raise ConfigError(f"decode_burst must be in [0, page_size {self.page_size}], got {self.decode_burst}")
         if self.ring_query_pass not in QUERY_PASSES:
             raise ConfigError(f"ring_query_pass must be one of {QUERY_PASSES}, got {self.ring_query_pass!r}")
-        if self.ring_question_pass not in QUESTION_PASSES:
-            raise ConfigError(f"ring_question_pass must be one of {QUESTION_PASSES}, got {self.ring_question_pass!r}")
         if self.ring_head_fusion.partition(":")[0] not in HEAD_FUSIONS:
             raise ConfigError(f"ring_head_fusion must be one of {HEAD_FUSIONS}, got {self.ring_head_fusion!r}")
         if not 0.0 <= self.ring_score_from < 1.0:
@@ -338,11 +328,6 @@ class EngineConfig:
             "--ring-score-from", type=float, default=float(env("KVMEM_RING_SCORE_FROM", str(cls.ring_score_from)))
         )
         p.add_argument("--ring-head-fusion", default=env("KVMEM_RING_HEAD_FUSION", cls.ring_head_fusion))
-        p.add_argument(
-            "--ring-question-pass",
-            default=env("KVMEM_RING_QUESTION_PASS", cls.ring_question_pass),
-            choices=QUESTION_PASSES,
-        )
         p.add_argument("--audit-dir", default=env("KVMEM_RING_AUDIT_DIR", ""))
         p.add_argument(
             "--no-cuda-graphs",
@@ -421,7 +406,6 @@ class EngineConfig:
             ring_query_pass=a.ring_query_pass,
             ring_head_fusion=a.ring_head_fusion,
             ring_score_from=a.ring_score_from,
-            ring_question_pass=a.ring_question_pass,
             audit_dir=a.audit_dir,
             cuda_graphs=not a.no_cuda_graphs,
             decode_overlap=not a.no_decode_overlap,

@@ -30,7 +30,6 @@ from services.common.tokenizer import Tokenizer
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.slots import SlotAllocator
 from services.engine.kv.transfers import copied, to_host
-from services.engine.ring.question import QuestionQuery
 from services.engine.ring.ring import PagesLostError, RingLimits, RingManager, SeqRing
 from services.engine.ring.summaries import PageSummaries
 from services.engine.step.detokenizer import Detokenizer
@@ -138,10 +137,8 @@ class Engine:
         namespace: str = "",
         prefill_policy: str = "",
         query_start: int | None = None,
-        question: tuple[int, int] | None = None,
     ) -> Sequence:
-        """Validate and queue a request; raises InvalidRequestError, ContextLengthError, OverloadedError.
-        `question`: a question-first chat's question tokens [start, end), before the query span (ring/question.py)."""
+        """Validate and queue a request; raises InvalidRequestError, ContextLengthError, OverloadedError."""
         lim = self.limits
         params.validate(lim.vocab_size)
         if not prompt_ids:
@@ -165,8 +162,6 @@ class Engine:
             raise InvalidRequestError(f"prefill_policy must be sparse or exact, got {policy!r}")
         if query_start is not None and not 0 <= query_start < len(prompt_ids):
             raise InvalidRequestError(f"query_start {query_start} is outside the prompt [0, {len(prompt_ids)})")
-        if question is not None and not 0 <= question[0] < question[1] <= len(prompt_ids):
-            raise InvalidRequestError(f"question {question} is not a span of the prompt [0, {len(prompt_ids)})")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
         matcher = self._grammar_compiler().matcher(params.grammar) if params.grammar is not None else None
         if matcher is not None and params.ignore_eos:
@@ -184,7 +179,6 @@ class Engine:
             generator=params.make_generator(self.pool.device),
             prefill_policy=policy,
             query_start=query_start if query_start is not None else -1,
-            question=question,
             matcher=matcher,
         )
         with self._lock:
@@ -386,8 +380,6 @@ class Engine:
         if w.score_only or w.exact_query:  # the prompt's final selection
             ring.final_scored = True
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)
-            if ring.question is not None:  # its queries served their one selection
-                ring.question.release()
         elif w.score_tokens and w.seq.in_prefill:
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)
         elif w.score_tokens:  # decode: the scheduler scores only the steps that re-select
@@ -417,22 +409,7 @@ class Engine:
         if query_start < 0:
             query_start = max(0, len(seq.prompt_ids) - self.ring.limits.query_tail)
         seq.ring = SeqRing(summaries=summaries, policy=seq.prefill_policy, query_start=query_start)
-        seq.ring.question = self._question(seq, query_start)
         self.ring.set_query(seq.ring, len(seq.prompt_ids))
-
-    def _question(self, seq: Sequence, query_start: int) -> QuestionQuery | None:
-        """A question-first chat's question as a query of the prompt's final selection (ring/question.py): with
-        question_pass on, a query pass that attends every page, and the question before the tail the last chunk
-        scores (else the tail reads it already, and the question-last path stays as it is)."""
-        assert self.ring is not None
-        lim = self.ring.limits
-        if seq.question is None or lim.question_pass == "off" or lim.query_pass == "bound":
-            return None
-        start, end = seq.question
-        tail = max(query_start, len(seq.prompt_ids) - lim.max_query)
-        if end > tail:
-            return None
-        return QuestionQuery(start, min(end, start + lim.max_query), lim.question_pass)
 
     def _tokens_left(self, seq: Sequence) -> int:
         """The tokens the answer may still take, the next one included (max_tokens, the context limit)."""

@@ -28,7 +28,6 @@ from services.engine.kv.attention import (
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.transfers import device_index
 from services.engine.ring.exact_attention import grouped_attention_lse, merge_partials, page_mass, rows_to_heads
-from services.engine.ring.question import fuse_question, question_mass
 from services.engine.ring.summaries import PageSummaries
 
 logger = logging.getLogger(__name__)
@@ -87,13 +86,6 @@ class SeqSpan:
     # after the forward: [score_pages] summed over layers (the bound), or with score_by_attention each layer's heads'
     # mass [L * Hq, score_pages] (ring.fuse_heads ranks pages from it)
     scores: torch.Tensor | None = None
-    # question-first (ring/question.py): new-token offsets [lo, hi) of the question, whose queries each scoring
-    # layer keeps in `kept_query`; and, in the last chunk, the question's kept queries by layer, which score every
-    # page beside the scoring tokens (score_by_attention), fused as `question_mode`
-    keep_query: tuple[int, int] | None = None
-    kept_query: dict[int, torch.Tensor] = field(default_factory=dict)
-    question_query: dict[int, torch.Tensor] | None = None
-    question_mode: str = "add"
 
 
 class StepAttention:
@@ -153,9 +145,6 @@ class StepAttention:
             q_s = q[start : start + span.num_new]
             if span.summaries is not None:
                 self._summarize(layer_idx, span)
-                if span.keep_query is not None and window is None and span.summaries.scores_layer(layer_idx):
-                    lo, hi = span.keep_query  # the question's queries, for the prompt's final selection
-                    span.kept_query[layer_idx] = q_s[lo:hi].clone()
                 if span.score_tokens and not span.score_by_attention and span.summaries.scores_layer(layer_idx):
                     self._score(layer_idx, span, q_s, scale)
             if i in decoded:
@@ -333,14 +322,11 @@ class StepAttention:
         scoring = span.score_by_attention and span.score_tokens > 0 and span.score_pages > 0
         scoring = scoring and span.summaries is not None and span.summaries.scores_layer(layer_idx)
         mass_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-        question = span.question_query.get(layer_idx) if scoring and span.question_query and window is None else None
-        question_keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # every key, none masked (ring/question.py)
         if scoring:
             key_pos = span.key_pos if span.key_pos is not None else torch.arange(k_s.shape[1], device=q_pos.device)
             allowed = position_mask(q_pos[-span.score_tokens :], key_pos, window).repeat(self.group, 1)
             resident_mask = torch.zeros(allowed.shape, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
             mass_parts.append((k_s, key_pos, resident_mask))
-            question_keys.append((k_s, key_pos))
         for i in range(0, len(pairs), self.staging_pages):
             batch = pairs[i : i + self.staging_pages]
             # staging: [Hkv, B * page, D] of this layer, moved to the pool's device
@@ -358,14 +344,10 @@ class StepAttention:
                 score_mask = None if host_mask is None else host_mask.view(self.group, span.num_new, -1)[
                     :, -span.score_tokens :].reshape(self.group * span.score_tokens, -1)  # fmt: skip
                 mass_parts.append((k_h, key_pos, score_mask))
-                question_keys.append((k_h, key_pos))
         if scoring:
             assert span.summaries is not None
             # per head: [Hq, Np] mean over the scoring tokens; layers stacked (RingManager fuses the heads)
             mass = page_mass(q_s[-span.score_tokens :], mass_parts, scale, span.score_pages, size).mean(dim=0)
-            if question is not None:
-                asked = question_mass(question, question_keys, scale, span.score_pages, size)
-                mass = fuse_question(mass, asked, span.question_mode)
             span.scores = mass if span.scores is None else torch.cat((span.scores, mass))
         return rows_to_heads(out, q_s.shape[0], q_s.shape[1])
 

@@ -26,7 +26,6 @@ from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.slots import SlotAllocator
 from services.engine.kv.transfers import device_index
 from services.engine.ring.buckets import BucketCounts, BucketPlan, plan_buckets
-from services.engine.ring.question import QuestionQuery
 from services.engine.ring.summaries import PageSummaries, fuse_heads
 from services.engine.step.sequence import NOT_RESIDENT
 
@@ -119,9 +118,6 @@ class RingLimits:
     query_pass: str = "bound"
     score_from: float = 0.0  # layers below this fraction of the model's depth score no pages (PageSummaries)
     head_fusion: str = "sum"  # how per-head attention masses (query_pass attention / exact) rank pages: fuse_heads
-    # a question before the query span (SeqRing.question): "add" its tokens' attention mass over every page to the
-    # last chunk's, "only" its own, "off" ignores it (question.py)
-    question_pass: str = "off"
 
 
 @dataclass
@@ -141,9 +137,6 @@ class SeqRing:
     summaries: PageSummaries
     policy: str  # "sparse" or "exact"
     query_start: int  # token index where the query (last user turn) starts
-    # question-first: the question's span before the query span and its kept queries (question.py); None: none
-    # given, or RingLimits.question_pass off
-    question: QuestionQuery | None = None
     evidence: set[int] = field(default_factory=set)
     skeleton: set[int] = field(default_factory=set)
     scores: torch.Tensor | None = None  # accumulated over the current scoring window

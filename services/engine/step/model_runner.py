@@ -11,9 +11,7 @@ from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.paged_attention import SeqSpan, StepAttention
 from services.engine.kv.recurrent_state import RecurrentStates
 from services.engine.kv.transfers import copied, device_index, to_host
-from services.engine.models.llama import RotaryEmbedding
 from services.engine.models.loader import CausalLM
-from services.engine.ring.question import realign
 from services.engine.ring.ring import HostPages
 from services.engine.step.decode_graph import DecodeGraphs
 from services.engine.step.scheduler import Work
@@ -120,16 +118,6 @@ class ModelRunner:
             hidden = self.model(ids, pos, attn, batch)  # type: ignore[call-arg]
         else:
             hidden = self.model(ids, pos, attn)  # [N, hidden]
-        for w, span in zip(works, spans, strict=True):
-            question = w.seq.ring.question if w.seq.ring is not None else None
-            if span.keep_query is not None and question is not None:
-                kept = span.kept_query
-                rotary = self._paged_rotary(kept)
-                if question.realigned and rotary is not None:  # rotated to the prompt's end (ring/question.py)
-                    lo, hi = span.keep_query
-                    where = torch.arange(w.start + lo, w.start + hi, device=self.device)
-                    kept = {i: realign(q, where, len(w.seq.prompt_ids), rotary) for i, q in kept.items()}
-                question.keep(kept, w.start, span.keep_query)
         scores = [span.scores for span in spans]
         if not sample_rows:
             return torch.empty(0, device=self.device), scores
@@ -159,19 +147,6 @@ class ModelRunner:
             begin = max(page * size, first)  # the page's tokens before `begin` are in the ring already
             before = local.rows(ring_id, torch.arange(page * size, begin, device=dev))
             span.local_stage.append((page, before, begin - first, (page + 1) * size - first))
-
-    def _paged_rotary(self, kept: dict[int, torch.Tensor]) -> RotaryEmbedding | None:
-        """The RoPE of the paged (global) layers whose queries `kept` holds ([n, Hq, D] by layer), when it rotates
-        every dim of a head (not a partial RoPE); else None."""
-        rotary = getattr(self.model, "rotary_global", None) or getattr(self.model, "rotary", None)
-        if not isinstance(rotary, RotaryEmbedding) or not kept:
-            return None
-        head_dim = next(iter(kept.values())).shape[-1]
-        return (
-            rotary
-            if rotary.config.head_dim == head_dim and getattr(rotary.config, "rotary_dim", None) in (None, head_dim)
-            else None
-        )
 
     def _span(self, w: Work) -> SeqSpan:
         """Rows to write and read for one sequence; summaries, scoring and host pages when it has a ring."""
@@ -206,12 +181,6 @@ class ModelRunner:
         span.score_tokens = w.score_tokens
         span.score_pages = first_page if w.score_tokens else 0
         span.score_by_attention = w.exact_query
-        question = ring.question
-        if question is not None and not w.score_only:  # question-first (ring/question.py): keep its queries
-            span.keep_query = question.overlap(w.start, end)
-        if question is not None and w.exact_query:  # and let them score the prompt's final selection
-            span.question_query = question.stacked() or None
-            span.question_mode = question.mode
         if ring.policy == "exact" or w.exact_query:
             hidden = [p for p in range(first_page) if table.slot_ids[p] == NOT_RESIDENT]
             if hidden:

@@ -96,7 +96,6 @@ class Sequence:
     generator: torch.Generator | None
     prefill_policy: str = "sparse"  # for the part of the context that outgrows the ring budget
     query_start: int = -1  # token index of the query (last user turn); -1: unknown
-    question: tuple[int, int] | None = None  # a question-first chat's question tokens [start, end) (ring/question.py)
     matcher: GrammarMatcher | None = None  # its grammar's state (constrained decoding), advanced by each token
     output_ids: list[int] = field(default_factory=list)  # the last num_pending are PENDING
     num_pending: int = 0  # output tokens of a decode burst in flight (engine.py: overlapped bursts)
