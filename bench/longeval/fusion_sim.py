@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from services.engine.ring.ring import page_ranking, pick_pages
+from services.engine.ring.selection import page_ranking, pick_pages
 
 
 def main(argv: list[str] | None = None) -> None:

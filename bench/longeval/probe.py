@@ -31,7 +31,8 @@ from bench.needle import start_store
 from services.cacheguard.core import GuardCore, PromptRequest
 from services.engine.builder import build_engine
 from services.engine.config import EngineConfig
-from services.engine.ring.ring import RingManager, page_ranking
+from services.engine.ring.ring import RingManager
+from services.engine.ring.selection import page_ranking
 from services.engine.step.sampling import SamplingParams
 from services.engine.step.sequence import Chunk, Done, Failed
 

@@ -385,10 +385,8 @@ class Engine:
         elif w.score_tokens:  # decode: the scheduler scores only the steps that re-select
             seq, table = w.seq, w.seq.page_table
             prompt, recent = None, list[int]()
-            if self.ring.limits.follow_copy:  # the answer's last known tokens, the prompt's before the first ones
-                n = self.ring.limits.follow_copy
-                if ring.prompt_tokens is None:
-                    ring.prompt_tokens = np.asarray(seq.prompt_ids, dtype=np.int64)
+            if ring.prompt_tokens is not None:  # follow_copy: the answer's last known tokens, the prompt's before
+                n = self.ring.limits.follow_copy  # the first ones
                 prompt = ring.prompt_tokens
                 recent = (seq.prompt_ids[-n:] + seq.output_ids[max(0, seq.known_outputs - n) : seq.known_outputs])[-n:]
             self.ring.select_deferred(
@@ -409,6 +407,8 @@ class Engine:
         if query_start < 0:
             query_start = max(0, len(seq.prompt_ids) - self.ring.limits.query_tail)
         seq.ring = SeqRing(summaries=summaries, policy=seq.prefill_policy, query_start=query_start)
+        if self.ring.limits.follow_copy:  # what copy following searches, made once here, not in a decode step
+            seq.ring.prompt_tokens = np.asarray(seq.prompt_ids, dtype=np.int64)
         self.ring.set_query(seq.ring, len(seq.prompt_ids))
 
     def _tokens_left(self, seq: Sequence) -> int:

@@ -256,7 +256,7 @@ def test_copy_source_finds_where_the_answer_copies_from() -> None:
     read, else the last one before; shorter tails when the longest occurs nowhere; none on disallowed pages."""
     import numpy as np
 
-    from services.engine.ring.ring import copy_source
+    from services.engine.ring.selection import copy_source
 
     prompt = np.array([9, 1, 2, 3, 4, 8, 8, 8, 1, 2, 3, 5, 8, 8, 8, 8], dtype=np.int64)  # page_size 4: 4 pages
     every = np.ones(4, dtype=bool)

@@ -26,7 +26,8 @@ from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.slots import SlotAllocator
 from services.engine.kv.transfers import device_index
 from services.engine.ring.buckets import BucketCounts, BucketPlan, plan_buckets
-from services.engine.ring.summaries import PageSummaries, fuse_heads
+from services.engine.ring.selection import copy_source, page_ranking, pick_pages
+from services.engine.ring.summaries import PageSummaries
 from services.engine.step.sequence import NOT_RESIDENT
 
 logger = logging.getLogger(__name__)
@@ -173,61 +174,6 @@ class SeqRing:
     @property
     def unverified(self) -> bool:
         return self.policy == "sparse" and self.hidden_pages > 0
-
-
-def page_ranking(scores: torch.Tensor, num_pages: int, excluded: set[int], head_fusion: str) -> torch.Tensor:
-    """Page scores [num_pages] to rank candidates by: accumulated scores as they are, or per-head masses
-    [heads, pages] (an attention query pass) fused over the candidate pages only (summaries.fuse_heads)."""
-    if scores.dim() == 1:
-        return scores[:num_pages]
-    mass = scores[:, :num_pages]
-    candidate = torch.ones(mass.shape[-1], dtype=torch.bool)
-    candidate[[p for p in excluded if p < mass.shape[-1]]] = False
-    return fuse_heads(mass, candidate, head_fusion)
-
-
-def pick_pages(
-    order: Iterable[int],
-    num_pages: int,
-    excluded: set[int],
-    room: int,
-    reach: int,
-    anchored: Sequence[int] = (),
-    ahead: int = 0,
-) -> list[int]:
-    """Evidence in `order` (best first): each page with `reach` seam neighbours either side and at least `ahead`
-    pages after it (anchored pages without either: they came with theirs already), skipping excluded ones and
-    pages past num_pages, up to `room`."""
-    chosen: list[int] = []
-    for p in order:
-        r = 0 if p in anchored else reach
-        a = 0 if p in anchored else max(reach, ahead)
-        for q in [p, *range(p + 1, p + 1 + a), *range(p - 1, p - 1 - r, -1)]:
-            if len(chosen) >= room:
-                return chosen
-            if 0 <= q < num_pages and q not in excluded and q not in chosen:
-                chosen.append(q)
-    return chosen
-
-
-def copy_source(
-    prompt: np.ndarray, recent: Sequence[int], longest: int, near: int, allowed: np.ndarray, page_size: int
-) -> int:
-    """Where an answer that copies the prompt reads next: the position after an occurrence of its last `longest`
-    tokens in `prompt` (the last 2 at the shortest, when no longer tail occurs), the first at or after `near` (where it
-    last read), else the last one before it; only positions on pages `allowed` [pages] marks (the prompt's other
-    pages are resident anyway). -1 when the tail occurs nowhere allowed."""
-    for n in range(min(longest, len(recent)), 1, -1):
-        tail = np.asarray(recent[-n:], dtype=prompt.dtype)
-        starts = np.flatnonzero(prompt[: len(prompt) - n] == tail[0])  # an occurrence with a token after it
-        for i in range(1, n):
-            starts = starts[prompt[starts + i] == tail[i]]
-        after = starts + n
-        after = after[allowed[np.minimum(after // page_size, len(allowed) - 1)]]
-        if len(after):
-            ahead = after[after >= near]
-            return int(ahead[0] if len(ahead) else after[-1])
-    return -1
 
 
 def restore_pages(host: HostPages, pool: KVPool, slots: SlotAllocator, page_hashes: list[bytes]) -> list[int]:
