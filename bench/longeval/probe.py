@@ -168,8 +168,10 @@ def _token_index(tok, text: str, char: int) -> int:  # type: ignore[no-untyped-d
 
 
 def build_requests(tok, cases: list[tasks.Case], span: str) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
-    """What the cache guard sends the engine for each case: token ids and the query span's start."""
-    core = GuardCore(tok, max_sessions=4096, query_span=span)
+    """What the cache guard sends the engine for each case: token ids and the query span's start. Span
+    `append` (an upper bound, not a request a user sends): a question-first chat's question is appended to the
+    prompt and is the query span (what re-reading the question after the document could give the selection)."""
+    core = GuardCore(tok, max_sessions=4096, query_span="question" if span == "append" else span)
     out = []
     for case in cases:
         prepared = core.prepare(PromptRequest(messages=case.messages, prompt_text=case.prompt))
@@ -177,14 +179,21 @@ def build_requests(tok, cases: list[tasks.Case], span: str) -> list[dict[str, An
         text = tok.decode(ids)
         needles = [_token_index(tok, text, text.find(value)) for value in case.answers]
         query_start = prepared.query_start if prepared.query_start is not None else -1
-        out.append({"case": case, "ids": ids, "query_start": query_start, "needle_tokens": needles})
+        if span == "append" and case.shape == "chat_qfirst" and case.messages:
+            question = case.messages[-1]["content"].partition("\n\n")[0]
+            query_start = len(ids)
+            ids = ids + tok.encode("\n\n" + question, add_special_tokens=False)
+        question = None if span == "append" else prepared.question
+        out.append({"case": case, "ids": ids, "query_start": query_start, "needle_tokens": needles,
+                    "question": question, "question_alone": prepared.question_alone})  # fmt: skip
     return out
 
 
 def stream(engine, req: dict[str, Any], params: SamplingParams) -> tuple[list[int], str, Done]:  # type: ignore[no-untyped-def]
     """Submit one request (its query span from `req`) and collect its answer: (token ids, text, Done)."""
     qs = req["query_start"] if req["query_start"] >= 0 else None
-    seq = engine.submit(req["case"].case_id, req["ids"], params, query_start=qs)
+    seq = engine.submit(req["case"].case_id, req["ids"], params, query_start=qs, question=req.get("question"),
+                        question_alone=req.get("question_alone", False))  # fmt: skip
     ids: list[int] = []
     text = ""
     while True:
@@ -313,7 +322,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:48s} right {ok}/{len(rows)}{found}  needle selected {sum(sel)}/{len(sel)}  "
                   f"ranks {ranks}  {time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
         for name, tables in head_table.items():
-            ranks = torch.stack(tables)  # [cases, L, Hq]
+            # a case with a question replay scored twice (its layers, then the query span's): the most common shape
+            shape = max({t.shape for t in tables}, key=lambda s: sum(t.shape == s for t in tables))
+            ranks = torch.stack([t for t in tables if t.shape == shape])  # [cases, L, Hq]
             top1 = (ranks == 0).float().mean(dim=0)
             mrr = (1.0 / (ranks.float() + 1)).mean(dim=0)
             best = torch.argsort(mrr.reshape(-1), descending=True)[:16].tolist()

@@ -60,7 +60,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "v3": {"KVMEM_CACHEGUARD_QUERY_SPAN": "question", "KVMEM_RING_QUERY_PASS": "exact", "KVMEM_RING_HEAD_FUSION": "sum",
            "KVMEM_RING_SCORE_FROM": "0.5", "KVMEM_NEIGHBOR_PAGES": "0", "KVMEM_RING_ANCHOR_PAGES": "4",
            "KVMEM_RING_VOTE_TOP": "0", "KVMEM_RING_EXCLUDE_RECENT": "0", "KVMEM_RING_READ_AHEAD": "0",
-           "KVMEM_RING_FOLLOW_COPY": "0", "KVMEM_RESCORE_INTERVAL": "16"},
+           "KVMEM_RING_FOLLOW_COPY": "0", "KVMEM_RESCORE_INTERVAL": "16", "KVMEM_RING_QUESTION_REPLAY": "0"},
 }  # fmt: skip
 # v3 with every layer scoring (Gemma 3's global layers are 5, 11 and 17: the upper half leaves two of three voting)
 VARIANTS["v3all"] = {**VARIANTS["v3"], "KVMEM_RING_SCORE_FROM": "0"}
@@ -83,6 +83,9 @@ VARIANTS["followra1"] = {**VARIANTS["follow"], "KVMEM_RING_READ_AHEAD": "1"}
 VARIANTS["followra2"] = {**VARIANTS["follow"], "KVMEM_RING_READ_AHEAD": "2"}
 # the defaults since 2026-12-06: v3 with copy following and a read-ahead of 2 (= followra2)
 VARIANTS["v4"] = dict(VARIANTS["followra2"])
+# the defaults since 2026-12-06 (later): v4 with the question replay (a long chat message's first paragraph read
+# again after the document, alone when it is the question of a question-first chat)
+VARIANTS["v5"] = {**VARIANTS["v4"], "KVMEM_RING_QUESTION_REPLAY": "1"}
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

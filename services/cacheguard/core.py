@@ -75,6 +75,8 @@ class Prepared(NamedTuple):
     session_id: str
     report: PrefixReport
     query_start: int | None = None  # token index where the last user message starts (the ring's query)
+    question: tuple[int, int] | None = None  # tokens the engine's ring reads again at the end (question_span)
+    question_alone: bool = False  # the question replay alone ranks pages (the query span asks nothing)
 
 
 class GuardCore:
@@ -119,12 +121,19 @@ class GuardCore:
         applied = chat.applied if chat is not None else ()
         users = [m for m in prompt.message_spans if m.role == "user"]
         query_start = None
+        question = None
+        alone = False
         if users and users[-1].token_start < len(prompt.token_ids):
             last = users[-1]
             query_start = question_start(last, self.tokenizer) if self.query_span == "question" else last.token_start
+            if self.query_span == "question":
+                question = question_span(last, self.tokenizer, query_start)
+                # the query span at the message's end: the question came first (question_start), only it asks
+                alone = question is not None and query_start >= last.token_end - 2
         elif request.prompt_text is not None and self.query_span == "question":
             query_start = text_question_start(request.prompt_text, len(prompt.token_ids), self.tokenizer)
-        return Prepared(prompt.token_ids, session_id, report._replace(normalizations=applied), query_start)
+        report = report._replace(normalizations=applied)
+        return Prepared(prompt.token_ids, session_id, report, query_start, question, alone)
 
     def count_tokens(self, request: PromptRequest) -> int:
         """Number of prompt tokens `prepare` would send now (the session is read, never changed)."""
@@ -235,6 +244,29 @@ def question_start(message: MessageSpan, tokenizer: Tokenizer) -> int:
     if short_last and (last.endswith("?") or not (first.endswith("?") and len(first) <= QUESTION_MAX_CHARS)):
         return max(message.token_start, end - len(tokenizer.encode(last)))
     return max(message.token_start, end)
+
+
+def question_span(message: MessageSpan, tokenizer: Tokenizer, query_start: int) -> tuple[int, int] | None:
+    """The first paragraph of a long last user message, when it may be a question asked before the document:
+    tokens [start, end), which the engine reads again after the document to rank the prompt's pages (the
+    ring's question replay). It is sent when that paragraph is short and the message's last paragraph does not
+    ask ("?": the question is last and the query span holds it). An instruction first ("Find the value of X and
+    state it.") reads like any other paragraph, so the first short paragraph is sent unless the question is
+    plainly last; the engine ranks by this span and the query span together. The content's start is estimated
+    as the message's end less the content's own tokens (a seam either way); None for any other message."""
+    end = message.token_end - 2  # the template's end-of-message tokens, as question_start counts them
+    if end - message.token_start < QUESTION_MIN_TOKENS:
+        return None  # a short message is the question itself
+    content = message.content.strip()
+    first, sep, rest = content.partition("\n\n")
+    first = first.strip()
+    if not sep or not rest.strip() or not first or len(first) > QUESTION_MAX_CHARS:
+        return None
+    if rest.rpartition("\n\n")[2].strip().endswith("?"):
+        return None  # the question last: the query span is it
+    start = max(message.token_start, end - len(tokenizer.encode(content)))
+    stop = min(start + len(tokenizer.encode(first)), query_start, end)
+    return (start, stop) if stop > start else None
 
 
 def text_question_start(text: str, num_tokens: int, tokenizer: Tokenizer) -> int | None:

@@ -135,6 +135,9 @@ class CacheGuardServicer(cacheguard_pb2_grpc.CacheGuardServicer):
                 namespace=request.tenant,
                 prefill_policy=request.prefill_policy,
                 query_start=prepared.query_start,
+                question_start=prepared.question[0] if prepared.question is not None else None,
+                question_end=prepared.question[1] if prepared.question is not None else None,
+                question_alone=prepared.question_alone,
             )
             tried: frozenset[str] = frozenset()
             retry: _RetryElsewhere | None = None

@@ -165,6 +165,7 @@ def ring_limits(config: EngineConfig) -> RingLimits:
         max_query=256, rescore_interval=config.rescore_interval, retrieval=config.retrieval,
         audit_dir=config.audit_dir, prefetch_steps=config.ring_prefetch_steps, vote_top=config.ring_vote_top,
         anchor_pages=config.ring_anchor_pages, read_ahead=config.ring_read_ahead, follow_copy=config.ring_follow_copy,
+        question_replay=config.ring_question_replay,
         exclude_recent=config.ring_exclude_recent, query_pass=config.ring_query_pass,
         head_fusion=config.ring_head_fusion, score_from=config.ring_score_from,
     )  # fmt: skip

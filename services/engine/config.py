@@ -78,6 +78,10 @@ class EngineConfig:
     # prompt and leads with the pages the copy reads until the next re-selection is in effect (0: off; 4 since
     # 2026-12-06: without it the ring copied 6% of a long passage's sentences, dense 60%)
     ring_follow_copy: int = 4
+    # question replay (RingLimits.question_replay): a request's question span (the cache guard sends a long chat
+    # message's first paragraph unless the message asks last) is read again after the document, in a scoring pass
+    # that keeps nothing, and its attention ranks the prompt's pages with the query span's
+    ring_question_replay: bool = True
     ring_exclude_recent: bool = False
     # how the last prompt chunk's query picks the prompt's evidence (RingLimits.query_pass): "bound" (a scoring
     # pass over the page summaries' Quest bound), "attention" (the scoring pass attends every page, host ones
@@ -317,6 +321,11 @@ class EngineConfig:
             "--ring-follow-copy", type=int, default=int(env("KVMEM_RING_FOLLOW_COPY", str(cls.ring_follow_copy)))
         )
         p.add_argument(
+            "--ring-question-replay",
+            type=int,
+            default=int(env("KVMEM_RING_QUESTION_REPLAY", str(int(cls.ring_question_replay)))),
+        )
+        p.add_argument(
             "--ring-exclude-recent",
             type=int,
             default=int(env("KVMEM_RING_EXCLUDE_RECENT", str(int(cls.ring_exclude_recent)))),
@@ -402,6 +411,7 @@ class EngineConfig:
             ring_anchor_pages=a.ring_anchor_pages,
             ring_read_ahead=a.ring_read_ahead,
             ring_follow_copy=a.ring_follow_copy,
+            ring_question_replay=bool(a.ring_question_replay),
             ring_exclude_recent=bool(a.ring_exclude_recent),
             ring_query_pass=a.ring_query_pass,
             ring_head_fusion=a.ring_head_fusion,

@@ -137,8 +137,13 @@ class Engine:
         namespace: str = "",
         prefill_policy: str = "",
         query_start: int | None = None,
+        question: tuple[int, int] | None = None,
+        question_alone: bool = False,
     ) -> Sequence:
-        """Validate and queue a request; raises InvalidRequestError, ContextLengthError, OverloadedError."""
+        """Validate and queue a request; raises InvalidRequestError, ContextLengthError, OverloadedError.
+        `query_start`: where the ring's query span starts; `question`: tokens [start, end) the ring reads again
+        at the prompt's end to rank its pages (RingLimits.question_replay), `question_alone`: it ranks them alone
+        (the query span asks nothing)."""
         lim = self.limits
         params.validate(lim.vocab_size)
         if not prompt_ids:
@@ -162,6 +167,8 @@ class Engine:
             raise InvalidRequestError(f"prefill_policy must be sparse or exact, got {policy!r}")
         if query_start is not None and not 0 <= query_start < len(prompt_ids):
             raise InvalidRequestError(f"query_start {query_start} is outside the prompt [0, {len(prompt_ids)})")
+        if question is not None and not 0 <= question[0] < question[1] <= len(prompt_ids):
+            raise InvalidRequestError(f"question {question} is not a span of the prompt [0, {len(prompt_ids)})")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
         matcher = self._grammar_compiler().matcher(params.grammar) if params.grammar is not None else None
         if matcher is not None and params.ignore_eos:
@@ -179,6 +186,8 @@ class Engine:
             generator=params.make_generator(self.pool.device),
             prefill_policy=policy,
             query_start=query_start if query_start is not None else -1,
+            question=question,
+            question_alone=question_alone and question is not None,
             matcher=matcher,
         )
         with self._lock:
@@ -373,6 +382,9 @@ class Engine:
     def _ring_after_step(self, w: Work, scores: torch.Tensor | None, ring: SeqRing) -> None:
         """Fold the step's page scores in and re-select evidence when the schedule says so."""
         assert self.ring is not None
+        if w.replay_from >= 0:  # a question replay: its scores wait for the query span's (the final selection)
+            ring.replay_scores = None if scores is None else scores.detach().float().cpu()
+            return
         if scores is not None:
             self.ring.add_scores(ring, scores, w.score_tokens)
         candidates = w.start // self.limits.page_size
@@ -406,7 +418,8 @@ class Engine:
         query_start = seq.query_start
         if query_start < 0:
             query_start = max(0, len(seq.prompt_ids) - self.ring.limits.query_tail)
-        seq.ring = SeqRing(summaries=summaries, policy=seq.prefill_policy, query_start=query_start)
+        seq.ring = SeqRing(summaries=summaries, policy=seq.prefill_policy, query_start=query_start,
+                           question_alone=seq.question_alone)  # fmt: skip
         if self.ring.limits.follow_copy:  # what copy following searches, made once here, not in a decode step
             seq.ring.prompt_tokens = np.asarray(seq.prompt_ids, dtype=np.int64)
         self.ring.set_query(seq.ring, len(seq.prompt_ids))

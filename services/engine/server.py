@@ -132,6 +132,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                 request.namespace,
                 prefill_policy=_POLICY.get(request.prefill_policy, ""),
                 query_start=request.query_start if request.HasField("query_start") else None,
+                question=_question(request),
+                question_alone=request.question_alone,
             )
         except (InvalidRequestError, ContextLengthError, OverloadedError) as exc:
             context.abort(_status_of(exc), cut_details(str(exc)))
@@ -215,3 +217,10 @@ def serve(engine: Engine, info: ModelInfo, listen_addr: str, max_workers: int = 
         raise OSError(f"cannot listen on {listen_addr}")
     server.start()
     return server
+
+
+def _question(request: pb.GenerateRequest) -> tuple[int, int] | None:
+    """The request's question span (the ring's question replay), when it gives both ends."""
+    if request.HasField("question_start") and request.HasField("question_end"):
+        return request.question_start, request.question_end
+    return None

@@ -61,3 +61,31 @@ def test_raw_prompt_takes_its_last_paragraph(tokenizer: Tokenizer) -> None:
     assert at - 2 <= p.query_start <= at + 1
     assert _prepare(tokenizer, prompt="short prompt").query_start is None
     assert _prepare(tokenizer, prompt=text, span="turn").query_start is None
+
+
+def _decoded_question(tok: Tokenizer, content: str) -> str | None:
+    p = _prepare(tok, [{"role": "user", "content": content}])
+    if p.question is None:
+        return None
+    start, end = p.question
+    return tok.decode(p.token_ids[start:end]).strip()
+
+
+def test_a_question_first_is_sent_for_the_question_replay(tokenizer: Tokenizer) -> None:
+    """A question first (it asks, nothing asks at the end) is replayed alone; an instruction first reads like a
+    paragraph, so it is replayed beside the query span (the message's last paragraph)."""
+    assert _decoded_question(tokenizer, f"{QUESTION}\n\n{DOC}") == QUESTION
+    assert _prepare(tokenizer, [{"role": "user", "content": f"{QUESTION}\n\n{DOC}"}]).question_alone
+    instruction = "Find the access code for amber-falcon-42 in the text and state it."
+    assert _decoded_question(tokenizer, f"{instruction}\n\n{DOC}") == instruction
+    assert not _prepare(tokenizer, [{"role": "user", "content": f"{instruction}\n\n{DOC}"}]).question_alone
+
+
+def test_no_question_replay_for_a_question_last_a_short_message_or_a_later_turn(tokenizer: Tokenizer) -> None:
+    assert _decoded_question(tokenizer, f"Read this.\n\n{DOC}\n\n{QUESTION}") is None  # the query span holds it
+    assert _decoded_question(tokenizer, QUESTION) is None
+    messages = [{"role": "user", "content": DOC}, {"role": "assistant", "content": "Read it."},
+                {"role": "user", "content": QUESTION}]  # fmt: skip
+    assert _prepare(tokenizer, messages).question is None
+    assert _prepare(tokenizer, prompt=f"{QUESTION}\n\n{DOC}").question is None  # raw prompts: the tail only
+    assert _prepare(tokenizer, [{"role": "user", "content": f"{QUESTION}\n\n{DOC}"}], span="turn").question is None

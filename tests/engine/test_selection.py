@@ -8,6 +8,7 @@ import torch
 
 from services.engine.kv.slots import SlotAllocator
 from services.engine.ring.ring import RingManager, SeqRing
+from services.engine.ring.selection import taking_turns
 from services.engine.ring.summaries import PageSummaries, page_scores, page_votes, warm_page_scores
 from tests.engine.helpers import ring_limits
 
@@ -292,3 +293,30 @@ def test_follow_copy_leads_a_decode_reselection_with_the_pages_being_copied() ->
         manager.select(ring, 30, "r", 1, prompt=prompt, recent=[137, 138, 139, 140])
         assert ring.evidence == expected
         assert ring.follow_at == (41 if follow else 20)
+
+
+def test_taking_turns_merges_two_rankings_each_page_once() -> None:
+    assert taking_turns([4, 2, 9], [2, 7, 4]) == [4, 2, 7, 9]
+    assert taking_turns([1, 2], [3, 4, 5, 6]) == [1, 3, 2, 4, 5, 6]  # the longer one's tail in its order
+    assert taking_turns([], [3]) == [3]
+
+
+def test_a_question_replays_best_page_leads_the_prompts_selection() -> None:
+    """A question replay's masses and the query span's rank the candidates by turns, the replay's best first
+    (its best page is the anchor, and read-ahead follows it); both are used once."""
+    manager, ring = _manager(head_fusion="sum")
+    span = torch.zeros(2, 20)
+    span[:, 15], span[:, 14], span[:, 5] = 0.5, 0.3, 0.01  # the query span (the template's last tokens) reads late
+    replay = torch.zeros(2, 20)
+    replay[:, 5], replay[:, 9] = 0.6, 0.2  # the question, read again after the document, finds page 5
+    ring.replay_scores = replay
+    manager.add_scores(ring, span, 2)
+    ring.final_scored = True
+    manager.select(ring, num_candidate_pages=20, request_id="r", step=0)
+    assert ring.anchor[0] == 5 and 15 in ring.anchor and ring.replay_scores is None and ring.scores is None
+    manager, ring = _manager(head_fusion="sum")
+    ring.replay_scores, ring.question_alone = replay, True  # alone: the query span's ranking is not used
+    manager.add_scores(ring, span, 2)
+    ring.final_scored = True
+    manager.select(ring, num_candidate_pages=20, request_id="r", step=0)
+    assert ring.anchor[:2] == [5, 9] and 15 not in ring.anchor

@@ -9,6 +9,7 @@ asked for it, scores every earlier page against this step's queries (the ring's 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ class SeqSpan:
     write_rows: torch.Tensor  # [num_new] pool rows of the new tokens
     read_rows: torch.Tensor  # [T] pool rows of every resident token up to the last new one, in order
     key_pos: torch.Tensor | None  # [T] positions of read_rows; None when they are 0..T-1 (no gaps)
+    # a question replay (model_runner): no write_rows; its new tokens attend their own K/V from the step, after
+    # the read rows (key_pos then ends with their positions)
+    own_kv: bool = False
     summaries: PageSummaries | None = None
     touched_pages: torch.Tensor | None = None  # [P] logical pages written this step (summaries)
     touched_rows: torch.Tensor | None = None  # [P * page_size] their pool rows
@@ -103,6 +107,12 @@ class StepAttention:
         self.dtype = dtype
         self.staging_pages = staging_pages
         self.write_rows = torch.cat([s.write_rows for s in spans])  # [N], the step's flattened order
+        # the step's rows that are written (all but a question replay's), when some are not
+        self.written: torch.Tensor | None = None
+        if any(s.own_kv for s in spans):
+            starts = itertools.accumulate((s.num_new for s in spans), initial=0)
+            kept = [i for a, s in zip(starts, spans, strict=False) if not s.own_kv for i in range(a, a + s.num_new)]
+            self.written = device_index(kept, pool.device)
         explicit = "KVMEM_PREFILL_ATTENTION" in os.environ  # the CPU takes another mode only when asked (tests)
         self.mode = prefill_mode() if pool.device.type == "cuda" or explicit else "masked"
         paged = self.mode in ("cudnn", "triton")
@@ -137,14 +147,19 @@ class StepAttention:
         assert not stored, "StepAttention has no sink"
         if self.pool.is_local(layer_idx):
             return self._attend_local(layer_idx, q, k, v, scale, window)
-        self.pool.write(layer_idx, self.write_rows, k, v)
+        if self.written is None:
+            self.pool.write(layer_idx, self.write_rows, k, v)
+        elif self.written.numel():
+            kept = self.written
+            self.pool.write(layer_idx, self.write_rows, k.index_select(0, kept), v.index_select(0, kept))
         decoded = self._decode_rows(layer_idx, q, scale) if window is None else {}
         outs = []
         start = 0
         for i, span in enumerate(self.spans):
             q_s = q[start : start + span.num_new]
             if span.summaries is not None:
-                self._summarize(layer_idx, span)
+                if not span.own_kv:  # a replay writes no page
+                    self._summarize(layer_idx, span)
                 if span.score_tokens and not span.score_by_attention and span.summaries.scores_layer(layer_idx):
                     self._score(layer_idx, span, q_s, scale)
             if i in decoded:
@@ -159,7 +174,8 @@ class StepAttention:
                     outs.append(out)
                     start += span.num_new
                     continue
-            outs.append(self._attend_span(i, layer_idx, span, q_s, scale, window))
+            own = (k[start : start + span.num_new], v[start : start + span.num_new]) if span.own_kv else None
+            outs.append(self._attend_span(i, layer_idx, span, q_s, scale, window, own))
             start += span.num_new
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -191,7 +207,7 @@ class StepAttention:
         dev = self.pool.device
         members, q_rows, starts = [], [], 0
         for i, span in enumerate(self.spans):
-            if span.num_new == 1 and not span.host_pages and not span.score_by_attention:
+            if span.num_new == 1 and not span.host_pages and not span.score_by_attention and not span.own_kv:
                 members.append(i)
                 q_rows.append(starts)
             starts += span.num_new
@@ -225,10 +241,18 @@ class StepAttention:
             return None
 
     def _attend_span(
-        self, i: int, layer_idx: int, span: SeqSpan, q_s: torch.Tensor, scale: float, window: int | None
+        self,
+        i: int,
+        layer_idx: int,
+        span: SeqSpan,
+        q_s: torch.Tensor,
+        scale: float,
+        window: int | None,
+        own: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One sequence's attention over its read rows -> [n, Hq, D] (the `prefill_mode` paths for a causal
-        span over positions 0..T-1; the masked path for gaps, windows and single tokens; `exact` host pages)."""
+        span over positions 0..T-1; the masked path for gaps, windows and single tokens; `exact` host pages);
+        `own`: an own_kv span's K/V, [n, Hkv, D] each, attended after the read rows."""
         causal = span.num_new > 1 and span.key_pos is None and window is None and not span.host_pages
         if causal and self.kernel is not None:  # the kernel reads a plain or an fp8 layer in place
             plain, fp8 = self.pool.plain_kv(layer_idx), self.pool.fp8_kv(layer_idx)
@@ -236,6 +260,8 @@ class StepAttention:
             if stores is not None and self.kernel.supported(q_s, stores[0], is_fp8):
                 return self.kernel.prefill_attention(q_s, *stores, span.read_rows, scale, fp8=is_fp8)  # type: ignore[no-any-return]
         k_s, v_s = self.pool.gather(layer_idx, span.read_rows, q_s.dtype)
+        if own is not None:
+            k_s, v_s = torch.cat((k_s, own[0].to(k_s.dtype))), torch.cat((v_s, own[1].to(v_s.dtype)))
         k_s, v_s = k_s.transpose(0, 1), v_s.transpose(0, 1)  # [Hkv, T, D]
         if span.host_pages:
             mask = self._mask(i, span, window)

@@ -26,7 +26,7 @@ from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.slots import SlotAllocator
 from services.engine.kv.transfers import device_index
 from services.engine.ring.buckets import BucketCounts, BucketPlan, plan_buckets
-from services.engine.ring.selection import copy_source, page_ranking, pick_pages
+from services.engine.ring.selection import copy_source, page_ranking, pick_pages, taking_turns
 from services.engine.ring.summaries import PageSummaries
 from services.engine.step.sequence import NOT_RESIDENT
 
@@ -112,6 +112,9 @@ class RingLimits:
     # re-selection is in effect: an answer that copies the context (a quote, a listing, code) reads its source page
     # by token identity, which a one-token query's Quest bound does not find (0: off)
     follow_copy: int = 0
+    # question replay: a sequence's question span (Sequence.question) is read again at the prompt's end, before its
+    # final selection, by a scoring pass that keeps nothing; its page scores add to the query span's
+    question_replay: bool = False
     exclude_recent: bool = False  # selection skips pages the recent window keeps resident anyway
     # the prompt's selection: "bound" (a scoring pass over the Quest bound), "attention" (a scoring pass that
     # attends every page, host ones streamed, ranked by its real attention mass), "exact" (the last chunk itself
@@ -143,6 +146,9 @@ class SeqRing:
     scores: torch.Tensor | None = None  # accumulated over the current scoring window
     scored_tokens: int = 0
     final_scored: bool = False  # the query has been read and scored (retrieval may run)
+    replayed: bool = False  # the question replay has run (question_replay: once, before the final selection)
+    replay_scores: torch.Tensor | None = None  # its page scores, ranked beside the query span's (taking_turns)
+    question_alone: bool = False  # ... or alone (the query span asks nothing: the generation prompt's tokens)
     decode_steps: int = 0
     scored_at: int | None = None  # decode_steps at the last decode re-selection's scoring step (the prefetch counts
     # from it)
@@ -529,6 +535,11 @@ class RingManager:
             excluded |= set(range(max(0, first_recent), num_candidate_pages))
         scores = page_ranking(ring.scores, num_candidate_pages, excluded, lim.head_fusion)
         ranked: list[int] = torch.argsort(scores, descending=True, stable=True).tolist()
+        if ring.replay_scores is not None:  # the question replay's best pages first, then turns with the span's
+            replayed = page_ranking(ring.replay_scores, num_candidate_pages, excluded, lim.head_fusion)
+            turns = [p for p in torch.argsort(replayed, descending=True, stable=True).tolist() if p not in excluded]
+            ranked = turns if ring.question_alone else taking_turns(turns, [p for p in ranked if p not in excluded])
+            ring.replay_scores = None
         decoding = ring.final_scored and bool(ring.anchor)
         kept = [p for p in ring.anchor[: lim.anchor_pages] if p not in excluded] if decoding else []
         if decoding and lim.follow_copy and prompt is not None:

@@ -1,6 +1,7 @@
 """Which pages become a ring sequence's evidence: pure functions over page scores and token ids, no state.
 
-`page_ranking` turns accumulated scores (or per-head attention masses) into one score a page, `pick_pages` walks
+`page_ranking` turns accumulated scores (or per-head attention masses) into one score a page, `taking_turns` merges
+the rankings of two queries (a question replay's and the query span's), `pick_pages` walks
 a ranking into the evidence budget with seam neighbours and read-ahead, and `copy_source` finds where an answer
 that copies the prompt reads next (copy following). RingManager.select (ring.py) composes them.
 """
@@ -24,6 +25,21 @@ def page_ranking(scores: torch.Tensor, num_pages: int, excluded: set[int], head_
     candidate = torch.ones(mass.shape[-1], dtype=torch.bool)
     candidate[[p for p in excluded if p < mass.shape[-1]]] = False
     return fuse_heads(mass, candidate, head_fusion)
+
+
+def taking_turns(*rankings: Sequence[int]) -> list[int]:
+    """Rankings merged by turns (the first's best, the second's best, the first's second...), each page once:
+    two queries that rank pages on unrelated scales (a question replay and the query span) share the evidence."""
+    out: list[int] = []
+    seen: set[int] = set()
+    for tier in zip(*rankings, strict=False):
+        for page in tier:
+            if page not in seen:
+                seen.add(page)
+                out.append(page)
+    longest = max(rankings, key=len, default=[])
+    out.extend(p for p in longest if p not in seen)  # (rankings of one sequence's pages are the same length)
+    return out
 
 
 def pick_pages(

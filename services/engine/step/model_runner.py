@@ -99,7 +99,8 @@ class ModelRunner:
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
         for w in works:
-            token_ids.extend(w.seq.token_ids[w.start : w.start + w.num_new])
+            first = w.replay_from if w.replay_from >= 0 else w.start  # a question replay reads the question again
+            token_ids.extend(w.seq.token_ids[first : first + w.num_new])
             positions.extend(range(w.start, w.start + w.num_new))
             spans.append(self._span(w))
             if w.samples:
@@ -150,6 +151,8 @@ class ModelRunner:
 
     def _span(self, w: Work) -> SeqSpan:
         """Rows to write and read for one sequence; summaries, scoring and host pages when it has a ring."""
+        if w.replay_from >= 0:
+            return self._replay_span(w)
         size = self.pool.page_size
         table = w.seq.page_table
         end = w.start + w.num_new
@@ -182,10 +185,46 @@ class ModelRunner:
         span.score_pages = first_page if w.score_tokens else 0
         span.score_by_attention = w.exact_query
         if ring.policy == "exact" or w.exact_query:
-            hidden = [p for p in range(first_page) if table.slot_ids[p] == NOT_RESIDENT]
-            if hidden:
-                assert self.host is not None, "exact attention over host pages needs a host store"
-                where = self.pool.host_pages_device(len(hidden))  # attention copies each layer's bytes per batch
-                span.host_pages = list(self.host.fetch_to([table.page_hashes[p] for p in hidden], where))
-                span.host_page_ids = hidden
+            self._host_pages(span, w, first_page)
+        return span
+
+    def _host_pages(self, span: SeqSpan, w: Work, num_pages: int) -> None:
+        """The host-only pages among the sequence's first `num_pages`, fetched for the span to attend exactly."""
+        table = w.seq.page_table
+        hidden = [p for p in range(num_pages) if table.slot_ids[p] == NOT_RESIDENT]
+        if hidden:
+            assert self.host is not None, "exact attention over host pages needs a host store"
+            where = self.pool.host_pages_device(len(hidden))  # attention copies each layer's bytes per batch
+            span.host_pages = list(self.host.fetch_to([table.page_hashes[p] for p in hidden], where))
+            span.host_page_ids = hidden
+
+    def _replay_span(self, w: Work) -> SeqSpan:
+        """A question replay (Work.replay_from): its tokens at positions [start, start + n) past those computed
+        attend the resident rows before `start`, every host-only page when it scores by attention, and
+        themselves (own_kv: their K/V straight from the step, never written). It keeps nothing: no row, no
+        summary, no local-ring row; the pages before `start`'s page are scored."""
+        size = self.pool.page_size
+        table = w.seq.page_table
+        ring = w.seq.ring
+        assert ring is not None, "a question replay needs the sequence's ring"
+        start, end = w.start, w.start + w.num_new
+        dev = self.device
+        slots = device_index(table.slot_ids, dev)
+        resident = [p for p in range(-(-start // size)) if table.slot_ids[p] != NOT_RESIDENT]
+        res_t = device_index(resident, dev)
+        key_pos = (res_t[:, None] * size + torch.arange(size, device=dev)[None, :]).reshape(-1)
+        read_rows = self.pool.rows(slots[res_t])
+        before = key_pos < start
+        key_pos = torch.cat((key_pos[before], torch.arange(start, end, device=dev)))
+        empty = torch.empty(0, dtype=torch.long, device=dev)
+        span = SeqSpan(start, w.num_new, empty, read_rows[before], key_pos, own_kv=True)
+        if self.pool.local is not None:
+            self._local_span(span, w, end)
+        first_page = start // size
+        span.summaries = ring.summaries
+        span.score_tokens = w.score_tokens
+        span.score_pages = first_page
+        span.score_by_attention = w.exact_query
+        if w.exact_query:
+            self._host_pages(span, w, first_page)
         return span

@@ -75,6 +75,9 @@ class Work(NamedTuple):
     # the step attends every earlier page, host-only ones streamed in, and its scoring tokens rank the pages by
     # their real attention mass (RingLimits.query_pass "attention" and "exact"): the prompt's final selection
     exact_query: bool = False
+    # a question replay (RingLimits.question_replay; score_only): its tokens are the prompt's from this index on,
+    # at positions [start, start + num_new) past what the sequence has computed, attending it; -1: the sequence's own
+    replay_from: int = -1
 
     @property
     def samples(self) -> bool:
@@ -293,12 +296,29 @@ class Scheduler:
         if end == len(seq.prompt_ids):
             if ring.final_scored or not lim.retrieval:
                 return Work(seq, seq.num_computed, want)
+            replay = self._replay(seq)
+            if replay is not None:
+                return replay
             query_from = max(seq.num_computed, ring.query_start, end - lim.max_query)
             if lim.query_pass == "exact":  # the chunk attends every page itself: no scoring pass
                 return Work(seq, seq.num_computed, want, score_tokens=end - query_from, exact_query=True)
             return Work(seq, seq.num_computed, want, score_tokens=end - query_from, score_only=True,
                         exact_query=lim.query_pass == "attention")  # fmt: skip
         return Work(seq, seq.num_computed, want, score_tokens=min(want, lim.query_tail))
+
+    def _replay(self, seq: Sequence) -> Work | None:
+        """The question replay before a prompt's final selection (once): the question span's tokens again, at the
+        positions after those computed, in a scoring pass over every earlier page that keeps nothing; None when
+        there is none to run (switched off, no question, or the question not before the last chunk)."""
+        ring, question = seq.ring, seq.question
+        assert ring is not None and self.ring is not None
+        lim = self.ring.limits
+        if not lim.question_replay or question is None or ring.replayed or question[1] > seq.num_computed:
+            return None
+        ring.replayed = True
+        num = min(question[1] - question[0], lim.max_query)
+        return Work(seq, seq.num_computed, num, score_tokens=num, score_only=True,
+                    exact_query=lim.query_pass != "bound", replay_from=question[0])  # fmt: skip
 
     def _rescore_at(self, clock: int) -> bool:
         """Decode re-selection steps: every rescore_interval-th decode step of a sequence (its ring's clock)."""

@@ -96,6 +96,8 @@ class Sequence:
     generator: torch.Generator | None
     prefill_policy: str = "sparse"  # for the part of the context that outgrows the ring budget
     query_start: int = -1  # token index of the query (last user turn); -1: unknown
+    question: tuple[int, int] | None = None  # tokens the ring reads again at the prompt's end (question replay)
+    question_alone: bool = False  # that replay alone ranks the prompt's pages (the query span asks nothing)
     matcher: GrammarMatcher | None = None  # its grammar's state (constrained decoding), advanced by each token
     output_ids: list[int] = field(default_factory=list)  # the last num_pending are PENDING
     num_pending: int = 0  # output tokens of a decode burst in flight (engine.py: overlapped bursts)
