@@ -143,6 +143,9 @@ def main() -> int:
         "--rows", default="ttft,decode,concurrent,batch,long,logits", help="rows to run (ring: bench/scale_ring.py)"
     )
     p.add_argument("--no-peer", action="store_true", help="engine only")
+    p.add_argument(
+        "--ring-no-dense", action="store_true", help="the ring rows without their dense runs (an 80 GB card: no room)"
+    )
     p.add_argument("--attn-bench", action="store_true", help="the prefill attention variants alone")
     p.add_argument("--attn-flex", action="store_true", help="flex_attention among the variants (compiled)")
     p.add_argument("--only-attn", action="store_true", help="the attention variants and nothing else (no model)")

@@ -98,6 +98,8 @@ def ring_rows(run: Run, model_dir: Path) -> None:
             if long_prompt:
                 _long(run, engine, "ring", long_prompt, long_row, budget)
     run.save()
+    if a.ring_no_dense:
+        return
     dense_cap = n * (length + 64) + 4 * 64
     if long_prompt:
         dense_cap = max(dense_cap, a.long_len + 256)

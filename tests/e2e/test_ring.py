@@ -125,3 +125,34 @@ def test_a_long_copy_reads_on_through_the_ring(ring_stack: Stack, recite: tasks.
         found[policy] = sum(tasks.found(recite, r.choices[0].text))
     assert found["exact"] >= 3, found  # the model copies at all (else the comparison says nothing)
     assert found["sparse"] >= found["exact"] - 1, found
+
+
+@pytest.fixture(scope="module")
+def question_first() -> tasks.Case:
+    """A question asked before the document (tuning split, single code, prose, 3,500 tokens, the code at 60%). With
+    the question replay off (KVMEM_RING_QUESTION_REPLAY=0 in the stack's environment) the test below fails: the ring's
+    answer is about something else."""
+    tok = load_tokenizer(resolve_model_path("embedded:smollm2"))
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    split = SPLITS["tuning"]
+    kind, half = next(k for k in split.kinds if k[0] == "prose")
+    case = tasks.make_case(
+        split, "single_code", kind, half, 3500, 0.6, "chat_qfirst", 0, count, tasks.digit_tokens(tok.encode)
+    )
+    assert case.messages and case.messages[0]["content"].partition("\n\n")[0].endswith("?")  # the question first
+    return case
+
+
+def test_a_question_before_the_document_is_read_again_after_it(ring_stack: Stack, question_first: tasks.Case) -> None:
+    """The cache guard sends the message's first paragraph; the engine reads it again after the document and its
+    attention picks the prompt's pages (the question replay): the ring's answer holds the code."""
+    client = openai.OpenAI(base_url=f"{ring_stack.url}/v1", api_key="none", max_retries=0, timeout=600)
+    r = client.chat.completions.create(model=MODEL, messages=question_first.messages, temperature=0,  # type: ignore[arg-type]
+                                       max_tokens=question_first.max_tokens,
+                                       extra_body={"kvmem": {"over_pool_policy": "sparse"}})  # fmt: skip
+    plan = r.model_extra["kvmem"]["plan"]
+    assert plan["prefill_policy"] == "sparse" and plan["unverified"]
+    assert tasks.score(question_first, r.choices[0].message.content or ""), r.choices[0].message.content

@@ -131,3 +131,27 @@ def test_no_replay_when_off_or_without_a_question(model, smol_tokenizer: Tokeniz
     for bad in ((5, 5), (-1, 3), (60, 71)):
         with pytest.raises(InvalidRequestError):
             engine.submit("b", _prompt(70, 9), greedy(3), question=bad)
+
+
+def test_a_replay_beside_other_sequences_changes_none_of_their_tokens(
+    model, smol_tokenizer: Tokenizer, start_store: StartStore
+) -> None:
+    """A step that holds a replay and other sequences' prompt chunks or decode rows writes only theirs: each answer
+    is the one it gets alone."""
+    requests = [("a", _prompt(70, 21), (3, 11)), ("b", _prompt(60, 22), None), ("c", _prompt(75, 23), (5, 9))]
+    alone = {}
+    for rid, prompt, question in requests:
+        engine = _engine(model, smol_tokenizer, start_store(host_kv_mib=32).address)
+        seq = engine.submit(rid, prompt, greedy(8), query_start=len(prompt) - 6, question=question)
+        run_until_done(engine, [seq])
+        alone[rid] = drain(events_of(seq))[0]
+        engine.stop()
+    engine = make_engine(model, smol_tokenizer, num_slots=24, ring=ring_limits(budget_pages=8, query_pass="exact",
+                         anchor_pages=1, score_from=0.5, question_replay=True), ring_chunk=8,
+                         store_address=start_store(host_kv_mib=32).address)  # fmt: skip
+    works, _ = _spy(engine)
+    seqs = [engine.submit(rid, prompt, greedy(8), query_start=len(prompt) - 6, question=question)
+            for rid, prompt, question in requests]  # fmt: skip
+    run_until_done(engine, seqs)
+    assert {s.request_id: drain(events_of(s))[0] for s in seqs} == alone
+    assert sum(1 for w in works if w[0] >= 0) == 2

@@ -256,6 +256,11 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> int:
         limit = self.ring_chunk if seq.ring is not None else budget
         want = min(seq.num_uncomputed, budget, limit)
+        if seq.ring is not None and want < min(seq.num_uncomputed, self.prefill_chunk, limit):
+            # a ring prompt's chunks are the ones it gets alone, or it waits a step: under `sparse` each chunk
+            # attends the pages selected before it, so a chunk cut short by other sequences' share of the step would
+            # make the answer depend on what runs beside it
+            return 0
         if seq.ring is not None and self.ring is not None and seq.in_prefill:
             # end a chunk where the query starts, so the last chunk holds the whole query and the
             # scoring pass reads all of it (a query split across chunks would be scored in part)
