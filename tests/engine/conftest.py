@@ -11,11 +11,18 @@ import pytest
 from services.common.model_files import resolve_model_path
 from services.common.tokenizer import Tokenizer, load_tokenizer
 from services.engine import kernels
+from tests.conftest import StartStore
 
 
 @pytest.fixture(scope="session")
 def smol_tokenizer() -> Tokenizer:
     return load_tokenizer(resolve_model_path("embedded:smollm2"))
+
+
+@pytest.fixture
+def store_address(start_store: StartStore) -> str:
+    """A fresh kvstore (32 MiB of host KV) for one test."""
+    return start_store(host_kv_mib=32).address
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -166,6 +167,12 @@ def word_tokenizer(vocab_size: int) -> Tokenizer:
     fast = FastTokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     fast.pre_tokenizer = WhitespaceSplit()
     return Tokenizer(fast, TokenizerInfo(None, None, None, None, (), False))
+
+
+def random_prompt(n: int, seed: int, vocab_size: int = 49152) -> list[int]:
+    """n token ids drawn from [100, vocab_size) by a seeded generator (the same ids for the same seed)."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab_size) for _ in range(n)]
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -9,15 +9,22 @@ scoring pass that keeps nothing, before the prompt's final selection.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from services.common.tokenizer import Tokenizer
 from services.engine.step.sampling import InvalidRequestError
 from tests.conftest import StartStore
-from tests.engine.helpers import drain, events_of, greedy, make_engine, ring_limits, run_until_done, tiny_model
+from tests.engine.helpers import (
+    drain,
+    events_of,
+    greedy,
+    make_engine,
+    random_prompt,
+    ring_limits,
+    run_until_done,
+    tiny_model,
+)
 
 VOCAB = 49152
 START = 64  # the last chunk (the query span) starts here: a multiple of ring_chunk, so both prompts' chunks agree
@@ -35,14 +42,8 @@ def gemma():
     return tiny_gemma(VOCAB, seed=5, window=8)
 
 
-@pytest.fixture
-def store_address(start_store: StartStore) -> str:
-    return start_store(host_kv_mib=32).address
-
-
 def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, VOCAB) for _ in range(n)]
+    return random_prompt(n, seed, VOCAB)
 
 
 def _engine(model, tok: Tokenizer, address: str, replay: bool = True):  # type: ignore[no-untyped-def]

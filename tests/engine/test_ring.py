@@ -22,7 +22,16 @@ from services.engine.ring.summaries import PageSummaries
 from services.engine.server import EngineServicer
 from services.engine.step.sequence import NOT_RESIDENT, Done, PageTable
 from tests.conftest import StartStore
-from tests.engine.helpers import drain, events_of, greedy, make_engine, reference_greedy, ring_limits, tiny_model
+from tests.engine.helpers import (
+    drain,
+    events_of,
+    greedy,
+    make_engine,
+    random_prompt,
+    reference_greedy,
+    ring_limits,
+    tiny_model,
+)
 
 VOCAB = 49152
 
@@ -32,14 +41,8 @@ def model():
     return tiny_model(VOCAB, seed=11)
 
 
-@pytest.fixture
-def store_address(start_store: StartStore) -> str:
-    return start_store(host_kv_mib=32).address
-
-
 def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, VOCAB) for _ in range(n)]
+    return random_prompt(n, seed, VOCAB)
 
 
 def _run_checking_buckets(engine, seqs, max_steps: int = 5000) -> None:
