@@ -129,7 +129,7 @@ class GuardCore:
             if self.query_span == "question":
                 question = question_span(last, self.tokenizer, query_start)
                 # the query span at the message's end: the question came first (question_start), only it asks
-                alone = question is not None and query_start >= last.token_end - 2
+                alone = question is not None and query_start >= message_end(last)
         elif request.prompt_text is not None and self.query_span == "question":
             query_start = text_question_start(request.prompt_text, len(prompt.token_ids), self.tokenizer)
         report = report._replace(normalizations=applied)
@@ -226,6 +226,12 @@ QUESTION_MIN_TOKENS = 512  # a last user message shorter than this is the questi
 QUESTION_MAX_CHARS = 1200  # a trailing paragraph longer than this is document, not a question
 
 
+def message_end(message: MessageSpan) -> int:
+    """Where a message's content ends: before the template's end-of-message tokens (two for ChatML; a seam either
+    way)."""
+    return message.token_end - 2
+
+
 def question_start(message: MessageSpan, tokenizer: Tokenizer) -> int:
     """Where the question of a chat's last user message starts (the ring's query span runs from here to
     the prompt's end). A short message is the question itself (the document came before it). In a long one
@@ -239,7 +245,7 @@ def question_start(message: MessageSpan, tokenizer: Tokenizer) -> int:
     content = message.content.strip()
     head, sep, last = content.rpartition("\n\n")
     head, last, first = head.strip(), last.strip(), content.partition("\n\n")[0].strip()
-    end = message.token_end - 2  # the template's end-of-message tokens (two for ChatML; a seam either way)
+    end = message_end(message)
     short_last = bool(sep and head) and 0 < len(last) <= QUESTION_MAX_CHARS
     if short_last and (last.endswith("?") or not (first.endswith("?") and len(first) <= QUESTION_MAX_CHARS)):
         return max(message.token_start, end - len(tokenizer.encode(last)))
@@ -254,7 +260,7 @@ def question_span(message: MessageSpan, tokenizer: Tokenizer, query_start: int) 
     state it.") reads like any other paragraph, so the first short paragraph is sent unless the question is
     plainly last; the engine ranks by this span and the query span together. The content's start is estimated
     as the message's end less the content's own tokens (a seam either way); None for any other message."""
-    end = message.token_end - 2  # the template's end-of-message tokens, as question_start counts them
+    end = message_end(message)
     if end - message.token_start < QUESTION_MIN_TOKENS:
         return None  # a short message is the question itself
     content = message.content.strip()

@@ -383,7 +383,7 @@ class Engine:
         """Fold the step's page scores in and re-select evidence when the schedule says so."""
         assert self.ring is not None
         if w.replay_from >= 0:  # a question replay: its scores wait for the query span's (the final selection)
-            ring.replay_scores = None if scores is None else scores.detach().float().cpu()
+            self.ring.keep_replay_scores(ring, scores)
             return
         if scores is not None:
             self.ring.add_scores(ring, scores, w.score_tokens)

@@ -113,7 +113,8 @@ class RingLimits:
     # by token identity, which a one-token query's Quest bound does not find (0: off)
     follow_copy: int = 0
     # question replay: a sequence's question span (Sequence.question) is read again at the prompt's end, before its
-    # final selection, by a scoring pass that keeps nothing; its page scores add to the query span's
+    # final selection, by a scoring pass that keeps nothing; its ranking takes turns with the query span's, or
+    # replaces it (Sequence.question_alone)
     question_replay: bool = False
     exclude_recent: bool = False  # selection skips pages the recent window keeps resident anyway
     # the prompt's selection: "bound" (a scoring pass over the Quest bound), "attention" (a scoring pass that
@@ -180,6 +181,13 @@ class SeqRing:
     @property
     def unverified(self) -> bool:
         return self.policy == "sparse" and self.hidden_pages > 0
+
+
+def _on_host(scores: torch.Tensor) -> torch.Tensor:
+    """Page scores as float32 in host memory, without a dispatch when they are already."""
+    if scores.requires_grad or scores.dtype != torch.float32 or scores.device.type != "cpu":
+        return scores.detach().float().cpu()
+    return scores
 
 
 def restore_pages(host: HostPages, pool: KVPool, slots: SlotAllocator, page_hashes: list[bytes]) -> list[int]:
@@ -395,8 +403,7 @@ class RingManager:
 
     def add_scores(self, ring: SeqRing, scores: torch.Tensor, num_query_tokens: int) -> None:
         """Accumulate one step's page scores ([pages], unit mass per query token and head)."""
-        if scores.requires_grad or scores.dtype != torch.float32 or scores.device.type != "cpu":
-            scores = scores.detach().float().cpu()  # (each of these is a dispatch even when it changes nothing)
+        scores = _on_host(scores)
         if scores.dim() == 2:  # per-head masses [heads, pages] of an attention query pass (fused in select)
             ring.scores = scores
             ring.scored_tokens += num_query_tokens
@@ -411,6 +418,10 @@ class RingManager:
             ring.scores = grown
         ring.scores[: scores.shape[0]] += scores
         ring.scored_tokens += num_query_tokens
+
+    def keep_replay_scores(self, ring: SeqRing, scores: torch.Tensor | None) -> None:
+        """A question replay's page scores, kept apart for the prompt's final selection (select ranks them)."""
+        ring.replay_scores = None if scores is None else _on_host(scores)
 
     def select_deferred(
         self,
