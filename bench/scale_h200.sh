@@ -2,9 +2,11 @@
 # Issue 26 on the device machine: `bash bench/scale_h200.sh STAGES [ring deadline seconds]`, from the device's copy of
 # this working tree with bench/device_carry.sh's .wt/dev carried: carry [.wt/dev/whl, .wt/dev/gen], and set
 # KVMEM_COMMIT=<commit> (the tree carries no .git). STAGES, comma-separated, run in this order:
-#   tests  the GPU tests of the prefill/decode attention and norm kernels, the page-scoring warm-up and the step
-#          loop's host synchronisations (SCALE_TESTS_K: a -k filter), and test_kernels_compile
-#   kernels bench/scale_kernels.py --only fp8,swiglu: the fp8 attention kernels in place against bf16, SwiGLU
+#   tests  the GPU tests of the prefill/decode attention, norm and projection kernels, the page-scoring warm-up and
+#          the step loop's host synchronisations (SCALE_TEST_FILES: other files; SCALE_TESTS_K: a -k filter), and
+#          test_kernels_compile
+#   kernels bench/scale_kernels.py --only $SCALE_KERNELS (default fp8,swiglu: the fp8 attention kernels in place
+#          against bf16, SwiGLU; also linear, residual, prefill_gemm, attention, head)
 #   attn   bench/scale.py --only-attn: the prefill attention variants alone (cuDNN, FlashAttention-2, Triton paged;
 #          chunks of 2K and 8K after a 32K prefix, an 8K and a 32K prompt whole); no model needed
 #   main   bench/scale.py --rows ttft,decode,concurrent,logits with transformers (static cache + compile) in the
@@ -52,15 +54,15 @@ PY
 fi
 if has tests; then
   log "gpu tests"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_norm_kernels.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu ${SCALE_TEST_FILES:-tests/engine/test_norm_kernels.py \
     tests/engine/test_prefill_attention.py tests/engine/test_decode_attention.py tests/engine/test_selection.py \
-    tests/engine/test_host_syncs.py ${SCALE_TESTS_K:+-k "$SCALE_TESTS_K"} \
+    tests/engine/test_host_syncs.py tests/engine/test_linear_kernel.py} ${SCALE_TESTS_K:+-k "$SCALE_TESTS_K"} \
     2>&1 | tail -25 | tee -a "$LOG"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kernels_compile.py 2>&1 | tail -3 | tee -a "$LOG"
 fi
 if has kernels; then
-  log "kernel tables (fp8 in place vs bf16, SwiGLU)"
-  timeout 150 python3 bench/scale_kernels.py --only fp8,swiglu 2>&1 | tee "$OUT/kernels.txt" | tee -a "$LOG"
+  log "kernel tables (${SCALE_KERNELS:-fp8,swiglu})"
+  timeout 180 python3 bench/scale_kernels.py --only "${SCALE_KERNELS:-fp8,swiglu}" 2>&1 | tee "$OUT/kernels.txt" | tee -a "$LOG"
 fi
 if has attn; then
   log "prefill attention variants"

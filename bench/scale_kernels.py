@@ -1,11 +1,15 @@
 """Decode kernels at Llama-3.1-8B's shapes (issue 26), CUDA: what a batch-1 or batched decode step spends.
 
-    PYTHONPATH=. python3 bench/scale_kernels.py [--only linear,attention,head,swiglu,fp8,prefill_gemm] [--sweep]
+    PYTHONPATH=. python3 bench/scale_kernels.py [--only linear,attention,head,swiglu,fp8,prefill_gemm,residual]
+        [--sweep]
 
 - linear: each projection of a decode step (qkv 6144 x 4096, o 4096 x 4096, gate/up 2 x 14336 x 4096 with the
   SiLU product, down 4096 x 14336) at M rows: cuBLAS (F.linear; gate/up then the torch product), the Triton
   kernel's heuristic (kernels/linear_triton.py `config`), and with --sweep every configuration of a small grid
-  at M = 1. GB/s counts the weight bytes (each read once).
+  at M = 1. GB/s counts the weight bytes (each read once). M runs to 64: the kernel takes 32 and 64 rows in wider
+  tiles (where cuBLAS splits K into a second launch).
+- residual: o and down at 8K and 16K rows followed by the residual sum, as two launches and as addmm_ (the sum in
+  cuBLAS's epilogue: models/llama.project_add).
 - attention: the flash-decoding kernel (kernels/decode_attention_triton.py) over 32 layers' pools, Hq 32 / Hkv 8
   of 128, at the decode graphs' padded windows (W a power of two >= the rows, as DecodeGraphs pads them), for
   MAX_SPLIT_ROWS in a few values (rows per split program at most). TB/s counts the real K/V bytes.
@@ -355,11 +359,55 @@ def prefill_gemm_table(
         print(f"  M {m:6d}: " + ", ".join(row), flush=True)
 
 
+def residual_table(dev: torch.device, ms: tuple[int, ...] = (8192, 16384), passes: int = 5) -> None:
+    """The residual sum after o and down (models/llama.project_add): F.linear then an add launch, against
+    residual.addmm_ (the sum as cuBLAS's epilogue, beta 1), us a call, median of shuffled passes."""
+    import random
+    import statistics
+
+    cells = [(m, k, way) for m in ms for k in ("o", "down") for way in ("add", "addmm_")]
+    data = {}
+    for m in ms:
+        for k in ("o", "down"):
+            n, kk = PROJECTIONS[k]
+            data[(m, k)] = (
+                torch.randn(m, kk, device=dev, dtype=torch.bfloat16),
+                torch.randn(n, kk, device=dev, dtype=torch.bfloat16) / kk**0.5,
+                torch.randn(m, n, device=dev, dtype=torch.bfloat16),
+            )
+    times: dict[tuple[int, str, str], list[float]] = {c: [] for c in cells}
+    rng = random.Random(0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(passes):
+        rng.shuffle(cells)
+        for m, k, way in cells:
+            x, w, r = data[(m, k)]
+
+            def call(x: torch.Tensor = x, w: torch.Tensor = w, r: torch.Tensor = r, way: str = way) -> None:
+                if way == "add":
+                    r + F.linear(x, w)
+                else:
+                    r.addmm_(x, w.t())
+
+            call()
+            start.record()
+            for _ in range(5):
+                call()
+            end.record()
+            torch.cuda.synchronize()
+            times[(m, k, way)].append(start.elapsed_time(end) / 5 * 1e3)
+    print(f"residual sum after a projection, us (median of {passes} shuffled passes): linear + add | addmm_ (epilogue)")
+    for m in ms:
+        for k in ("o", "down"):
+            a, b = (statistics.median(times[(m, k, way)]) for way in ("add", "addmm_"))
+            print(f"  M {m:6d} {k:5s}: {a:8.1f} | {b:8.1f}  ({a - b:+.1f} us a call)", flush=True)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("scale_kernels.py needs a CUDA device")
         return 2
-    tables = {"attention", "linear", "head", "swiglu", "fp8", "prefill_gemm"}
+    tables = {"attention", "linear", "head", "swiglu", "fp8", "prefill_gemm", "residual"}
     only = set(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else tables
     dev = torch.device("cuda")
     if "attention" in only:
@@ -374,6 +422,8 @@ def main() -> int:
         fp8_table(dev, sweep="--sweep" in sys.argv)
     if "prefill_gemm" in only:
         prefill_gemm_table(dev)
+    if "residual" in only:
+        residual_table(dev)
     return 0
 
 

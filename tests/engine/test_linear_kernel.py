@@ -9,6 +9,7 @@ import importlib.util
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.engine.helpers import device_or_skip
 
@@ -23,9 +24,14 @@ def _params() -> list[object]:
 
 
 @pytest.mark.parametrize(("where", "dtype"), _params())
-@pytest.mark.parametrize(("m", "n", "k", "bias"), [(1, 96, 80, False), (3, 40, 72, True), (16, 160, 512, False)])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "bias"),
+    [(1, 96, 80, False), (3, 40, 72, True), (16, 160, 512, False), (17, 48, 96, False), (32, 40, 72, True),
+     (64, 96, 160, False)],
+)  # fmt: skip
 def test_matches_f_linear(where: str, dtype: torch.dtype, m: int, n: int, k: int, bias: bool) -> None:
-    """Odd N and K (masked tails), several rows, a bias; x with a row stride wider than K."""
+    """Odd N and K (masked tails), several rows (tiles of 16, 32 and 64 rows: 17 pads to 32), a bias; x with a
+    row stride wider than K."""
     from services.engine.kernels.linear_triton import linear, linear_reference
 
     device = device_or_skip(where)
@@ -58,6 +64,40 @@ def test_supported_takes_decode_batches_only() -> None:
     assert [config(n, k)[0] for n, k in ((640, 1024), (4096, 640), (16384, 640))] == [16, 32, 64]
     splits = [config(n, k)[4] for n, k in ((640, 2048), (640, 1024), (1536, 640), (4096, 2048), (640, 8192))]
     assert splits == [8, 1, 1, 1, 8]
+
+
+def test_wider_tiles_keep_their_stages_inside_shared_memory() -> None:
+    """16, 32 or 64 rows a tile; a 64-row gated bf16 tile of 64 x 128 keeps 4 of 6 stages, fp32 fewer."""
+    from services.engine.kernels.linear_triton import SMEM_BUDGET, block_rows, stages_for
+
+    assert [block_rows(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert stages_for(6, 16, 64, 128, gated=True, itemsize=2) == 6  # 36 KiB a stage: the decode kernel as it was
+    assert stages_for(6, 64, 64, 128, gated=True, itemsize=2) == 4
+    assert stages_for(6, 64, 64, 256, gated=True, itemsize=4) == 2  # never fewer than two
+    for m in (16, 32, 64):
+        for n, k, gated in ((32, 128, False), (64, 128, True), (64, 256, False)):
+            stages = stages_for(6, m, n, k, gated, 2)
+            assert stages == 2 or stages * (m + n * (1 + gated)) * k * 2 <= SMEM_BUDGET
+
+
+def test_routed_rows_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVMEM_LINEAR_ROWS caps the rows the engine's projections send to the kernel (an A/B switch against
+    cuBLAS); a value outside 1..MAX_ROWS is refused by name."""
+    from services.engine.kernels import linear_triton as lt
+
+    w = torch.zeros(64, 32)
+    try:
+        for raw, rows, want in (("", 64, True), ("16", 16, True), ("16", 17, False), ("64", 64, True)):
+            monkeypatch.setenv(lt.ROWS_ENV, raw)
+            lt.routed_rows.cache_clear()
+            assert lt.routes(torch.zeros(rows, 32), w) is want
+        monkeypatch.setenv(lt.ROWS_ENV, "65")
+        lt.routed_rows.cache_clear()
+        with pytest.raises(ValueError, match=lt.ROWS_ENV):
+            lt.routes(torch.zeros(1, 32), w)
+    finally:
+        monkeypatch.delenv(lt.ROWS_ENV)
+        lt.routed_rows.cache_clear()
 
 
 @pytest.mark.parametrize(("where", "dtype"), _params())
@@ -126,13 +166,49 @@ def test_split_k_on_two_streams_at_once_counts_its_own_arrivals() -> None:
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_programmatic_dependent_launch_follows_the_device(where: str) -> None:
-    """PDL (kernels/pdl.py) only compiled on sm_90 and newer, and the kernel tier says so at start-up."""
-    from services.engine import kernels
-    from services.engine.kernels import pdl
+@pytest.mark.parametrize(("where", "dtype"), _params())
+@pytest.mark.parametrize(("m", "split_k"), [(1, 1), (5, 1), (40, 1), (3, 4)])
+def test_residual_is_summed_in_the_epilogue_in_place(where: str, dtype: torch.dtype, m: int, split_k: int) -> None:
+    """residual + x @ W^T + b in one launch, written over the residual (split K: by the last program to arrive)."""
+    from services.engine.kernels.linear_triton import linear, linear_reference
 
     device = device_or_skip(where)
-    want = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-    assert pdl.enabled(device) == want
-    assert kernels.select_tier(device).pdl == want
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 600, generator=g).to(device=device, dtype=dtype)
+    weight = (torch.randn(80, 600, generator=g) / 600**0.5).to(device=device, dtype=dtype)
+    b = torch.randn(80, generator=g).to(device=device, dtype=dtype)
+    residual = torch.randn(m, 80, generator=g).to(device=device, dtype=dtype)
+    want = linear_reference(x, weight, b, residual=residual).float()
+    got = linear(x, weight, b, cfg=(16, 128, 4, 2, split_k), residual=residual)
+    assert got.data_ptr() == residual.data_ptr()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="residual"):
+        linear(x, weight, residual=torch.zeros(m, 81, device=device, dtype=dtype))
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_project_add_is_the_sum_in_the_products_epilogue(where: str) -> None:
+    """models/llama.project_add: residual + layer(x). On CUDA, 8 rows take the skinny kernel with the residual
+    in its epilogue and 100 rows without a bias cuBLAS's addmm_, both in the residual's memory; a 100-row
+    product with a bias, and every product on the torch tier of the CPU, give a new tensor."""
+    from torch import nn
+
+    from services.engine.models.llama import _skinny, project_add
+
+    device = device_or_skip(where)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    for rows, bias in ((100, False), (8, False), (8, True), (100, True)):
+        layer = nn.Linear(96, 80, bias=bias).to(device=device, dtype=dtype)
+        x = torch.randn(rows, 96, generator=g).to(device=device, dtype=dtype)
+        residual = torch.randn(rows, 80, generator=g).to(device=device, dtype=dtype)
+        before = residual.clone()
+        want = before.float() + F.linear(x.float(), layer.weight.float(), layer.bias.float() if bias else None)
+        got = project_add(layer, x, residual)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+        in_place = _skinny(x, layer.weight) is not None or (device.type == "cuda" and not bias)
+        assert (got.data_ptr() == residual.data_ptr()) is in_place
+        if not in_place:
+            assert torch.equal(residual, before)

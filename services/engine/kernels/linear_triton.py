@@ -1,11 +1,13 @@
 """Decode-sized projections (Triton): y = x @ W^T (+ b) for a few rows of x, read once from HBM.
 
-A decode step multiplies 1..16 rows by every weight matrix of the model. For such skinny products the
+A decode step multiplies 1..64 rows by every weight matrix of the model. For such skinny products the
 cuBLAS kernels torch picks on an H200 take 4-5 us for a 640 x 4096 bf16 matrix (about 1 TB/s of
 weight reads: launch and tail dominate). This kernel gives each program BLOCK_N output columns and
 walks K in BLOCK_K steps (software-pipelined loads, `num_stages`), all M rows at once with one
-tl.dot per step (rows padded to 16, fp32 accumulation): every weight byte is read exactly once, by
-as many programs as the columns allow.
+tl.dot per step (rows padded to 16, 32 or 64: `block_rows`; fp32 accumulation): every weight byte is read
+exactly once, by as many programs as the columns allow. At 32 rows cuBLAS splits K over a second
+reduction launch (a batch-32 decode step of the 8B shape); here the rows only widen the tile, and the
+stages in flight shrink to fit shared memory (`stages_for`).
 
 Two variants share the kernel:
 - split-K: a long K over few column blocks (the down projection, 640 x 2048: 20 blocks of 32 columns
@@ -24,6 +26,9 @@ torch otherwise).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -33,7 +38,10 @@ from triton.runtime.interpreter import InterpretedFunction
 from services.engine.kernels import arrivals, pdl
 from services.engine.kernels.norm_triton import gelu_tanh
 
-MAX_ROWS = 16  # rows of x the kernel takes (tl.dot's minimum M): decode batches
+MAX_ROWS = 64  # rows of x the kernel takes: decode batches (`routes` says which the engine sends it)
+ROWS_ENV = "KVMEM_LINEAR_ROWS"  # the most rows the engine's projections send here (`routes`); more: cuBLAS
+DEFAULT_ROUTED_ROWS = 64
+SMEM_BUDGET = 220 * 1024  # bytes of shared memory the pipelined tiles may take (the H100/H200 allow 227 KiB)
 MAX_COLS = 65_536  # larger outputs (a vocabulary head) stay on cuBLAS, which streams them at full bandwidth
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTIVATIONS = {"gelu_tanh": 1, "silu": 2}  # the gated epilogue's activations (ACT constexpr)
@@ -42,9 +50,16 @@ SPLIT_ROWS = 256  # K per split program
 MAX_SPLIT_K = 8
 
 
-def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T + bias [N] -> [M, N] in x's dtype."""
-    return F.linear(x, weight, bias)
+def linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T + bias [N] (+ residual [M, N], summed before the rounding) -> [M, N] in x's
+    dtype."""
+    if residual is None:
+        return F.linear(x, weight, bias)
+    return (residual.float() + F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)).to(
+        x.dtype
+    )
 
 
 def linear_gated_reference(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
@@ -53,6 +68,22 @@ def linear_gated_reference(x: torch.Tensor, weight: torch.Tensor, activation: st
     gate, up = F.linear(x, weight).chunk(2, dim=-1)
     act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
     return act * up
+
+
+@functools.cache
+def routed_rows() -> int:
+    """The most rows the engine's projections give this kernel (env KVMEM_LINEAR_ROWS, 1..MAX_ROWS; default
+    DEFAULT_ROUTED_ROWS): an A/B switch for the batch sizes where cuBLAS and this kernel are close."""
+    raw = os.environ.get(ROWS_ENV, "")
+    rows = int(raw) if raw.strip() else DEFAULT_ROUTED_ROWS
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"{ROWS_ENV}={raw!r}: expected 1..{MAX_ROWS}")
+    return rows
+
+
+def routes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`supported`, and x has at most `routed_rows` rows: the engine's projections take the kernel."""
+    return x.dim() == 2 and x.shape[0] <= routed_rows() and supported(x, weight)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -88,11 +119,23 @@ def config(n: int, k: int) -> tuple[int, int, int, int, int]:
     return block_n, block_k, 4, 6 if k >= 2048 else 4, 1
 
 
+def block_rows(m: int) -> int:
+    """The tile's rows for m rows of x: 16 (tl.dot's minimum), 32 or 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def stages_for(stages: int, block_m: int, block_n: int, block_k: int, gated: bool, itemsize: int) -> int:
+    """`stages` cut to what fits SMEM_BUDGET: a stage holds the x tile and one (two, gated) weight tiles."""
+    per_stage = (block_m + block_n * (2 if gated else 1)) * block_k * itemsize
+    return max(2, min(stages, SMEM_BUDGET // per_stage))
+
+
 @triton.jit(do_not_specialize=["m"])
 def _linear_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K] contiguous ([2N, K] = [gate | up] when ACT)
     b_ptr,  # [N] (HAS_BIAS only)
+    r_ptr,  # [M, N] the residual added in the epilogue (HAS_RESIDUAL only; out_ptr may be it: in place)
     out_ptr,  # [M, N]
     part_ptr,  # [SPLIT_K, M, N] fp32 partials (SPLIT_K > 1 only)
     cnt_ptr,  # [>= column blocks] int32 arrival counters, zero between launches (SPLIT_K > 1 only)
@@ -101,8 +144,10 @@ def _linear_kernel(
     k_dim,
     k_split,  # K per split program, a multiple of BLOCK_K (specialised: a function of (N, K))
     stride_xm,
+    stride_rm,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     ACT: tl.constexpr,  # 0: plain; ACTIVATIONS: act(gate) * up
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -134,7 +179,8 @@ def _linear_kernel(
             acc_up = _dot(x, wu, acc_up, DOT_FP32)
     out_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
-        _epilogue(acc, acc_up, b_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, ACT)
+        _epilogue(acc, acc_up, b_ptr, r_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_rm, stride_om, HAS_BIAS,
+                  HAS_RESIDUAL, ACT)  # fmt: skip
     else:
         tile = rows[:, None] * n_cols + cols[None, :]
         tl.store(part_ptr + tl.program_id(1) * m * n_cols + tile, acc, mask=out_mask)
@@ -144,7 +190,8 @@ def _linear_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part_ptr + s * m * n_cols + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _epilogue(total, acc_up, b_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, ACT)
+            _epilogue(total, acc_up, b_ptr, r_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_rm, stride_om,
+                      HAS_BIAS, HAS_RESIDUAL, ACT)  # fmt: skip
             tl.store(cnt_ptr + pid_n, 0)  # zero again for the next launch (its end makes the store visible)
 
 
@@ -157,13 +204,15 @@ def _dot(x, w, acc, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, acc_up, b_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS: tl.constexpr,
-              ACT: tl.constexpr):  # fmt: skip
-    """The output tile: acc (+ bias), or act(gate) * up rounded where the unfused torch code rounds (the
-    projection, the activation, the product)."""
+def _epilogue(acc, acc_up, b_ptr, r_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_rm, stride_om,
+              HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACT: tl.constexpr):  # fmt: skip
+    """The output tile: acc (+ bias) (+ residual, rounded once), or act(gate) * up rounded where the unfused
+    torch code rounds (the projection, the activation, the product)."""
     out_ty = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
     if ACT != 0:
         acc = act_mul(acc, acc_up, out_ty, ACT)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ty), mask=out_mask)
@@ -191,11 +240,22 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     cfg: tuple[int, int, int, int, int] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`linear_reference` in one launch -> [M, N] in x's dtype; `cfg` overrides `config` (benchmarks)."""
+    """`linear_reference` in one launch -> [M, N] in x's dtype; `cfg` overrides `config` (benchmarks).
+    `residual` [M, N] (x's dtype, unit stride along N): the result is residual + x @ W^T (+ b), summed in fp32
+    and rounded once, written over the residual (returned): the sum after a layer's o or down projection
+    without an add launch of its own."""
     if not supported(x, weight):
         raise ValueError(f"linear kernel: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    return _launch(x, weight, bias, weight.shape[0], 0, cfg or config(weight.shape[0], x.shape[1]))
+    if residual is not None and (
+        residual.dim() != 2
+        or residual.shape != (x.shape[0], weight.shape[0])
+        or residual.dtype != x.dtype
+        or residual.stride(1) != 1
+    ):
+        raise ValueError(f"linear kernel: residual {tuple(residual.shape)} {residual.dtype} for x {tuple(x.shape)}")
+    return _launch(x, weight, bias, weight.shape[0], 0, cfg or config(weight.shape[0], x.shape[1]), residual)
 
 
 def linear_gated(
@@ -217,21 +277,25 @@ def _launch(
     n_cols: int,
     act: int,
     cfg: tuple[int, int, int, int, int],
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     m, k_dim = x.shape
     block_n, block_k, warps, stages, split_k = cfg
+    block_m = block_rows(m)
+    stages = stages_for(stages, block_m, block_n, block_k, act != 0, x.element_size())
     blocks = triton.cdiv(n_cols, block_n)
     counts = arrivals.counters(x.device, blocks) if split_k > 1 else None
     if counts is None:  # no counters (kernels/arrivals.py: none now): one program per column block
         split_k = 1
     k_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k
     split_k = triton.cdiv(k_dim, k_split)
-    out = torch.empty(m, n_cols, dtype=x.dtype, device=x.device)
+    out = residual if residual is not None else torch.empty(m, n_cols, dtype=x.dtype, device=x.device)
     part = torch.empty(split_k, m, n_cols, dtype=torch.float32, device=x.device) if split_k > 1 else out
     _linear_kernel[(blocks, split_k)](
-        x, weight, bias if bias is not None else out, out, part, counts if counts is not None else out,
-        m, n_cols, k_dim, k_split, x.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, ACT=act, SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        x, weight, bias if bias is not None else out, out, out, part, counts if counts is not None else out,
+        m, n_cols, k_dim, k_split, x.stride(0), out.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ACT=act, SPLIT_K=split_k, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_FP32=x.dtype == torch.float32 or INTERPRETED, INTERPRETED=INTERPRETED,
         K_LOOP=k_split if INTERPRETED else 0, num_warps=warps, num_stages=stages,
         **pdl.launch_args(x.device),

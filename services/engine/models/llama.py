@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, cast
@@ -35,13 +36,53 @@ def fused_kernels(x: Tensor) -> ModuleType | None:
     return triton_module("norm_triton", x.device)
 
 
-def project(layer: nn.Linear, x: Tensor) -> Tensor:
-    """layer(x); a decode-sized x (kernels/linear_triton.py: at most 16 rows) on the Triton tier takes the
-    skinny-product kernel, which reads the weight at a higher share of the bandwidth than cuBLAS."""
+def _skinny(x: Tensor, weight: Tensor) -> ModuleType | None:
+    """kernels/linear_triton.py when it takes x @ weight^T (a decode-sized x on the Triton tier: `routes`)."""
     kernels = triton_module("linear_triton", x.device)
-    if kernels is not None and kernels.supported(x, layer.weight):
+    return kernels if kernels is not None and kernels.routes(x, weight) else None
+
+
+def project(layer: nn.Linear, x: Tensor) -> Tensor:
+    """layer(x); a decode-sized x (kernels/linear_triton.py: at most 64 rows) on the Triton tier takes the
+    skinny-product kernel, which reads the weight at a higher share of the bandwidth than cuBLAS."""
+    kernels = _skinny(x, layer.weight)
+    if kernels is not None:
         return kernels.linear(x, layer.weight, layer.bias)  # type: ignore[no-any-return]
     return layer(x)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def residual_epilogue() -> bool:
+    """Whether project_add sums in the product's epilogue: not with KVMEM_RESIDUAL_EPILOGUE=0 (the product,
+    then an add launch: A/B runs). Decided once."""
+    on = os.environ.get("KVMEM_RESIDUAL_EPILOGUE", "1") != "0"
+    logger.info("residual sum in the projections' epilogue: %s", "on" if on else "off (KVMEM_RESIDUAL_EPILOGUE=0)")
+    return on
+
+
+def project_add(layer: nn.Linear, x: Tensor, residual: Tensor) -> Tensor:
+    """residual + layer(x), the sum in the product's epilogue where the GPU computes it, written over the
+    residual (the residual stream is the caller's to give up):
+    - a decode-sized x: the skinny kernel's epilogue (kernels/linear_triton.py `residual`);
+    - else, on CUDA without a bias: cuBLAS with the residual as C and beta 1 (`addmm_`), instead of an add
+      launch that reads both and writes a third tensor (3 x 64 MiB an 8K-token chunk of the 8B shape, twice a
+      layer).
+    Either way the sum is rounded once from fp32 rather than after the product too. Elsewhere (the CPU, a
+    bias on cuBLAS, a residual of another layout): residual + project(layer, x), a new tensor."""
+    weight = layer.weight
+    fits = (
+        residual_epilogue()
+        and residual.dim() == 2
+        and residual.is_contiguous()
+        and residual.shape == (x.shape[0], weight.shape[0])
+        and residual.dtype == x.dtype == weight.dtype
+    )
+    kernels = _skinny(x, weight)
+    if fits and kernels is not None:
+        return kernels.linear(x, weight, layer.bias, residual=residual)  # type: ignore[no-any-return]
+    if fits and kernels is None and residual.is_cuda and layer.bias is None:
+        return residual.addmm_(x, weight.t())
+    return residual + project(layer, x)
 
 
 def vocab_head(hidden: Tensor, weight: Tensor, argmax: bool) -> tuple[Tensor, Tensor | None]:
@@ -174,10 +215,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, attn: AttentionBackend, residual: Tensor | None = None) -> Tensor:
+        """o_proj(attention(x)), plus `residual` when given (`project_add`: it may be overwritten)."""
         out = self.attend(project(self.qkv_proj, x), rope, attn)
         assert isinstance(out, Tensor)
-        return project(self.o_proj, out)
+        return project(self.o_proj, out) if residual is None else project_add(self.o_proj, out, residual)
 
     def attend(self, qkv: Tensor, rope: Rope, attn: AttentionBackend, partial: bool = False) -> Tensor | Partials:
         """The projected qkv [N, q_size + 2 kv_size] -> the attention output before o_proj [N, q_size]
@@ -229,17 +271,21 @@ class MLP(nn.Module):
         self.act = act
         self.activation = ACTIVATIONS[act]
 
-    def forward(self, x: Tensor) -> Tensor:
-        linear = triton_module("linear_triton", x.device)
-        if linear is not None and linear.supported(x, self.gate_up_proj.weight):
-            return project(self.down_proj, linear.linear_gated(x, self.gate_up_proj.weight, self.act))
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """down(act(gate(x)) * up(x)), plus `residual` when given (`project_add`: it may be overwritten)."""
+        linear = _skinny(x, self.gate_up_proj.weight)
+        if linear is not None:
+            return self._down(linear.linear_gated(x, self.gate_up_proj.weight, self.act), residual)
         gate_up = project(self.gate_up_proj, x)  # [N, 2I]
         kernels = fused_kernels(x)
         fused = getattr(kernels, f"{self.act}_mul", None) if kernels is not None else None
         if fused is not None and gate_up.dim() == 2:
-            return project(self.down_proj, fused(gate_up))  # activation and product: one launch
+            return self._down(fused(gate_up), residual)  # activation and product: one launch
         gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
-        return project(self.down_proj, self.activation(gate) * up)
+        return self._down(self.activation(gate) * up, residual)
+
+    def _down(self, h: Tensor, residual: Tensor | None) -> Tensor:
+        return project(self.down_proj, h) if residual is None else project_add(self.down_proj, h, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -251,8 +297,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x + attention, then + MLP: each sum the epilogue of its last product where cuBLAS computes it
+        (`project_add`; x, the residual stream, is overwritten there)."""
+        x = self.self_attn(self.input_layernorm(x), rope, attn, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaForCausalLM(nn.Module):
