@@ -58,7 +58,7 @@ if has tests; then
     tests/engine/test_prefill_attention.py tests/engine/test_decode_attention.py tests/engine/test_selection.py \
     tests/engine/test_host_syncs.py tests/engine/test_linear_kernel.py} ${SCALE_TESTS_K:+-k "$SCALE_TESTS_K"} \
     2>&1 | tail -25 | tee -a "$LOG"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kernels_compile.py 2>&1 | tail -3 | tee -a "$LOG"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kernels_compile.py 2>&1 | grep -v "^  " | tail -25 | tee -a "$LOG"
 fi
 if has kernels; then
   log "kernel tables (${SCALE_KERNELS:-fp8,swiglu})"
