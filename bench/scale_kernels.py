@@ -71,7 +71,7 @@ def _gated_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def linear_table(dev: torch.device, sweep: bool) -> None:
-    grid = list(itertools.product([32, 64, 128], [128, 256], [4, 8], [4], [1, 4]))
+    grid = list(itertools.product([32, 64, 128], [128, 256], [4, 8], [4, 6], [1, 4]))
     for name, (n, k) in PROJECTIONS.items():
         gated = name == "gate_up"
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(LAYERS)]
@@ -95,7 +95,7 @@ def linear_table(dev: torch.device, sweep: bool) -> None:
                 cfg_h = lt.config(n, k)
             line = (f"{name:8s} M={m:2d} N={n} K={k}: cublas {base:7.1f} us ({gb / base * 1e6:5.0f} GB/s) | "
                     f"triton {cfg_h} {heur:7.1f} us ({gb / heur * 1e6:5.0f} GB/s)")  # fmt: skip
-            if sweep and m == 1:
+            if sweep and m in (1, 32):
                 timed = []
                 for cfg in grid:
                     if gated and cfg[4] != 1:
@@ -240,8 +240,12 @@ def _fp8_dot(mode: str) -> Iterator[None]:
         dat.fp8_dot.cache_clear()
 
 
-# (NUM_WARPS, num_stages at D 128, rows per loop step or 0 for block_rows) of the fp16-dot fp8 path, --sweep
-FP8_VARIANTS = ((4, 4, 0), (4, 3, 0), (4, 2, 0), (8, 4, 0), (4, 4, 32), (4, 4, 128))
+# (NUM_WARPS, num_stages at D 128, rows per loop step or 0 for block_rows, MAX_SPLIT_ROWS) of the fp16-dot fp8
+# path, --sweep
+FP8_VARIANTS = (
+    (4, 4, 0, 512), (4, 3, 0, 512), (4, 2, 0, 512), (8, 4, 0, 512), (4, 4, 32, 512), (4, 4, 128, 512),
+    (4, 4, 0, 256), (4, 4, 0, 1024), (4, 4, 0, 2048), (8, 4, 0, 1024), (4, 4, 128, 1024),
+)  # fmt: skip
 
 
 def _fp8_sweep(
@@ -249,17 +253,20 @@ def _fp8_sweep(
 ) -> str:
     """The fp16-dot fp8 decode at each FP8_VARIANTS entry (the module's settings patched, then restored)."""
     real_rows, real_warps, real_stages = dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM
+    real_split = dat.MAX_SPLIT_ROWS
     cells = []
-    for warps, stages, step in FP8_VARIANTS:
-        dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM = warps, {d: stages}
+    for warps, stages, step, split in FP8_VARIANTS:
+        dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM, dat.MAX_SPLIT_ROWS = warps, {d: stages}, split
         dat.block_rows = (lambda w, step=step: step) if step else real_rows  # type: ignore[assignment]
+        name = f"{warps}w/{stages}s/{step or 'auto'}/{split}"
         try:
             with _fp8_dot("fp16"):
-                cells.append(f"{warps}w/{stages}s/{step or 'auto'}: {_decode_us(q, k8s, v8s, reads, True):6.1f} us")
+                cells.append(f"{name}: {_decode_us(q, k8s, v8s, reads, True):6.1f} us")
         except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit is reported
-            cells.append(f"{warps}w/{stages}s/{step or 'auto'}: {type(exc).__name__}")
+            cells.append(f"{name}: {type(exc).__name__}")
         finally:
             dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM = real_rows, real_warps, real_stages
+            dat.MAX_SPLIT_ROWS = real_split
     return " | ".join(cells)
 
 

@@ -297,8 +297,8 @@ def test_tiny_llama_without_qk_norm_rotates_in_the_fused_launch(
     triton_tier: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Llama without q/k norm on the Triton tier rotates q and k in qk_norm_rope's launch (no weights: RoPE
-    alone, one launch a layer), takes silu_mul for its 20-row MLP (SwiGLU in one launch a layer) and computes
-    what the torch path computes."""
+    alone, one launch a layer), takes silu_mul for its 70-row MLP (SwiGLU in one launch a layer; up to 64 rows
+    take the gated projection kernel) and computes what the torch path computes."""
     from services.engine.kernels import norm_triton
 
     calls: list[bool] = []
@@ -315,12 +315,12 @@ def test_tiny_llama_without_qk_norm_rotates_in_the_fused_launch(
     )
     model = tiny_model(64)
     assert model.layers[0].self_attn.q_norm is None
-    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1))
-    pos = torch.arange(20)
+    ids = torch.randint(0, 64, (70,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(70)
     with torch.no_grad():
         fused = model.logits(model(ids, pos, ContiguousKV(2)))
         assert calls == [True, True]  # both layers, without norm weights
-        assert silu_rows == [20, 20]
+        assert silu_rows == [70, 70]
         kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
         plain = model.logits(model(ids, pos, ContiguousKV(2)))
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
