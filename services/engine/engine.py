@@ -119,6 +119,9 @@ class Engine:
         self.stats = EngineStats()
         self.ring_snapshot = RingSnapshot()
         self._snapshot_running: tuple[int, ...] = ()
+        # (slot, page hash) of pages _publish_pages completed whose write-through read is deferred to one batch
+        # (_write_pages): at a page end of 32 decoding sequences, one read of the pool, not 32
+        self._unwritten: list[tuple[int, bytes]] = []
         self._eos_ids = frozenset(tokenizer.info.eos_token_ids)
         self._lock = threading.Condition()
         self._incoming: deque[Sequence] = deque()
@@ -354,7 +357,14 @@ class Engine:
             ]
             sampled = sample_batch(launched.logits, rows)
             tokens = iter([t] for t in sampled)  # one token per sampling work
-        for w, page_scores in zip(works, launched.scores, strict=True):
+        try:
+            self._take_step(launched, tokens)
+        finally:
+            self._write_pages()
+
+    def _take_step(self, launched: Launched, tokens: Iterator[list[int | Sampled]]) -> None:
+        """_postprocess of each work: its ring upkeep, its tokens, its completed pages."""
+        for w, page_scores in zip(launched.works, launched.scores, strict=True):
             seq = w.seq
             chosen = next(tokens) if w.samples or launched.tokens is not None else []
             if seq.is_finished:
@@ -508,15 +518,37 @@ class Engine:
             self.slots.register(table.slot_ids[i], h)
             if self.write_through is not None and self.write_through.wants(h):
                 written.append(i)
-        if written and self.write_through is not None:
-            local = (seq.local_ring, written) if self.pool.local is not None else None  # staged or in the ring
-            pages = to_host(self.pool.read_pages([table.slot_ids[i] for i in written], local))
-            ready = copied(self.pool.device)  # the writer waits for the copy, not the engine (a burst may be in flight)
-            for i, page in zip(written, pages, strict=True):
-                self.write_through.submit(table.page_hashes[i], page, size, ready=ready)
+        if written and self.pool.local is not None:  # local rings: the pages' local rows are this sequence's
+            self._read_through([table.slot_ids[i] for i in written], [table.page_hashes[i] for i in written],
+                               (seq.local_ring, written))  # fmt: skip
+        else:
+            self._unwritten.extend((table.slot_ids[i], table.page_hashes[i]) for i in written)
         states = self.runner.states
         if states is not None and states.is_boundary(computed) and len(table.page_hashes) * size == computed:
+            self._write_pages()  # the pages before the state
             states.publish(seq.state_slot, table.page_hashes[-1], self.write_through)  # the state after `computed`
+
+    def _write_pages(self) -> None:
+        """Write through the pages _publish_pages deferred, read out of the pool in one batch, at the end of a
+        step's post-processing (and before a failure's). Until then the pages' slots hold them: post-processing
+        allocates no slot (a ring's selections move slots in the scheduler), so a slot a finished sequence
+        released in it is not yet another page's."""
+        if not self._unwritten:
+            return
+        pages: dict[bytes, int] = {}  # hash -> slot, in completion order; a page two sequences share: once
+        for slot, h in self._unwritten:
+            pages.setdefault(h, slot)
+        self._unwritten = []
+        self._read_through(list(pages.values()), list(pages), None)
+
+    def _read_through(self, slots: list[int], hashes: list[bytes], local: tuple[int, list[int]] | None) -> None:
+        """One read of these pages out of the pool, copied to host memory behind the step and queued for the
+        write-through thread (which waits for the copy, not the engine: a burst may be in flight)."""
+        assert self.write_through is not None
+        pages = to_host(self.pool.read_pages(slots, local))
+        ready = copied(self.pool.device)
+        for h, page in zip(hashes, pages, strict=True):
+            self.write_through.submit(h, page, self.limits.page_size, ready=ready)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         matched = seq.detokenizer.matched_stop or ""
@@ -535,6 +567,7 @@ class Engine:
         seq.events.put(done)
 
     def _fail(self, seq: Sequence, code: str, message: str) -> None:
+        self._write_pages()
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq)
         seq.finish_reason = FinishReason.ERROR

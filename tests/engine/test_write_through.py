@@ -66,3 +66,38 @@ def test_queued_pages_go_out_in_batches(start_store: StartStore) -> None:
         for page_hash, data in pages.items():
             assert reader.get_page(page_hash) == data.numpy().tobytes()
     write_through.close()
+
+
+def test_pages_completed_in_one_step_are_read_out_of_the_pool_together(start_store: StartStore, smol_tokenizer) -> None:
+    """Three sequences decoding in step complete their pages in the same steps: each step's completed pages
+    leave the pool in one read (engine._write_pages), not one a sequence, and every page reads back from the
+    store byte for byte; the prompt pages of one prefill step too."""
+    store = start_store(host_kv_mib=16)
+    engine = make_engine(tiny_model(VOCAB, seed=2), smol_tokenizer, num_slots=48, page_size=8, prefill_chunk=64)
+    engine.write_through = WriteThrough(KVStoreClient(store.address), "fp32", 64)
+    reads: list[int] = []
+    read_pages = engine.pool.read_pages
+
+    def counting(slots, local=None):  # type: ignore[no-untyped-def]
+        reads.append(len(slots))
+        return read_pages(slots, local)
+
+    engine.pool.read_pages = counting  # type: ignore[method-assign]
+    seqs = [
+        engine.submit(f"b{i}", list(range(400 + 20 * i, 413 + 20 * i)), greedy(12), namespace=f"n{i}") for i in range(3)
+    ]  # 13 prompt tokens: one page each at prefill; 3 more tokens end a page in the same step for all three
+    run_until_done(engine, seqs)
+    engine.write_through.flush()
+    assert reads == [3, 3, 3], reads  # prefill's pages, then pages 2 and 3 of each sequence, a read a step
+    with KVStoreClient(store.address) as reader:
+        for i, seq in enumerate(seqs):
+            hashes = chain_hashes(seq.token_ids, 8, "tiny", "fp32", namespace=f"n{i}")
+            assert len(hashes) == 3
+            for h in hashes:
+                slot = engine.slots.lookup(h)
+                assert slot is not None
+                assert (
+                    reader.get_page(h) == engine.pool.read_page(slot).contiguous().view(torch.uint8).numpy().tobytes()
+                )
+    assert engine.write_through.num_written == 9 and engine.write_through.num_failed == 0
+    engine.write_through.close()

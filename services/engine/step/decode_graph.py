@@ -419,6 +419,7 @@ class DecodeGraphs:
         (summed over layers, as StepAttention._score does per layer), or None when it does not score."""
         out: list[torch.Tensor | None] = []
         size = self.pool.page_size
+        queries: torch.Tensor | None = None  # [L, B, Hq, D] fp32, scaled: taken once for every scoring work
         for i, w in enumerate(works):
             ring = w.seq.ring
             num_pages = w.start // size
@@ -427,7 +428,10 @@ class DecodeGraphs:
                 continue
             assert self._last is not None, "page_scores before run"
             assert ring.summaries.layers == self.pool.paged_layers, (ring.summaries.layers, self.pool.paged_layers)
-            q = self._last.queries.index_select(0, self._paged_index)[:, i].float() * self._query_scales  # [L, Hq, D]
+            if queries is None:
+                kept = self._last.queries.index_select(0, self._paged_index)[:, : len(works)]
+                queries = kept.float() * self._query_scales[:, None]
+            q = queries[:, i]  # [L, Hq, D]
             rows = ring.summaries.scored_rows()  # the layers that score (RingLimits.score_from)
             if len(rows) < q.shape[0]:
                 q = q[row_index(rows, q.device)]  # a slice: the burst on the device is not waited for
