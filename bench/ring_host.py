@@ -6,7 +6,8 @@ The host's work per launch (scheduling, room-making, restores, post-processing, 
 scheduler and the ring, not on the model's size, so a tiny model on the CPU shows it. This runs N sessions of L
 tokens through budgets of B tokens (a real redis-server and kvstore on this host), then profiles the engine's
 steps while every session decodes (cProfile of the engine thread), and prints host ms a launch by function,
-the model's forward left out (its time is the CPU's, not the H200's).
+the model's forward left out (its time is the CPU's, not the H200's), and what ended the window's bursts
+(Scheduler.burst_cuts: a page end, a re-selection, the cap...).
 
     .venv/bin/python bench/ring_host.py --sessions 32 --prompt-len 8192 --budget 1024 --new-tokens 96
 
@@ -104,9 +105,12 @@ def main() -> int:
         model_forward = engine.runner.model.forward
         all_decoding = threading.Event()
 
+        cuts: list[dict[str, int]] = []  # the scheduler's burst_cuts at the window's start, then at its last launch
+
         def step() -> None:  # on the engine thread: profiled while every session decodes
             if all_decoding.is_set() and "t0" not in window:
                 window["t0"] = time.perf_counter()
+                cuts.append(dict(engine.scheduler.burst_cuts))
                 prof.enable()
             real_step()
 
@@ -114,6 +118,7 @@ def main() -> int:
             if "t0" in window and "t1" not in window:
                 launches[0] += 1
                 steps[0] += max(w.num_steps for w in works)
+                cuts[1:] = [dict(engine.scheduler.burst_cuts)]  # this launch's burst counted (one step runs many)
             return real_launch(works)
 
         def forward(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -176,6 +181,7 @@ def main() -> int:
             host_ms_a_launch=round(1e3 * host / per, 2), forward_ms_a_launch=round(1e3 * forward_s[0] / per, 2),
             steps_a_launch=round(steps[0] / per, 2),
             ms_a_launch=rows,
+            burst_cuts={k: v - cuts[0].get(k, 0) for k, v in cuts[-1].items() if v > cuts[0].get(k, 0)},
         )))  # fmt: skip
         if a.dump:
             stats.dump_stats(a.dump)

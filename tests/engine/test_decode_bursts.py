@@ -84,10 +84,14 @@ def _check_bursts(steps: list[list[Work]], page: int = PAGE) -> int:
 
 def test_bursts_give_the_tokens_of_single_steps(model, smol_tokenizer: Tokenizer) -> None:
     params = [greedy(20)] * 3
-    single, steps1, _ = _burst_run(model, smol_tokenizer, 1, params, "one", num_slots=64)
-    burst, steps4, _ = _burst_run(model, smol_tokenizer, 4, params, "burst", num_slots=64)
+    single, steps1, engine1 = _burst_run(model, smol_tokenizer, 1, params, "one", num_slots=64)
+    burst, steps4, engine4 = _burst_run(model, smol_tokenizer, 4, params, "burst", num_slots=64)
     assert _check_bursts(steps1) == 0 and _check_bursts(steps4) >= 4
     assert len(steps4) < len(steps1) - 4  # fewer host round trips (3 sequences at different page offsets)
+    # what ended each burst: a page end of one of the three (at different offsets), the cap, the token limit
+    cuts = engine4.scheduler.burst_cuts  # type: ignore[attr-defined]
+    assert not engine1.scheduler.burst_cuts and set(cuts) <= {"page", "cap", "tokens"} and cuts["page"] >= 3  # type: ignore[attr-defined]
+    assert sum(cuts.values()) == sum(1 for ws in steps4 if ws[0].device_argmax), (cuts, len(steps4))
     assert [t for t, _ in burst] == [t for t, _ in single]
     assert all(len(t) == 20 for t, _ in burst)
 
@@ -236,7 +240,7 @@ def test_ring_bursts_end_at_re_selection_steps(
         params[1] = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
         kw["split_bursts"] = True
     single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "ring1", lengths=lengths, **kw)
-    burst, steps, _ = _burst_run(model, smol_tokenizer, 4, params, "ring4", lengths=lengths, **kw)
+    burst, steps, engine = _burst_run(model, smol_tokenizer, 4, params, "ring4", lengths=lengths, **kw)
     assert _check_bursts(steps) >= 3
     scoring = [ws for ws in steps if any(w.score_tokens for w in ws) and all(w.num_new == 1 for w in ws)]
     assert scoring and all(w.score_tokens <= 1 for ws in scoring for w in ws)
@@ -246,6 +250,7 @@ def test_ring_bursts_end_at_re_selection_steps(
         assert "burst" in _split_pattern(steps, "b1", {"b0", "b2"})  # the greedy two burst beside the sampled one
     if len(lengths) == 1:
         assert any(ws[0].num_steps > 1 for ws in scoring), "a burst must end on a re-selection step"
+        assert engine.scheduler.burst_cuts["rescore"] >= 1, engine.scheduler.burst_cuts  # type: ignore[attr-defined]
     assert [t for t, _ in burst] == [t for t, _ in single]
 
 

@@ -45,7 +45,7 @@ the state there is snapshotted (recurrent_state.py).
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import NamedTuple
@@ -122,6 +122,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
+        # what ended each decode burst that ran (its shortest limit): "cap" (decode_burst), "page" (a sequence's
+        # page end), "tokens" (one's token limit), "scoring" (a step that scores), "rescore" (one's next
+        # re-selection step), "due" (where one's last re-selection takes effect): where burst length goes
+        self.burst_cuts: Counter[str] = Counter()
         # ring sequence -> (page table, pages, evidence, skeleton) of its last room-making
         self._room_keys: dict[Sequence, tuple[object, ...]] = {}
         self._failures: list[tuple[Sequence, str]] = []
@@ -342,14 +346,21 @@ class Scheduler:
         if self.decode_burst <= 1 or not works or self.burst_ok is None:
             return works
         size = self.page_size
-        steps = self.decode_burst
+        steps, cut = self.decode_burst, "cap"
+
+        def limit(most: int, why: str) -> None:
+            nonlocal steps, cut
+            if most < steps:
+                steps, cut = most, why
+
         for w in works:
             seq, params = w.seq, w.seq.params
             if w.num_new != 1 or not w.samples or not params.device_greedy:
                 return works
-            steps = min(steps, size - w.start % size, seq.max_tokens - len(seq.output_ids))
+            limit(size - w.start % size, "page")
+            limit(seq.max_tokens - len(seq.output_ids), "tokens")
             if w.score_tokens:  # a re-selection scores this step's query: a burst of one (tokens on the device)
-                steps = 1
+                steps, cut = 1, "scoring"
         rescoring = [w.seq for w in works if self._rescores(w.seq)]
         assert self.ring is not None or not rescoring
         interval = self.ring.limits.rescore_interval if self.ring is not None else 0
@@ -357,11 +368,11 @@ class Scheduler:
             ring = seq.ring  # its decode_steps counts the burst's first step already (never a scoring one here)
             assert ring is not None and self.ring is not None
             if interval > 0:  # end at its next re-selection step at the latest
-                steps = min(steps, interval - ring.decode_steps % interval + 1)
+                limit(interval - ring.decode_steps % interval + 1, "rescore")
             if ring.scored_at is not None:  # and where its last one takes effect (the same steps see the same
                 due = ring.scored_at + self.ring.limits.prefetch_steps  # pages whatever the burst size)
                 if ring.decode_steps <= due:
-                    steps = min(steps, due - ring.decode_steps + 1)
+                    limit(due - ring.decode_steps + 1, "due")
         last = {seq: seq.ring.decode_steps + steps - 1 for seq in rescoring}  # type: ignore[union-attr]
         burst = [
             w._replace(num_steps=steps, score_tokens=int(w.seq in last and self._rescore_at(last[w.seq])),
@@ -370,6 +381,7 @@ class Scheduler:
         ]  # fmt: skip
         if not self.burst_ok(burst):
             return works
+        self.burst_cuts[cut] += 1
         for w in burst:
             w.seq.local_end = max(w.seq.local_end, w.start + steps)
             if w.seq.ring is not None and self._rescores(w.seq):
