@@ -37,7 +37,9 @@ def _compile(fn, types: dict[str, str], constexprs: dict[str, object], div16: tu
 def _pipelined_word_loads(ptx: str) -> None:
     """The fp8 codes load 16 bytes at a time through cp.async (pipelined), not byte by byte nor in 4-byte words:
     the byte loads of f3cc28f ran the decode kernel at a quarter of its bf16 speed on the H200, the 4-byte words
-    of 54586d4 (rows of 4 + D bytes) at a third (bench/results/scale_kernels_h200_{f3cc28f,fp8_b54f95b}.txt)."""
+    of 54586d4 (rows of 4 + D bytes) at a third (bench/results/scale_kernels_h200_{f3cc28f,fp8_b54f95b}.txt). The
+    device's Triton 3.6 placed the row scales, loaded alone, in the score tile's layout: 128 4-byte copies a thread in
+    the prefill kernel (16 in the decode kernel) until attention_tiles._row_scales read each row's 16-byte head."""
     assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx, "fp8 codes loaded byte by byte"
     sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^,]*,[^,]*, (0x[0-9a-f]+)", ptx)
     assert "0x10" in sizes, f"no 16-byte cp.async: {sorted(set(sizes))}"
