@@ -46,28 +46,31 @@ def _pipelined_word_loads(ptx: str) -> None:
     assert sizes.count("0x4") <= 8, f"{sizes.count('0x4')} 4-byte copies (the scales take a few)"
 
 
-def fp8_prefill_ptx() -> str:
-    """The prefill kernel over fp8 rows, compiled for sm_90 as the engine launches it at the 8B shape -> PTX."""
+def prefill_ptx(fp8: bool = True) -> str:
+    """The prefill kernel over fp8 rows (else bf16 rows), compiled for sm_90 as the engine launches it at the 8B
+    shape -> PTX."""
     from services.engine.kernels import prefill_attention_triton as pat
 
     ints = ["n_q", "past"] + [f"stride_{s}" for s in ("qn", "qh", "kr", "kh", "vr", "vh", "on", "oh")]
-    types = dict(q_ptr="*bf16", k_ptr="*u8", v_ptr="*u8", rows_ptr="*i64", out_ptr="*bf16", scale_log2="fp32")
+    store = "*u8" if fp8 else "*bf16"
+    types = dict(q_ptr="*bf16", k_ptr=store, v_ptr=store, rows_ptr="*i64", out_ptr="*bf16", scale_log2="fp32")
     types.update({name: "i32" for name in ints})
-    block_m, block_n, _, _ = pat.config(128)
-    constexprs: dict[str, object] = dict(G=4, D=128, BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=False, FP8=True)
+    block_m, block_n, warps, stages = pat.config(128)
+    constexprs: dict[str, object] = dict(G=4, D=128, BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=False, FP8=fp8)
     # at the 8B shape: q/out strides 4096 / 128, pool rows 8 x 144 = 1152 bytes apart, heads 144
     div16 = ("q_ptr", "k_ptr", "v_ptr", "rows_ptr", "out_ptr", "stride_qn", "stride_qh", "stride_kr", "stride_vr",
              "stride_kh", "stride_vh",
              "stride_on", "stride_oh")  # fmt: skip
-    return str(_compile(pat._prefill_kernel, types, constexprs, div16).asm["ptx"])
+    return str(_compile(pat._prefill_kernel, types, constexprs, div16, num_warps=warps, num_stages=stages).asm["ptx"])
 
 
-def fp8_split_ptx(f16: bool) -> str:
-    """The decode split kernel over fp8 rows (`f16`: the fp16 dots, the default; else KVMEM_FP8_DOT=bf16's),
-    compiled for sm_90 as the engine launches it at the 8B shape -> PTX."""
+def split_ptx(f16: bool, fp8: bool = True) -> str:
+    """The decode split kernel over fp8 rows (`f16`: the fp16 dots, the default; else KVMEM_FP8_DOT=bf16's), or
+    with fp8 False over bf16 rows, compiled for sm_90 as the engine launches it at the 8B shape -> PTX."""
     from services.engine.kernels import decode_attention_triton as dat
 
-    ptrs = dict(q_ptr="*bf16", k_ptr="*u8", v_ptr="*u8", rows_ptr="*i64", key_pos_ptr="*i64", q_pos_ptr="*i64",
+    store = "*u8" if fp8 else "*bf16"
+    ptrs = dict(q_ptr="*bf16", k_ptr=store, v_ptr=store, rows_ptr="*i64", key_pos_ptr="*i64", q_pos_ptr="*i64",
                 m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", keep_ptr="*bf16")  # fmt: skip
     ints = ["width", "rows_per_split", "num_splits", "window", "span"]
     ints += [f"stride_{s}" for s in ("qb", "qh", "kr", "kh", "vr", "vh", "ob", "oh")]
@@ -77,17 +80,18 @@ def fp8_split_ptx(f16: bool) -> str:
              "stride_oh")  # fmt: skip
     constexprs = dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, HAS_WINDOW=False, RING=False, DIRECT=False,
                       DOT_FP32=False, INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, PDL=True, SORTED=True,
-                      FP8=True, FP8_F16=f16)  # fmt: skip
-    return str(_compile(dat._split_kernel, types, constexprs, div16).asm["ptx"])
+                      FP8=fp8, FP8_F16=f16 and fp8)  # fmt: skip
+    options = dict(num_warps=dat.NUM_WARPS, num_stages=dat.STAGES_BY_HEAD_DIM[128])  # the launch's at D 128
+    return str(_compile(dat._split_kernel, types, constexprs, div16, **options).asm["ptx"])
 
 
 def compile_fp8_attention() -> None:
     """Both fp8 attention kernels to cubin; each PTX converts the codes with the hardware's e4m3 conversion."""
-    ptx = fp8_prefill_ptx()
+    ptx = prefill_ptx()
     assert "e4m3" in ptx
     _pipelined_word_loads(ptx)
     for f16 in (False, True):  # KVMEM_FP8_DOT=bf16, and the default fp16 operands
-        ptx = fp8_split_ptx(f16)
+        ptx = split_ptx(f16)
         assert "e4m3" in ptx
         _pipelined_word_loads(ptx)
         if f16:
