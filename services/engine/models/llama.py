@@ -297,8 +297,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, rope: Rope, attn: AttentionBackend) -> Tensor:
-        """x + attention, then + MLP: each sum the epilogue of its last product where cuBLAS computes it
-        (`project_add`; x, the residual stream, is overwritten there)."""
+        """x + attention, then + MLP: each sum the epilogue of its last product on the GPU (`project_add`; x, the
+        residual stream, is overwritten there)."""
         x = self.self_attn(self.input_layernorm(x), rope, attn, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
