@@ -567,7 +567,11 @@ class Engine:
         seq.events.put(done)
 
     def _fail(self, seq: Sequence, code: str, message: str) -> None:
-        self._write_pages()
+        try:
+            self._write_pages()  # before its slots are released
+        except Exception:  # noqa: BLE001 -- a failing read of the pool must not keep the sequence from failing
+            logger.exception("writing through completed pages failed; they stay device-only")
+            self._unwritten = []
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq)
         seq.finish_reason = FinishReason.ERROR
