@@ -571,7 +571,6 @@ class Engine:
             self._write_pages()  # before its slots are released
         except Exception:  # noqa: BLE001 -- a failing read of the pool must not keep the sequence from failing
             logger.exception("writing through completed pages failed; they stay device-only")
-            self._unwritten = []
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq)
         seq.finish_reason = FinishReason.ERROR

@@ -83,7 +83,7 @@ def routed_rows() -> int:
 
 def routes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """`supported`, and x has at most `routed_rows` rows: the engine's projections take the kernel."""
-    return x.dim() == 2 and x.shape[0] <= routed_rows() and supported(x, weight)
+    return supported(x, weight) and x.shape[0] <= routed_rows()
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -82,7 +82,7 @@ def project_add(layer: nn.Linear, x: Tensor, residual: Tensor) -> Tensor:
         return kernels.linear(x, weight, layer.bias, residual=residual)  # type: ignore[no-any-return]
     if fits and kernels is None and residual.is_cuda and layer.bias is None:
         return residual.addmm_(x, weight.t())
-    return residual + project(layer, x)
+    return residual + (kernels.linear(x, weight, layer.bias) if kernels is not None else layer(x))
 
 
 def vocab_head(hidden: Tensor, weight: Tensor, argmax: bool) -> tuple[Tensor, Tensor | None]:
