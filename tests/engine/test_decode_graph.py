@@ -376,7 +376,7 @@ def _decode_with_the_fused_kernel(model: torch.nn.Module, monkeypatch: pytest.Mo
     on the CPU; the other kernels stay torch), each equal to StepAttention's, then greedy equal to the
     reference; returns the [B, W] row shapes the kernel was called with, ("ring", B, W) for a local ring."""
     from services.engine.kernels import decode_attention_triton
-    from services.engine.step import decode_graph
+    from services.engine.step import decode_graph, graph_attention
 
     calls: list[tuple[object, ...]] = []
     real, real_ring = decode_attention_triton.decode_attention, decode_attention_triton.decode_attention_ring
@@ -389,9 +389,10 @@ def _decode_with_the_fused_kernel(model: torch.nn.Module, monkeypatch: pytest.Mo
         calls.append(("ring", args[0].shape[0], args[7]))  # B, the ring window read
         return real_ring(*args, **kwargs)
 
-    monkeypatch.setattr(
-        decode_graph, "triton_module", lambda name, device: decode_attention_triton if "attention" in name else None
-    )
+    for module in (decode_graph, graph_attention):  # the graph's step, and its attention backend
+        monkeypatch.setattr(
+            module, "triton_module", lambda name, device: decode_attention_triton if "attention" in name else None
+        )
     monkeypatch.setattr(decode_attention_triton, "decode_attention", counted)
     monkeypatch.setattr(decode_attention_triton, "decode_attention_ring", counted_ring)
     h = Harness(model, [13, 30])
@@ -442,7 +443,7 @@ def test_fused_decode_attention_reads_fp8_rows_in_place(
     decode_attention_triton.fp8_dot.cache_clear()
     request.addfinalizer(kv_pool.fp8_in_place.cache_clear)
     request.addfinalizer(decode_attention_triton.fp8_dot.cache_clear)
-    from services.engine.step import decode_graph
+    from services.engine.step import decode_graph, graph_attention
 
     if getattr(model, "test_local_rings", False):
         pytest.skip("local rings keep plain rows")
@@ -453,9 +454,10 @@ def test_fused_decode_attention_reads_fp8_rows_in_place(
         flags.append(kwargs["fp8"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(
-        decode_graph, "triton_module", lambda name, device: decode_attention_triton if "attention" in name else None
-    )
+    for module in (decode_graph, graph_attention):  # the graph's step, and its attention backend
+        monkeypatch.setattr(
+            module, "triton_module", lambda name, device: decode_attention_triton if "attention" in name else None
+        )
     monkeypatch.setattr(decode_attention_triton, "decode_attention", counted)
     h = Harness(model, [13, 30], kv_format="fp8")
     for _ in range(2):

@@ -63,30 +63,23 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.kernels import triton_module
-from services.engine.kv.attention import PAD_POS, KVSink, sdpa
+from services.engine.kv.attention import PAD_POS
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.recurrent_state import RecurrentBatch, RecurrentStates
 from services.engine.kv.transfers import to_host
 from services.engine.models.loader import CausalLM
-from services.engine.ring.local_ring import ring_read_set
 from services.engine.ring.summaries import row_index
+from services.engine.step.graph_attention import GraphAttention, GraphBuffers
 from services.engine.step.scheduler import Work
 from services.engine.step.sequence import NOT_RESIDENT, Sequence
-
-if TYPE_CHECKING:
-    from services.engine.kernels.decode_attention_triton import Partials
 
 logger = logging.getLogger(__name__)
 
 MIN_WINDOW = 256
-# every read set here lists its rows by position (pages in order, the padding at PAD_POS last): the flash-
-# decoding kernel may skip the splits past the token (kernels/decode_attention_triton.py, `sorted_keys`)
-SORTED_READS = True
 
 
 def advance_inputs(token: torch.Tensor, burst_tokens: torch.Tensor, inputs: torch.Tensor) -> None:
@@ -127,166 +120,6 @@ class _SeqRows:
     padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # W -> rows, pos [W]
 
 
-@dataclass
-class _Buffers:
-    """Static inputs (and, once captured, the output) of one (B, W) bucket."""
-
-    batch: int
-    window: int
-    ids: torch.Tensor  # [B]
-    positions: torch.Tensor  # [B]
-    write_rows: torch.Tensor  # [B]
-    rows: torch.Tensor  # [B, W]
-    key_pos: torch.Tensor  # [B, W]
-    local_rows: dict[int, torch.Tensor]  # window -> [B, L]
-    local_pos: dict[int, torch.Tensor]  # window -> [B, L]
-    ring_base: torch.Tensor  # [B] first row of each sequence's local ring (local rings only)
-    state_slots: torch.Tensor  # [B] each row's recurrent-state slot (recurrent models; else zeros)
-    slot_staging: torch.Tensor  # [2, B] host copies of state_slots, used in turn with `staging`
-    step: torch.Tensor  # [1] the step's index in its burst (where its argmax goes in burst_tokens)
-    inputs: torch.Tensor  # [5, B] ids, positions, write_rows, ring_base and step (column 0) are its rows
-    staging: torch.Tensor  # [2, 5, B] host copies of `inputs` (pinned on CUDA), used in turn
-    burst_tokens: torch.Tensor  # [page_size, B] the argmax of each step of a burst
-    queries: torch.Tensor  # [L, B, Hq, D] each layer's queries (after RoPE), kept for page scoring
-    owners: list[tuple[int, ...] | None]  # per batch row: the _SeqRows key its rows came from
-    turn: int = 0  # the half of `staging` the next fill writes
-    graph: torch.cuda.CUDAGraph | None = None
-    out: torch.Tensor | None = None  # [B, V] the captured graph's logits
-
-
-class _GraphAttention:
-    """AttentionBackend of one decode step over a bucket's static buffers (B sequences, 1 token each)."""
-
-    def __init__(self, pool: KVPool, bufs: _Buffers, dtype: torch.dtype, sinks: bool = True) -> None:
-        self.pool = pool
-        self.bufs = bufs
-        self.dtype = dtype
-        self.kernels = triton_module("decode_attention_triton", pool.device)
-        self.sinks = sinks  # offer kv_sink (the model writes K/V in its q/k norm + RoPE launch)
-        # additive masks [B, 1, 1, W|L] by (read set, window), built on first use: only the SDPA path needs
-        # them (the fused kernel masks from the positions itself)
-        self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
-        local = pool.local
-        if local is not None:  # the token's row in its sequence's ring
-            self.ring_write = bufs.ring_base + bufs.positions.remainder(local.span)
-        self._ring_read: tuple[torch.Tensor, torch.Tensor] | None = None  # built only for the SDPA path
-
-    def kv_sink(self, layer_idx: int) -> KVSink | None:
-        """The layer's plain K/V stores and the step's rows in them (the ring rows of a local layer), on the
-        Triton tier: the model's q/k norm + RoPE launch writes the new rows (one launch fewer a layer)."""
-        plain = self.pool.plain_kv(layer_idx)
-        if not self.sinks or self.kernels is None or plain is None or not self.kernels.supported(plain[0]):
-            return None
-        rows = self.ring_write if self.pool.is_local(layer_idx) else self.bufs.write_rows
-        return plain[0], plain[1], rows
-
-    def attend(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        window: int | None = None,
-        stored: bool = False,
-        partial: bool = False,
-    ) -> torch.Tensor | Partials:
-        """q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D] (one token per sequence); `stored`: the model
-        wrote k, v into kv_sink's rows; `partial`: the fused kernel's unmerged Partials where it splits."""
-        bufs = self.bufs
-        if self.pool.is_local(layer_idx):
-            assert window is not None and self.pool.local is not None
-            local = self.pool.local
-            if not stored:
-                self.pool.write(layer_idx, self.ring_write, k, v)
-            fused = self._fused_stores(layer_idx, local.window, fp8=False)  # the ring read: plain layers only
-            if fused is not None:  # the window before each token, rows by arithmetic
-                return self.kernels.decode_attention_ring(  # type: ignore[union-attr,no-any-return]
-                    q, *fused[0], bufs.ring_base, local.span, bufs.positions, scale, local.window, window,
-                    partial=partial,
-                )  # fmt: skip
-            if self._ring_read is None:  # the same window for every sliding layer of the step
-                self._ring_read = ring_read_set(bufs.ring_base, local.span, bufs.positions, local.window)
-            rows, key_pos = self._ring_read
-            return self._sdpa(layer_idx, q, k.shape[1], "ring", rows, key_pos, window, scale)
-        if not stored:
-            self.pool.write(layer_idx, bufs.write_rows, k, v)
-        if window is not None and window in bufs.local_rows:  # a sliding layer's last pages only
-            return self._sdpa(layer_idx, q, k.shape[1], "local", bufs.local_rows[window], bufs.local_pos[window],
-                              window, scale, partial, keep_q=True)  # fmt: skip
-        return self._sdpa(layer_idx, q, k.shape[1], "rows", bufs.rows, bufs.key_pos, window, scale, partial, True)
-
-    def _sdpa(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        num_kv_heads: int,
-        read_set: str,
-        rows: torch.Tensor,
-        key_pos: torch.Tensor,
-        window: int | None,
-        scale: float,
-        partial: bool = False,
-        keep_q: bool = False,
-    ) -> torch.Tensor | Partials:
-        """q [B, Hq, D] over the pool rows [B, W] of the layer at positions key_pos [B, W]: the fused kernel
-        where it applies (`partial`: its Partials where it splits), else gathered rows and SDPA with the
-        additive mask of (read_set, window). `keep_q`: q is also kept in the step's queries (page scoring
-        reads them after a scoring step), by the fused kernel itself or by a copy."""
-        batch, width = rows.shape
-        fused = self._fused_stores(layer_idx, width)
-        kept = self.bufs.queries[layer_idx] if keep_q else None
-        if fused is not None:
-            return self.kernels.decode_attention(  # type: ignore[union-attr,no-any-return]
-                q, *fused[0], rows, key_pos, self.bufs.positions, scale, window, partial=partial, keep_q=kept,
-                sorted_keys=SORTED_READS, fp8=fused[1],
-            )  # fmt: skip
-        if kept is not None:
-            kept.copy_(q)
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        k_w, v_w = self.pool.gather(layer_idx, rows.reshape(-1), q.dtype)  # [B * W, Hkv, D]
-        k_w = k_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, W, D]
-        v_w = v_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
-        q_g = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
-        mask = self._mask(read_set, key_pos, window)
-        out = sdpa(q_g, k_w, v_w, mask, scale)  # [B, Hkv, G, D]
-        return out.reshape(batch, num_heads, head_dim)
-
-    def _fused_stores(
-        self, layer_idx: int, width: int, fp8: bool = True
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], bool] | None:
-        """(the layer's K and V stores, whether they are fp8 rows) when the flash-decoding kernel reads `width`
-        rows of it (the Triton tier, a plain-format layer or with `fp8` a plain-fp8 one, whole pages); None:
-        gather + SDPA."""
-        kernels = self.kernels
-        if kernels is None or width % kernels.PAGE_ROWS:
-            return None
-        plain = self.pool.plain_kv(layer_idx)
-        if plain is not None:
-            return (plain, False) if kernels.supported(plain[0]) else None
-        fp8_rows = self.pool.fp8_kv(layer_idx) if fp8 else None
-        if fp8_rows is not None and kernels.supported(fp8_rows[0], fp8=True):
-            return fp8_rows, True
-        return None
-
-    def _mask(self, read_set: str, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-        """Causal (and sliding-window) additive mask of the keys at key_pos [B, W], once per step."""
-        mask = self._masks.get((read_set, window))
-        if mask is None:
-            q_pos = self.bufs.positions[:, None]  # [B, 1]
-            allowed = key_pos <= q_pos
-            if window is not None:
-                allowed &= key_pos > q_pos - window
-            mask = self._masks[(read_set, window)] = _additive(allowed, self.dtype)
-        return mask
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool [B, W] -> additive [B, 1, 1, W] (0 where allowed, -inf elsewhere)."""
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, float("-inf")).to(dtype)[:, None, None, :]
-
-
 class DecodeGraphs:
     """Runs eligible decode steps on static buffers; captures one CUDA graph per (B, W) bucket when `capture`."""
 
@@ -317,13 +150,13 @@ class DecodeGraphs:
         if pool.local is not None:
             self.local_pages = {}  # sliding layers read their sequence's local ring instead
         self._seq_rows: dict[Sequence, _SeqRows] = {}
-        self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._buffers: dict[tuple[int, int], GraphBuffers] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.num_replays = 0
         self.num_captures = 0
         self.capture_s = 0.0  # host time in _capture (its eager step, the synchronize, the capture itself)
         self.num_eager = 0
-        self._last: _Buffers | None = None  # the buffers of the last step (page_scores reads its queries)
+        self._last: GraphBuffers | None = None  # the buffers of the last step (page_scores reads its queries)
         # the model writes a step's K/V rows in its q/k norm + RoPE launch (KVMEM_KV_SINK=0: KVPool.write
         # launches them, for A/B runs)
         self.kv_sinks = os.environ.get("KVMEM_KV_SINK", "1") != "0"
@@ -439,9 +272,9 @@ class DecodeGraphs:
             out.append(ring.summaries.score(q.reshape(1, -1, q.shape[-1]), *bounds, self._score_scale))
         return out
 
-    def _forward(self, bufs: _Buffers) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, bufs: GraphBuffers) -> tuple[torch.Tensor, torch.Tensor]:
         """The step on the static buffers: the B tokens -> (logits [B, V] float32, their argmax [B])."""
-        attn = _GraphAttention(self.pool, bufs, self.dtype, self.kv_sinks)
+        attn = GraphAttention(self.pool, bufs, self.dtype, self.kv_sinks)
         if self.states is not None:
             rows = [True] * bufs.batch
             batch = RecurrentBatch(self.states, bufs.state_slots, [1] * bufs.batch, bufs.positions == 0, rows)
@@ -452,14 +285,14 @@ class DecodeGraphs:
         assert token is not None
         return logits, token
 
-    def _step(self, bufs: _Buffers) -> torch.Tensor:
+    def _step(self, bufs: GraphBuffers) -> torch.Tensor:
         """The step, then its inputs advanced to the next step of a burst (the module docstring)."""
         logits, token = self._forward(bufs)
         kernels = triton_module("step_triton", self.device)
         (kernels.advance if kernels is not None else advance_inputs)(token, bufs.burst_tokens, bufs.inputs)
         return logits
 
-    def _capture(self, bufs: _Buffers) -> torch.Tensor:
+    def _capture(self, bufs: GraphBuffers) -> torch.Tensor:
         """Warm up eagerly on a side stream (this step's real result), then capture the same step."""
         t0 = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
@@ -480,7 +313,7 @@ class DecodeGraphs:
 
     # -- buffers -----------------------------------------------------------------------------------
 
-    def _bufs(self, batch: int, width: int) -> _Buffers:
+    def _bufs(self, batch: int, width: int) -> GraphBuffers:
         key = (batch, width)
         bufs = self._buffers.get(key)
         if bufs is None:
@@ -491,7 +324,7 @@ class DecodeGraphs:
                 return torch.full(shape, fill, dtype=torch.long, device=dev)
 
             inputs = long(5, batch)  # one copy from `staging` a step: ids, positions, write_rows, ring_base, step
-            bufs = _Buffers(
+            bufs = GraphBuffers(
                 batch=batch, window=width, ids=inputs[0], positions=inputs[1],
                 write_rows=inputs[2], rows=long(batch, width), key_pos=long(batch, width, fill=PAD_POS),
                 local_rows={w: long(batch, n) for w, n in local.items()},
@@ -507,7 +340,7 @@ class DecodeGraphs:
             self._buffers[key] = bufs
         return bufs
 
-    def _fill(self, bufs: _Buffers, works: list[Work], entries: list[_SeqRows]) -> None:
+    def _fill(self, bufs: GraphBuffers, works: list[Work], entries: list[_SeqRows]) -> None:
         size = self.pool.page_size
         span = self.pool.local.span if self.pool.local is not None else 0
         on_device = works[0].on_device
