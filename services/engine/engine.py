@@ -30,7 +30,8 @@ from services.common.tokenizer import Tokenizer
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.slots import SlotAllocator
 from services.engine.kv.transfers import copied, to_host
-from services.engine.ring.ring import PagesLostError, RingLimits, RingManager, SeqRing
+from services.engine.ring.host_pages import PagesLostError
+from services.engine.ring.ring import RingLimits, RingManager, SeqRing
 from services.engine.ring.summaries import PageSummaries
 from services.engine.step.detokenizer import Detokenizer
 from services.engine.step.grammar import GrammarCompiler, GrammarError, GrammarTables

@@ -12,8 +12,7 @@ import torch
 
 from services.engine.kernels.restore import RestoreError, Run, copy_runs, restore_pages, restore_reference
 from services.engine.kv.write_through import WriteThrough
-from services.engine.ring.host_pages import KVStoreHostPages
-from services.engine.ring.ring import PagesLostError
+from services.engine.ring.host_pages import KVStoreHostPages, PagesLostError
 from services.kvstore.client import KVStoreClient, PageMeta
 from tests.conftest import StartStore
 

@@ -1,4 +1,6 @@
-"""KVStoreHostPages: the ring's view of the host KV store (pages written through, pinned, read back).
+"""The ring's host pages: `HostPages`, what the engine asks of the store holding demoted pages, `PagesLostError`
+when copies are gone, and KVStoreHostPages, the kvstore's implementation (pages written through, pinned, read
+back).
 
 Reads are batched. `fetch_to(page_hashes, device)` returns the pages as one uint8 [P, page_nbytes]
 tensor on `device`:
@@ -24,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -39,7 +41,6 @@ from services.engine.kernels.restore import (
     unregister_host,
 )
 from services.engine.kv.write_through import WriteThrough
-from services.engine.ring.ring import PagesLostError
 from services.kvstore.mapping import ArenaRange, mapped_arena_at, on_unmap
 from services.kvstore.pages import KVStoreError, PageBatch, PageNotFoundError
 
@@ -48,6 +49,47 @@ if TYPE_CHECKING:
     from services.kvstore.cluster import KVStoreCluster
 
 logger = logging.getLogger(__name__)
+
+
+class PagesLostError(RuntimeError):
+    """Host copies are gone (their store replica went away); the sequence must recompute them."""
+
+    def __init__(self, page_hashes: list[bytes]) -> None:
+        super().__init__(f"{len(page_hashes)} page(s) lost from the host store")
+        self.page_hashes = page_hashes
+
+
+class HostPages(Protocol):
+    """Where demoted pages come back from (the kvstore's authoritative copies)."""
+
+    def has(self, page_hash: bytes) -> bool: ...
+
+    def fetch_to(
+        self, page_hashes: list[bytes], device: torch.device, parts: tuple[tuple[int, int], ...] | None = None
+    ) -> torch.Tensor:
+        """Pages as one uint8 [P, page_nbytes] tensor on `device`, in order, in one batched transfer
+        (by DMA from the registered host copy where it can), or with `parts` only those byte ranges of
+        each page, packed (KVPool.slot_parts); PagesLostError when one is gone."""
+        ...
+
+    def wait(self, page_hashes: list[bytes], timeout_s: float) -> bool:
+        """Block until these pages have a host copy; False on timeout."""
+        ...
+
+    def pin(self, page_hashes: list[bytes]) -> None:
+        """Keep these host copies from eviction (one pin each) until unpinned; may take effect a little
+        later (off the step's path): a page evicted meanwhile is recomputed like any lost page."""
+        ...
+
+    def leading_present(self, page_hashes: list[bytes]) -> int:
+        """How many leading pages of a hash chain have a host copy."""
+        ...
+
+    def unpin(self, page_hashes: list[bytes]) -> None: ...
+
+    def close(self) -> None:
+        """Release the store connection and any registered host memory (engine stop)."""
+        ...
 
 
 class ArenaRegistration(NamedTuple):

@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain, compress
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.slots import SlotAllocator
 from services.engine.kv.transfers import device_index
 from services.engine.ring.buckets import BucketCounts, BucketPlan, plan_buckets
+from services.engine.ring.host_pages import HostPages
 from services.engine.ring.selection import copy_source, page_ranking, pick_pages, taking_turns
 from services.engine.ring.summaries import PageSummaries
 from services.engine.step.sequence import NOT_RESIDENT
@@ -35,47 +35,6 @@ logger = logging.getLogger(__name__)
 
 class RingExhaustedError(RuntimeError):
     """Room cannot be made for a sequence's resident pages; maps to RESOURCE_EXHAUSTED (429)."""
-
-
-class PagesLostError(RuntimeError):
-    """Host copies are gone (their store replica went away); the sequence must recompute them."""
-
-    def __init__(self, page_hashes: list[bytes]) -> None:
-        super().__init__(f"{len(page_hashes)} page(s) lost from the host store")
-        self.page_hashes = page_hashes
-
-
-class HostPages(Protocol):
-    """Where demoted pages come back from (the kvstore's authoritative copies)."""
-
-    def has(self, page_hash: bytes) -> bool: ...
-
-    def fetch_to(
-        self, page_hashes: list[bytes], device: torch.device, parts: tuple[tuple[int, int], ...] | None = None
-    ) -> torch.Tensor:
-        """Pages as one uint8 [P, page_nbytes] tensor on `device`, in order, in one batched transfer
-        (by DMA from the registered host copy where it can), or with `parts` only those byte ranges of
-        each page, packed (KVPool.slot_parts); PagesLostError when one is gone."""
-        ...
-
-    def wait(self, page_hashes: list[bytes], timeout_s: float) -> bool:
-        """Block until these pages have a host copy; False on timeout."""
-        ...
-
-    def pin(self, page_hashes: list[bytes]) -> None:
-        """Keep these host copies from eviction (one pin each) until unpinned; may take effect a little
-        later (off the step's path): a page evicted meanwhile is recomputed like any lost page."""
-        ...
-
-    def leading_present(self, page_hashes: list[bytes]) -> int:
-        """How many leading pages of a hash chain have a host copy."""
-        ...
-
-    def unpin(self, page_hashes: list[bytes]) -> None: ...
-
-    def close(self) -> None:
-        """Release the store connection and any registered host memory (engine stop)."""
-        ...
 
 
 @dataclass(frozen=True)

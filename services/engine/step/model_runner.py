@@ -12,7 +12,7 @@ from services.engine.kv.paged_attention import SeqSpan, StepAttention
 from services.engine.kv.recurrent_state import RecurrentStates
 from services.engine.kv.transfers import copied, device_index, to_host
 from services.engine.models.loader import CausalLM
-from services.engine.ring.ring import HostPages
+from services.engine.ring.host_pages import HostPages
 from services.engine.step.decode_graph import DecodeGraphs
 from services.engine.step.scheduler import Work
 from services.engine.step.sequence import NOT_RESIDENT

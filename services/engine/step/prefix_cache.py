@@ -20,7 +20,8 @@ from services.common.pagehash import chain_hashes, root_hash
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.recurrent_state import RecurrentStates, state_key
 from services.engine.kv.slots import SlotAllocator
-from services.engine.ring.ring import HostPages, PagesLostError, RingManager, restore_pages
+from services.engine.ring.host_pages import HostPages, PagesLostError
+from services.engine.ring.ring import RingManager, restore_pages
 from services.engine.step.sequence import NOT_RESIDENT, Sequence
 from services.kvstore.pages import KVStoreError
 
