@@ -285,13 +285,41 @@ def ring(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
-def gaps(engine, vocab: int, context: int = 30000, batch: int = 1, new_tokens: int = 200, budget: int = 0) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
+def gaps(  # type: ignore[no-untyped-def]
+    engine, vocab: int, context: int = 30000, batch: int = 1, new_tokens: int = 200, budget: int = 0,
+    whole: bool = False,
+) -> None:  # fmt: skip
     """`batch` requests' overlapped decode (past the ring budget: through the ring) under torch.profiler: how
     much of its span the device is busy, the idle gaps between its kernels and copies (what ran before and
     after each), and the engine phases (record_function ranges) the host was in during them. The profile
-    starts once every request has its first token (all of them decoding together)."""
+    starts once every request has its first token (all of them decoding together). `whole`: from the
+    requests' submission to their last token, prefill included, recording the device only (the host's op
+    events would slow a 40K-launch run by seconds): no phases, every request's wall time printed beside."""
     from torch.profiler import ProfilerActivity, profile
 
+    if whole:  # one untimed round of the same shape first (graphs, Triton variants, cuDNN plans)
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        for rnd in ("warm", "timed"):
+            seqs = [
+                engine.submit(f"{rnd}{i}", _prompt(context, vocab, 100 * (rnd == "timed") + i), params,
+                              namespace=f"{rnd}{i}")
+                for i in range(batch)
+            ]  # fmt: skip
+            prof = profile(activities=[ProfilerActivity.CUDA]) if rnd == "timed" else None
+            t0 = time.perf_counter()
+            if prof is not None:
+                prof.start()
+            engine.poll()
+            while engine.scheduler.has_work():
+                engine.step()
+            torch.cuda.synchronize()
+            wall_s = time.perf_counter() - t0
+            if prof is not None:
+                prof.stop()
+        print(f"{batch} x {context} + {new_tokens} from submission: wall {wall_s:.3f} s (under the profiler)")
+        _busy_and_gaps(prof, sum(len(s.output_ids) for s in seqs), batch, context)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        return
     if batch == 1:
         _run(engine, _prompt(context, vocab, 4), 24, "warm")
     else:  # the batch's decode graphs, captured before the profile (as bench/scale_engine.warm_graphs does)
@@ -318,7 +346,47 @@ def gaps(engine, vocab: int, context: int = 30000, batch: int = 1, new_tokens: i
     prof.stop()
     tokens = sum(len(s.output_ids) for s in seqs) - tokens0
     phases.on = False
-    raw = list(prof.profiler.kineto_results.events())  # type: ignore[union-attr]
+    raw = _busy_and_gaps(prof, tokens, batch, context)
+    if raw is None:
+        return
+    marks = _marks(raw)
+    waits: dict[str, list[float]] = {}  # the host's synchronising waits, by the phases it was in
+    for e in raw:
+        if e.device_type() == torch.autograd.DeviceType.CPU and e.name() in (
+            "cudaStreamSynchronize",
+            "cudaDeviceSynchronize",
+            "cudaEventSynchronize",
+            "cudaMemcpy",
+        ):
+            waits.setdefault(f"{e.name()}: {_stack(marks, e.start_ns() / 1e3)}", []).append(e.duration_ns() / 1e6)
+    print("host synchronisations by phase stack: count, total ms, max ms")
+    for key, w in sorted(waits.items(), key=lambda kv: -sum(kv[1]))[:15]:
+        print(f"  {len(w):5d} {sum(w):8.1f} {max(w):7.2f}  {key}")
+    print("phase wall times over the profiled decode: name, calls, total ms, ms per call")
+    for name, ts in sorted(phases.total.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {name:28s} {len(ts):5d} {1e3 * sum(ts):8.1f} {1e3 * sum(ts) / len(ts):7.3f}")
+    print("GPU time by kernel (all):")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+
+
+def _marks(raw: list) -> list[tuple[float, float, str]]:  # type: ignore[type-arg]
+    """The engine phases (record_function ranges) by start: a stack at any time lists them outermost first."""
+    return sorted(
+        (e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.name()[6:])
+        for e in raw
+        if e.name().startswith("phase:") and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+
+
+def _stack(marks: list[tuple[float, float, str]], at: float) -> str:
+    """The phases the host was in at `at`, outermost first."""
+    return " > ".join(n for a, b, n in marks if a <= at <= b) or "-"
+
+
+def _busy_and_gaps(prof, tokens: int, batch: int, context: int) -> list | None:  # type: ignore[no-untyped-def,type-arg]  # noqa: E501
+    """Print the profile's device busy time against its span, the idle gaps by the kernels around them, and
+    (where the host was recorded) the phases it was in during them; the raw events, or None if none."""
+    raw = list(prof.profiler.kineto_results.events())
     events = sorted(
         (
             (e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.name())
@@ -327,14 +395,10 @@ def gaps(engine, vocab: int, context: int = 30000, batch: int = 1, new_tokens: i
         ),
         key=lambda e: e[0],
     )
-    marks = sorted(  # by start: a stack at any time lists its phases outermost first
-        (e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.name()[6:])
-        for e in raw
-        if e.name().startswith("phase:") and e.device_type() == torch.autograd.DeviceType.CPU
-    )
+    marks = _marks(raw)
     if not events:
         print("the profiler recorded no device events")
-        return
+        return None
     start, end = events[0][0], max(e[1] for e in events)
     busy, gap_by = 0.0, dict[str, list[float]]()
     cur_s, cur_e, last = events[0]
@@ -363,30 +427,11 @@ def gaps(engine, vocab: int, context: int = 30000, batch: int = 1, new_tokens: i
     for name, us in sorted(within.items(), key=lambda kv: -kv[1]):
         print(f"  {name:28s} {us / 1e3:8.2f} ms of {total_idle / 1e3:.2f} ms idle")
 
-    def stack(at: float) -> str:  # the phases the host was in at `at`, outermost first
-        return " > ".join(n for a, b, n in marks if a <= at <= b) or "-"
-
     print("the 12 longest idle gaps: us, GPU before -> after; host phases at 0, 1/3, 2/3 and the end of the gap")
     for g0, g1, before, after in sorted(idle, key=lambda g: g[0] - g[1])[:12]:
-        at = [stack(g0 + f * (g1 - g0)) for f in (0.0, 1 / 3, 2 / 3, 1.0)]
-        print(f"  {g1 - g0:7.1f}  {before[:32]} -> {after[:32]}\n      " + "\n      ".join(at))
-    waits: dict[str, list[float]] = {}  # the host's synchronising waits, by the phases it was in
-    for e in raw:
-        if e.device_type() == torch.autograd.DeviceType.CPU and e.name() in (
-            "cudaStreamSynchronize",
-            "cudaDeviceSynchronize",
-            "cudaEventSynchronize",
-            "cudaMemcpy",
-        ):
-            waits.setdefault(f"{e.name()}: {stack(e.start_ns() / 1e3)}", []).append(e.duration_ns() / 1e6)
-    print("host synchronisations by phase stack: count, total ms, max ms")
-    for key, w in sorted(waits.items(), key=lambda kv: -sum(kv[1]))[:15]:
-        print(f"  {len(w):5d} {sum(w):8.1f} {max(w):7.2f}  {key}")
-    print("phase wall times over the profiled decode: name, calls, total ms, ms per call")
-    for name, ts in sorted(phases.total.items(), key=lambda kv: -sum(kv[1])):
-        print(f"  {name:28s} {len(ts):5d} {1e3 * sum(ts):8.1f} {1e3 * sum(ts) / len(ts):7.3f}")
-    print("GPU time by kernel (all):")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        at = [_stack(marks, g0 + f * (g1 - g0)) for f in (0.0, 1 / 3, 2 / 3, 1.0)] if marks else []
+        print(f"  {g1 - g0:7.1f}  {before[:32]} -> {after[:32]}" + "".join(f"\n      {x}" for x in at))
+    return raw
 
 
 def prefill(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
@@ -465,6 +510,8 @@ def main() -> int:
     p.add_argument("--token-kib", type=int, default=128, help="--mode gaps with --model-dir: host KiB a token")
     p.add_argument("--new-tokens", type=int, default=200, help="--mode gaps: tokens each request decodes")
     p.add_argument("--chunk", type=int, default=2048, help="prefill tokens a step")
+    p.add_argument("--whole", action="store_true", help="--mode gaps: from submission (prefill included), device only")
+    p.add_argument("--dense", action="store_true", help="--mode gaps with --model-dir: no ring, a pool for the batch")
     a = p.parse_args()
     knocked = {part for part in a.knock.split(",") if part}
     if knocked - set(KNOCKABLE) or (knocked and a.mode != "kernels"):
@@ -483,7 +530,11 @@ def main() -> int:
         model = a.model_dir or str(tmp / "gemma")
         hf = None if a.model_dir else write_random_gemma(tmp / "gemma", 0, device)
         kw: dict[str, object] = dict(max_context=4096, kv_capacity=4096, max_running=4)
-        if a.mode in ("ring", "gaps", "prefill") or (a.context or 0) > 4000:
+        if a.model_dir and a.dense:  # every request whole in the pool: no ring, no host store
+            max_context = -(-((a.context or 30000) + a.new_tokens + 64) // 1024) * 1024
+            kw = dict(max_context=max_context, kv_capacity=a.batch * max_context, max_running=max(16, a.batch),
+                      kv_format=a.kv_format)  # fmt: skip
+        elif a.mode in ("ring", "gaps", "prefill") or (a.context or 0) > 4000:
             from bench.store import kvstore, redis_server
 
             context = a.context or 30000
@@ -509,7 +560,7 @@ def main() -> int:
             if a.mode == "kernels":
                 kernels(engine, info.vocab_size, a.context or 2000)
             elif a.mode == "gaps":
-                gaps(engine, info.vocab_size, a.context or 30000, a.batch, a.new_tokens, a.budget)
+                gaps(engine, info.vocab_size, a.context or 30000, a.batch, a.new_tokens, a.budget, a.whole)
             else:
                 {"host": host, "ring": ring, "prefill": prefill}[a.mode](engine, info.vocab_size)
     return 0

@@ -50,6 +50,7 @@ from services.engine.kernels import decode_attention_triton as dat  # noqa: E402
 from services.engine.kernels import linear_triton as lt  # noqa: E402
 
 LAYERS = 32
+SWEEP_ROWS = tuple(int(m) for m in os.environ.get("KVMEM_SWEEP_ROWS", "1,32").split(","))  # rows the sweep times
 # (MAX_SPLIT_ROWS, rows per loop step or 0 for block_rows, num_warps, num_stages, sorted_keys): the engine's
 # default before issue 26 first, then with the padding splits skipped (the decode graphs pass sorted_keys now)
 VARIANTS = ((512, 0, 4, 2, False), (512, 0, 4, 2, True), (1024, 0, 4, 2, True), (512, 0, 4, 4, True))
@@ -71,7 +72,9 @@ def _gated_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def linear_table(dev: torch.device, sweep: bool) -> None:
-    grid = list(itertools.product([32, 64, 128], [128, 256], [4, 8], [4, 6], [1, 4]))
+    # BLOCK_N, BLOCK_K, warps, stages, SPLIT_K (KVMEM_SWEEP_WARPS: "4,8" for the warps too)
+    warps = [int(w) for w in os.environ.get("KVMEM_SWEEP_WARPS", "4").split(",")]
+    grid = list(itertools.product([16, 32, 64, 128], [128, 256], warps, [4, 6], [1, 2, 4]))
     for name, (n, k) in PROJECTIONS.items():
         gated = name == "gate_up"
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(LAYERS)]
@@ -95,7 +98,7 @@ def linear_table(dev: torch.device, sweep: bool) -> None:
                 cfg_h = lt.config(n, k)
             line = (f"{name:8s} M={m:2d} N={n} K={k}: cublas {base:7.1f} us ({gb / base * 1e6:5.0f} GB/s) | "
                     f"triton {cfg_h} {heur:7.1f} us ({gb / heur * 1e6:5.0f} GB/s)")  # fmt: skip
-            if sweep and m in (1, 32):
+            if sweep and m in SWEEP_ROWS:
                 timed = []
                 for cfg in grid:
                     if gated and cfg[4] != 1:

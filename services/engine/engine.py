@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-import numpy as np
 import torch
 
 from services.common.pagehash import page_hash, root_hash
@@ -32,6 +31,7 @@ from services.engine.kv.slots import SlotAllocator
 from services.engine.kv.transfers import copied, to_host
 from services.engine.ring.host_pages import PagesLostError
 from services.engine.ring.ring import RingLimits, RingManager, SeqRing
+from services.engine.ring.selection import PromptIndex
 from services.engine.ring.summaries import PageSummaries
 from services.engine.step.detokenizer import Detokenizer
 from services.engine.step.grammar import GrammarCompiler, GrammarError, GrammarTables
@@ -432,7 +432,7 @@ class Engine:
         seq.ring = SeqRing(summaries=summaries, policy=seq.prefill_policy, query_start=query_start,
                            question_alone=seq.question_alone)  # fmt: skip
         if self.ring.limits.follow_copy:  # what copy following searches, made once here, not in a decode step
-            seq.ring.prompt_tokens = np.asarray(seq.prompt_ids, dtype=np.int64)
+            seq.ring.prompt_tokens = PromptIndex(seq.prompt_ids)
         self.ring.set_query(seq.ring, len(seq.prompt_ids))
 
     def _tokens_left(self, seq: Sequence) -> int:

@@ -363,7 +363,7 @@ def test_copy_following_gets_the_prompt_and_the_answers_last_tokens(
 
     def spy(ring, num_pages, request_id, step, end_tokens=0, prompt_ids=None, recent=()):  # noqa: ANN001, ANN202
         if prompt_ids is not None:
-            calls.append((prompt_ids.tolist(), list(recent)))
+            calls.append((prompt_ids.tokens.tolist(), list(recent)))
             calls[-1][1].append(seq.known_outputs)
         return select(ring, num_pages, request_id, step, end_tokens, prompt_ids, recent)
 

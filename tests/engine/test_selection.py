@@ -257,9 +257,9 @@ def test_copy_source_finds_where_the_answer_copies_from() -> None:
     read, else the last one before; shorter tails when the longest occurs nowhere; none on disallowed pages."""
     import numpy as np
 
-    from services.engine.ring.selection import copy_source
+    from services.engine.ring.selection import PromptIndex, copy_source
 
-    prompt = np.array([9, 1, 2, 3, 4, 8, 8, 8, 1, 2, 3, 5, 8, 8, 8, 8], dtype=np.int64)  # page_size 4: 4 pages
+    prompt = PromptIndex([9, 1, 2, 3, 4, 8, 8, 8, 1, 2, 3, 5, 8, 8, 8, 8])  # page_size 4: 4 pages
     every = np.ones(4, dtype=bool)
     assert copy_source(prompt, [1, 2, 3, 4], 4, -1, every, 4) == 5  # the only 4-token occurrence
     assert copy_source(prompt, [1, 2, 3], 4, -1, every, 4) == 4  # two occurrences: the first at or after -1
@@ -272,13 +272,43 @@ def test_copy_source_finds_where_the_answer_copies_from() -> None:
     assert copy_source(prompt, [5, 8, 8, 8, 8], 5, -1, every, 4) == 8
 
 
+def test_copy_source_through_the_index_equals_a_scan_of_the_prompt() -> None:
+    """PromptIndex's lookups give what a plain scan of every occurrence gives, over random prompts from a small
+    vocabulary (many repeats), tails copied from the prompt and made up, random `near` and disallowed pages."""
+    import numpy as np
+
+    from services.engine.ring.selection import PromptIndex, copy_source
+
+    def scan(prompt: list[int], recent: list[int], longest: int, near: int, allowed: np.ndarray, size: int) -> int:
+        for n in range(min(longest, len(recent)), 1, -1):
+            tail = recent[-n:]
+            after = [s + n for s in range(len(prompt) - n) if prompt[s : s + n] == tail]
+            after = [a for a in after if allowed[min(a // size, len(allowed) - 1)]]
+            if after:
+                return next((a for a in after if a >= near), after[-1])
+        return -1
+
+    rng = np.random.default_rng(3)
+    for case in range(60):
+        prompt = [int(t) for t in rng.integers(0, 3 + case % 20, 200)]
+        index = PromptIndex(prompt)
+        allowed = rng.random(50) < 0.7
+        for _ in range(10):
+            start, n = int(rng.integers(0, 190)), int(rng.integers(2, 9))
+            recent = prompt[start : start + n] if rng.random() < 0.6 else [int(t) for t in rng.integers(0, 25, n)]
+            near = int(rng.integers(-1, 200))
+            assert copy_source(index, recent, 6, near, allowed, 4) == scan(prompt, recent, 6, near, allowed, 4)
+
+
 def test_follow_copy_leads_a_decode_reselection_with_the_pages_being_copied() -> None:
     """page_size 4, prefetch 0, rescore every 4 steps: the answer copies from position 41 (page 10), so the lead
     is pages 10..12 (to where the copy is once the next re-selection is in effect, one page beyond), then the
     anchor, then the decode step's best; without follow_copy the decode step's scores alone."""
     import numpy as np
 
-    prompt = np.arange(100, 100 + 120, dtype=np.int64)  # distinct tokens: token 100 + i sits at position i
+    from services.engine.ring.selection import PromptIndex
+
+    prompt = PromptIndex(np.arange(100, 100 + 120))  # distinct tokens: token 100 + i sits at position i
     for follow, expected in ((0, {5, 25, 26, 27}), (3, {10, 11, 12, 5})):
         manager, ring = _manager(anchor_pages=1, follow_copy=follow, rescore_interval=4)
         scores = torch.zeros(30)

@@ -26,7 +26,7 @@ from services.engine.kv.slots import SlotAllocator
 from services.engine.kv.transfers import device_index
 from services.engine.ring.buckets import BucketCounts, BucketPlan, plan_buckets
 from services.engine.ring.host_pages import HostPages
-from services.engine.ring.selection import copy_source, page_ranking, pick_pages, taking_turns
+from services.engine.ring.selection import PromptIndex, copy_source, page_ranking, pick_pages, taking_turns
 from services.engine.ring.summaries import PageSummaries
 from services.engine.step.sequence import NOT_RESIDENT
 
@@ -126,7 +126,7 @@ class SeqRing:
     hidden_pages: int = 0  # pages a sparse step could not see (over the whole request)
     anchor: list[int] = field(default_factory=list)  # the prompt's final evidence, best first (anchor_pages)
     follow_at: int = -1  # follow_copy: the prompt position the answer was last found copying from (-1: not yet)
-    prompt_tokens: np.ndarray | None = field(default=None, repr=False)  # follow_copy: the prompt's ids, searched
+    prompt_tokens: PromptIndex | None = field(default=None, repr=False)  # follow_copy: the prompt's ids, searched
     # RingManager.plan's last plans by page count, each with the evidence and skeleton it was planned from: the
     # scheduler and the ring snapshot ask for the same plan many times per step, and it changes only when
     # one of the three does (a new page, a re-selection)
@@ -391,7 +391,7 @@ class RingManager:
         slot_ids: list[int],
         page_hashes: list[bytes],
         end_tokens: int = 0,
-        prompt: np.ndarray | None = None,
+        prompt: PromptIndex | None = None,
         recent: Sequence[int] = (),
     ) -> None:
         """A decode re-selection: with prefetch_steps, `select` now, in effect prefetch_steps decode steps
@@ -485,7 +485,7 @@ class RingManager:
         request_id: str,
         step: int,
         end_tokens: int = 0,
-        prompt: np.ndarray | None = None,
+        prompt: PromptIndex | None = None,
         recent: Sequence[int] = (),
     ) -> None:
         """Top-scored candidate pages plus their neighbours become the evidence set; scores reset.
@@ -532,7 +532,7 @@ class RingManager:
         ring.scored_tokens = 0
 
     def _copy_lead(
-        self, ring: SeqRing, num_pages: int, excluded: set[int], prompt: np.ndarray, recent: Sequence[int]
+        self, ring: SeqRing, num_pages: int, excluded: set[int], prompt: PromptIndex, recent: Sequence[int]
     ) -> list[int]:
         """follow_copy: the pages from where the answer copies the prompt now to where it will be once the next
         re-selection is in effect (prefetch_steps + rescore_interval tokens on, one page beyond), not excluded;
