@@ -194,9 +194,11 @@ class _Phases:
 
 def _ring_phases(engine, labels: bool = False) -> _Phases:  # type: ignore[no-untyped-def]
     phases = _Phases(labels)
-    ring, host, sched = engine.ring, engine.ring.host, engine.scheduler
+    ring, sched = engine.ring, engine.scheduler
+    host = ring.host if ring is not None else None
     for attr in ("demote", "materialize", "_restore", "select_deferred", "apply_pending", "select"):
-        phases.wrap(ring, attr, f"ring.{attr}")
+        if ring is not None:
+            phases.wrap(ring, attr, f"ring.{attr}")
     for attr in ("pin", "unpin", "wait", "fetch_to"):
         if host is not None:
             phases.wrap(host, attr, f"host.{attr}")
@@ -209,9 +211,12 @@ def _ring_phases(engine, labels: bool = False) -> _Phases:  # type: ignore[no-un
     phases.wrap(engine, "_ring_after_step", "engine._ring_after_step")
     phases.wrap(engine.runner, "tokens", "runner.tokens")
     phases.wrap(sched, "continue_decode", "scheduler.continue_decode")
-    if labels:  # finer ranges for the gap attribution
-        import services.engine.engine as engine_module
+    import services.engine.engine as engine_module
 
+    phases.wrap(engine_module, "sample_batch", "sample_batch")  # a prompt's first token: sampled on the host
+    phases.wrap(engine, "_take_step", "engine._take_step")
+    phases.wrap(engine, "_write_pages", "engine._write_pages")
+    if labels:  # finer ranges for the gap attribution
         for attr in ("read_pages", "write_pages"):
             phases.wrap(engine.pool, attr, f"pool.{attr}")
         for attr in ("_fill", "_rows_of", "_summarize_filled_pages", "tokens_to_host"):
@@ -308,6 +313,8 @@ def gaps(  # type: ignore[no-untyped-def]
             prof = profile(activities=[ProfilerActivity.CUDA]) if rnd == "timed" else None
             t0 = time.perf_counter()
             if prof is not None:
+                phases = _ring_phases(engine)  # wall time only: no profiler ranges on the host
+                phases.on = True
                 prof.start()
             engine.poll()
             while engine.scheduler.has_work():
@@ -318,6 +325,9 @@ def gaps(  # type: ignore[no-untyped-def]
                 prof.stop()
         print(f"{batch} x {context} + {new_tokens} from submission: wall {wall_s:.3f} s (under the profiler)")
         _busy_and_gaps(prof, sum(len(s.output_ids) for s in seqs), batch, context)
+        print("host phase wall times: name, calls, total ms, ms per call")
+        for name, ts in sorted(phases.total.items(), key=lambda kv: -sum(kv[1])):
+            print(f"  {name:28s} {len(ts):5d} {1e3 * sum(ts):8.1f} {1e3 * sum(ts) / len(ts):7.3f}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
         return
     if batch == 1:

@@ -1,6 +1,6 @@
 """Decode kernels at Llama-3.1-8B's shapes (issue 26), CUDA: what a batch-1 or batched decode step spends.
 
-    PYTHONPATH=. python3 bench/scale_kernels.py [--only linear,attention,head,swiglu,fp8,prefill_gemm,residual]
+    PYTHONPATH=. python3 bench/scale_kernels.py [--only linear,attention,head,swiglu,fp8,prefill_gemm,residual,pages]
         [--sweep]
 
 - linear: each projection of a decode step (qkv 6144 x 4096, o 4096 x 4096, gate/up 2 x 14336 x 4096 with the
@@ -26,6 +26,8 @@
   rows, 16,384 and beyond, a whole 32,640-token prompt), the (M, projection) cells in a shuffled order, five passes,
   the median of each: whether a step should plan its rows to a multiple of something (a first, ordered table
   favoured M = 8,192 by 10-15%, possibly the GPU's clocks settling after the first cells).
+- pages: KVPool.write_pages / read_pages of 16, 64 and 256 pages (the ring's restores, the write-through's reads) in
+  bf16 and fp8, through the paged layers' one stack against the per-layer copies, eager (ms a call).
 
 Times are microseconds per layer, from CUDA-graph replays of 32 calls on 32 distinct weights / pools (one decode
 step's layers; nothing stays in L2). bench/kernel_sweep.py is the same method at Gemma 3 270M's shapes.
@@ -413,11 +415,49 @@ def residual_table(dev: torch.device, ms: tuple[int, ...] = (8192, 16384), passe
             print(f"  M {m:6d} {k:5s}: {a:8.1f} | {b:8.1f}  ({a - b:+.1f} us a call)", flush=True)
 
 
+def pages_table(dev: torch.device) -> None:
+    """KVPool.write_pages / read_pages of P pages at the 8B shape (32 layers, 8 KV heads of 128, pages of 64; the
+    ring's restores and write-through reads), through the paged layers' one stack against the per-layer copies
+    (`stack_copies` off), eager as the engine calls them: ms a call, the median of 5 passes of 10."""
+    import statistics
+
+    from services.engine.kv.kv_formats import parse_format
+    from services.engine.kv.kv_pool import KVPool
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        runs = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                fn()
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end) / 10)
+        return statistics.median(runs)
+
+    for name in ("bf16", "fp8"):
+        pool = KVPool(LAYERS, 1024, 64, 8, 128, torch.bfloat16, dev, [parse_format(name)] * LAYERS)
+        for count in (16, 64, 256):
+            slots = list(range(3, 3 + 3 * count, 3))
+            data = torch.randint(0, 255, (count, pool.page_nbytes), dtype=torch.uint8, device=dev)
+            cells = []
+            for label, on in (("stack", True), ("per layer", False)):
+                pool.stack_copies = on
+                w = timed(lambda pool=pool, slots=slots, data=data: pool.write_pages(slots, data))
+                r = timed(lambda pool=pool, slots=slots: pool.read_pages(slots))
+                cells.append(f"{label} write {w:6.3f} read {r:6.3f} ms")
+            pool.stack_copies = True
+            mb = count * pool.page_nbytes / 2**20
+            print(f"pages {name} x {count:3d} ({mb:6.1f} MiB): " + " | ".join(cells), flush=True)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("scale_kernels.py needs a CUDA device")
         return 2
-    tables = {"attention", "linear", "head", "swiglu", "fp8", "prefill_gemm", "residual"}
+    tables = {"attention", "linear", "head", "swiglu", "fp8", "prefill_gemm", "residual", "pages"}
     only = set(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else tables
     dev = torch.device("cuda")
     if "attention" in only:
@@ -434,6 +474,8 @@ def main() -> int:
         prefill_gemm_table(dev)
     if "residual" in only:
         residual_table(dev)
+    if "pages" in only:
+        pages_table(dev)
     return 0
 
 

@@ -30,6 +30,7 @@ from services.engine.ring.ring import RingLimits  # noqa: E402
 from services.kvstore.client import KVStoreClient  # noqa: E402
 from tests.conftest import StartStore  # noqa: E402
 from tests.engine.helpers import (  # noqa: E402
+    device_or_skip,
     drain,
     events_of,
     greedy,
@@ -467,3 +468,45 @@ def test_cuda_triton_kernels_match_the_reference(name: str, head_dim: int) -> No
         assert err < {"fp8": 0.07, "int8": 0.01, "nvfp4": 0.2}[fmt.base]
     finally:
         use_tier(before)
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", ["bf16", "fp8", "mixed", "local"])
+def test_pages_move_through_the_layer_stack_as_through_each_layer(
+    case: str, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """write_pages / read_pages over the paged layers' one stack (one reorder and one indexed copy for every layer,
+    the CUDA path) leave and return the same bytes as the per-layer copies: plain and fp8 pools, a pool of mixed
+    formats (no stack: the per-layer path), and one with local rings (whole pages and the slots' parts)."""
+    from services.engine.ring.local_ring import LocalRings
+
+    device = device_or_skip(where)
+    formats = {"bf16": ["bf16"] * 3, "fp8": ["fp8"] * 3, "mixed": ["fp8", "bf16", "fp8"], "local": ["bf16"] * 3}[case]
+    local = LocalRings({1: 8}, span=16, num_rings=2, page_size=8) if case == "local" else None
+
+    def pool() -> KVPool:
+        built = KVPool(3, 6, 8, 2, 32, torch.float32, device, [parse_format(f) for f in formats], local)
+        built.stack_copies = True  # the CUDA path, here on the CPU
+        return built
+
+    src = pool()
+    for layer in src.paged_layers:
+        rows = torch.arange(48, device=device)
+        src.write(layer, rows, _rows(48, 2, 32, seed=layer).to(device), _rows(48, 2, 32, seed=10 + layer).to(device))
+    assert (src._slot_stack is None) == (case == "mixed")
+    ring = (0, [0, 1]) if local is not None else None
+    pages = src.read_pages([4, 1], ring)
+    monkeypatch.setattr(src, "stack_copies", False)  # the per-layer path, on the same stores
+    assert torch.equal(src.read_pages([4, 1], ring), pages)
+    monkeypatch.undo()
+    parts = [pages] if local is None else [pages, torch.cat([pages[:, lo:hi] for lo, hi in src.slot_parts], dim=1)]
+    for data in parts:
+        fast, slow = pool(), pool()
+        monkeypatch.setattr(slow, "stack_copies", False)
+        fast.write_pages([0, 5], data)
+        slow.write_pages([0, 5], data)
+        monkeypatch.undo()
+        for layer in src.paged_layers:
+            assert torch.equal(fast.k[layer], slow.k[layer]) and torch.equal(fast.v[layer], slow.v[layer])
+            assert torch.equal(fast.k[layer][:8], src.k[layer][32:40])  # slot 4's rows now in slot 0
+            assert torch.equal(fast.v[layer][40:48], src.v[layer][8:16])  # slot 1's in slot 5
