@@ -139,6 +139,29 @@ def test_triton_kernels_write_the_reference_bytes(triton_tier: None, name: str, 
     assert torch.equal(out, fmt.dequantize(store[rows.flip(0)], torch.float32))
 
 
+def test_fp8_k_and_v_written_in_one_launch_equal_the_reference(triton_tier: None) -> None:
+    """quantize_scatter_kv: K and V of a step read through their strides (views of one qkv row block, as a decode
+    step has them) into the two stores of one pool stack, byte for byte the reference quantisation; refused (nothing
+    written) for stores that are not one stack's K then V, and for formats other than fp8."""
+    from services.engine.kernels import kv_triton
+
+    fmt = parse_format("fp8")
+    hq, h, d = 4, 2, 32
+    qkv = _rows(9, hq + 2 * h, d, seed=5)
+    k, v = qkv[:, hq : hq + h], qkv[:, hq + h :]
+    assert not k.is_contiguous() and not v.is_contiguous()
+    rows = torch.tensor([7, 0, 12, 3, 4, 15, 1, 9, 2])
+    stack = torch.zeros(3, 2, 16, h, fmt.row_bytes(d), dtype=torch.uint8)
+    assert kv_triton.quantize_scatter_kv(fmt, k, v, rows, stack[1, 0], stack[1, 1])
+    assert torch.equal(stack[1, 0][rows], fmt.quantize(k)) and torch.equal(stack[1, 1][rows], fmt.quantize(v))
+    assert not stack[0].any() and not stack[2].any()  # only that layer's stores
+    other = torch.zeros(16, h, fmt.row_bytes(d), dtype=torch.uint8)
+    assert not kv_triton.quantize_scatter_kv(fmt, k, v, rows, stack[1, 1], stack[1, 0])  # V before K
+    assert not kv_triton.quantize_scatter_kv(fmt, k, v, rows, stack[1, 0], other) and not other.any()
+    int8 = parse_format("int8")
+    assert not kv_triton.quantize_scatter_kv(int8, k, v, rows, stack[1, 0], stack[1, 1])
+
+
 @pytest.mark.parametrize("name", ["fp8+h", "int8", "nvfp4"])
 def test_pool_on_the_triton_tier_equals_the_torch_pool(triton_tier: None, name: str) -> None:
     x, v = _rows(12, 2, 32, seed=1), _rows(12, 2, 32, seed=2)

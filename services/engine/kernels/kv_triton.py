@@ -69,6 +69,33 @@ def _fp8_write(
 
 
 @triton.jit
+def _fp8_write_kv(
+    k_ptr, v_ptr, rows_ptr, u8_ptr, f32_ptr, k_sn, k_sh, v_sn, v_sh, V_BYTES,
+    H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, S0: tl.constexpr,
+):  # fmt: skip
+    """_fp8_write of K (program_id 1 = 0) and V (1) in one launch: the V store sits V_BYTES after the K store (two
+    views of one pool stack), k and v [N, H, D] read through their strides (views of the step's qkv rows)."""
+    pid = tl.program_id(0)
+    kv = tl.program_id(1)
+    t, h = pid // H, pid % H
+    row = tl.load(rows_ptr + t)
+    d = tl.arange(0, D)
+    if kv == 0:
+        x = tl.load(k_ptr + t * k_sn + h * k_sh + d).to(tl.float32)
+    else:
+        x = tl.load(v_ptr + t * v_sn + h * v_sh + d).to(tl.float32)
+    amax = tl.max(tl.abs(x), 0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    y = x / scale
+    code = _e4m3_encode(tl.abs(y)) | tl.where(y < 0, 128, 0)
+    base = kv * V_BYTES + (row * H + h) * RB
+    tl.store(f32_ptr + base // 4, scale)
+    tl.store(u8_ptr + base + S0 + d, code.to(tl.uint8))
+    pad = tl.arange(0, 16)
+    tl.store(u8_ptr + base + 4 + pad, tl.zeros([16], tl.uint8), mask=pad < S0 - 4)
+
+
+@triton.jit
 def _fp8_read(
     out_ptr, rows_ptr, u8_ptr, f32_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, S0: tl.constexpr
 ):  # fmt: skip
@@ -219,6 +246,35 @@ def quantize_scatter(fmt: KVFormat, x: torch.Tensor, rows: torch.Tensor, store: 
         _int8_write[(n * h,)](x, rows, u8, wide, h, d, rb, fmt.scale_bytes(d), int8_group(d))
     else:
         _nvfp4_write[(n * h,)](x, rows, u8, wide, h, d, rb, fmt.scale_bytes(d), NVFP4_GROUP)
+
+
+def quantize_scatter_kv(
+    fmt: KVFormat, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor
+) -> bool:
+    """quantize_scatter of k into k_store and v into v_store in one launch, reading k and v [N, Hkv, D] through their
+    strides (no contiguous copies): an fp8 format, unit stride along D, and v_store a view of the same tensor as
+    k_store, after it (the pool's stack). False (nothing written) where that does not hold."""
+    n, h, d = k.shape
+    rb = fmt.row_bytes(d)
+    v_bytes = v_store.data_ptr() - k_store.data_ptr()
+    if (
+        fmt.base != "fp8"
+        or v.shape != k.shape
+        or k.stride(2) != 1
+        or v.stride(2) != 1
+        or k_store.untyped_storage().data_ptr() != v_store.untyped_storage().data_ptr()
+        or v_bytes <= 0
+        or v_bytes % 16
+    ):
+        return False
+    assert k_store.shape[1:] == v_store.shape[1:] == (h, rb), f"stores {tuple(k_store.shape)} vs rows of {h} x {rb}"
+    if n:
+        u8, wide = _views(fmt, k_store)
+        _fp8_write_kv[(n * h, 2)](
+            k, v, rows.contiguous(), u8, wide, k.stride(0), k.stride(1), v.stride(0), v.stride(1), v_bytes, h, d, rb,
+            fmt.scale_bytes(d),
+        )  # fmt: skip
+    return True
 
 
 def gather_dequantize(

@@ -211,7 +211,11 @@ class KVPool:
             self.v[layer].index_copy_(0, rows, v.to(dtype))
             return
         fmt = self.formats[layer]
-        self._quantize_into(fmt, self.k[layer], rows, hadamard(k) if fmt.hadamard else k)
+        k = hadamard(k) if fmt.hadamard else k
+        kernels = self._kernels(fmt)
+        if kernels is not None and kernels.quantize_scatter_kv(fmt, k, v, rows, self.k[layer], self.v[layer]):
+            return  # K and V in one launch
+        self._quantize_into(fmt, self.k[layer], rows, k)
         self._quantize_into(fmt, self.v[layer], rows, v)
 
     def gather(self, layer: int, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
