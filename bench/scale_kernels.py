@@ -27,7 +27,8 @@
   the median of each: whether a step should plan its rows to a multiple of something (a first, ordered table
   favoured M = 8,192 by 10-15%, possibly the GPU's clocks settling after the first cells).
 - pages: KVPool.write_pages / read_pages of 16, 64 and 256 pages (the ring's restores, the write-through's reads) in
-  bf16 and fp8, through the paged layers' one stack against the per-layer copies, eager (ms a call).
+  bf16 and fp8, through the paged layers' one stack against the per-layer copies, eager (ms a call); and a decode
+  step's fp8 K/V writes at batch 1 and 32, one launch a layer against two and their contiguous copies.
 
 Times are microseconds per layer, from CUDA-graph replays of 32 calls on 32 distinct weights / pools (one decode
 step's layers; nothing stays in L2). bench/kernel_sweep.py is the same method at Gemma 3 270M's shapes.
@@ -451,6 +452,20 @@ def pages_table(dev: torch.device) -> None:
             pool.stack_copies = True
             mb = count * pool.page_nbytes / 2**20
             print(f"pages {name} x {count:3d} ({mb:6.1f} MiB): " + " | ".join(cells), flush=True)
+        if name != "fp8":
+            continue
+        from services.engine.kernels import kv_triton
+
+        fused = kv_triton.quantize_scatter_kv
+        for batch in (1, 32):  # a decode step's K/V writes: k, v views of its qkv rows (32 + 8 + 8 heads)
+            qkv = torch.randn(batch, 48, 128, device=dev, dtype=torch.bfloat16)
+            k, v = qkv[:, 32:40], qkv[:, 40:]
+            rows = torch.arange(batch, device=dev) * 64 + 5
+            one = per_call_us(lambda pool=pool, rows=rows, k=k, v=v: [pool.write(i, rows, k, v) for i in range(LAYERS)])
+            kv_triton.quantize_scatter_kv = lambda *args: False  # type: ignore[assignment]
+            two = per_call_us(lambda pool=pool, rows=rows, k=k, v=v: [pool.write(i, rows, k, v) for i in range(LAYERS)])
+            kv_triton.quantize_scatter_kv = fused
+            print(f"fp8 K/V write, batch {batch:2d}: one launch {one:5.2f} us a layer | two (+ copies) {two:5.2f} us")
 
 
 def main() -> int:
