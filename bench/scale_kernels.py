@@ -454,17 +454,14 @@ def pages_table(dev: torch.device) -> None:
             print(f"pages {name} x {count:3d} ({mb:6.1f} MiB): " + " | ".join(cells), flush=True)
         if name != "fp8":
             continue
-        from services.engine.kernels import kv_triton
-
-        fused = kv_triton.quantize_scatter_kv
         for batch in (1, 32):  # a decode step's K/V writes: k, v views of its qkv rows (32 + 8 + 8 heads)
             qkv = torch.randn(batch, 48, 128, device=dev, dtype=torch.bfloat16)
             k, v = qkv[:, 32:40], qkv[:, 40:]
             rows = torch.arange(batch, device=dev) * 64 + 5
+            pool.fp8_kv_one_launch = True
             one = per_call_us(lambda pool=pool, rows=rows, k=k, v=v: [pool.write(i, rows, k, v) for i in range(LAYERS)])
-            kv_triton.quantize_scatter_kv = lambda *args: False  # type: ignore[assignment]
+            pool.fp8_kv_one_launch = False
             two = per_call_us(lambda pool=pool, rows=rows, k=k, v=v: [pool.write(i, rows, k, v) for i in range(LAYERS)])
-            kv_triton.quantize_scatter_kv = fused
             print(f"fp8 K/V write, batch {batch:2d}: one launch {one:5.2f} us a layer | two (+ copies) {two:5.2f} us")
 
 

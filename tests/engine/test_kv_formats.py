@@ -160,6 +160,13 @@ def test_fp8_k_and_v_written_in_one_launch_equal_the_reference(triton_tier: None
     assert not kv_triton.quantize_scatter_kv(fmt, k, v, rows, stack[1, 0], other) and not other.any()
     int8 = parse_format("int8")
     assert not kv_triton.quantize_scatter_kv(int8, k, v, rows, stack[1, 0], stack[1, 1])
+    pools = [KVPool(2, 4, 4, h, d, torch.float32, CPU, [fmt, parse_format("fp8+h")]) for _ in range(2)]
+    pools[0].fp8_kv_one_launch = True  # KVMEM_FP8_KV_ONE_LAUNCH=1: the pool's writes through the one launch
+    for pool in pools:
+        for layer in (0, 1):
+            pool.write(layer, rows, k, v)
+    for layer in (0, 1):
+        assert torch.equal(pools[0].k[layer], pools[1].k[layer]) and torch.equal(pools[0].v[layer], pools[1].v[layer])
 
 
 @pytest.mark.parametrize("name", ["fp8+h", "int8", "nvfp4"])

@@ -105,9 +105,11 @@ class KVPool:
         self.k: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self.v: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self._slot_stack: torch.Tensor | None = None  # the one stack of every paged layer, if they are one group
-        # pages move through the stack in one copy on CUDA, where two launches a layer cost more than the bytes;
-        # on the CPU the per-layer copies are faster (a 16-page write of the 8B shape: 33 vs 70 ms)
-        self.stack_copies = device.type == "cuda"
+        # pages through the stack in one copy (CUDA only: on the CPU the per-layer copies are faster, a 16-page write
+        # of the 8B shape 33 vs 70 ms), and an fp8 layer's K and V in one launch: both off until measured on a GPU
+        # (bench/RESULTS.md round 8; `bench/scale_kernels.py --only pages` times both ways)
+        self.stack_copies = device.type == "cuda" and os.environ.get("KVMEM_STACK_COPIES", "0") == "1"
+        self.fp8_kv_one_launch = os.environ.get("KVMEM_FP8_KV_ONE_LAUNCH", "0") == "1"
         for (fmt, rows), layers in groups.items():
             width = head_dim if fmt.plain else fmt.row_bytes(head_dim)
             stack = torch.zeros((len(layers), 2, rows, num_kv_heads, width), dtype=fmt.dtype, device=device)
@@ -213,7 +215,11 @@ class KVPool:
         fmt = self.formats[layer]
         k = hadamard(k) if fmt.hadamard else k
         kernels = self._kernels(fmt)
-        if kernels is not None and kernels.quantize_scatter_kv(fmt, k, v, rows, self.k[layer], self.v[layer]):
+        if (
+            kernels is not None
+            and self.fp8_kv_one_launch
+            and kernels.quantize_scatter_kv(fmt, k, v, rows, self.k[layer], self.v[layer])
+        ):
             return  # K and V in one launch
         self._quantize_into(fmt, self.k[layer], rows, k)
         self._quantize_into(fmt, self.v[layer], rows, v)
