@@ -6,7 +6,9 @@
 #          the step loop's host synchronisations (SCALE_TEST_FILES: other files; SCALE_TESTS_K: a -k filter), and
 #          test_kernels_compile
 #   kernels bench/scale_kernels.py --only $SCALE_KERNELS (default fp8,swiglu: the fp8 attention kernels in place
-#          against bf16, SwiGLU; also linear, residual, prefill_gemm, attention, head)
+#          against bf16, SwiGLU; also linear, residual, prefill_gemm, attention, head, pages: the pool's page moves
+#          and fp8 K/V writes both ways)
+# KVMEM_STACK_COPIES=1 / KVMEM_FP8_KV_ONE_LAUNCH=1 in the environment switch those two paths on for main and ring.
 #   attn   bench/scale.py --only-attn: the prefill attention variants alone (cuDNN, FlashAttention-2, Triton paged;
 #          chunks of 2K and 8K after a 32K prefix, an 8K and a 32K prompt whole); no model needed
 #   main   bench/scale.py --rows ttft,decode,concurrent,logits with transformers (static cache + compile) in the
@@ -56,7 +58,7 @@ if has tests; then
   log "gpu tests"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu ${SCALE_TEST_FILES:-tests/engine/test_norm_kernels.py \
     tests/engine/test_prefill_attention.py tests/engine/test_decode_attention.py tests/engine/test_selection.py \
-    tests/engine/test_host_syncs.py tests/engine/test_linear_kernel.py} ${SCALE_TESTS_K:+-k "$SCALE_TESTS_K"} \
+    tests/engine/test_host_syncs.py tests/engine/test_linear_kernel.py tests/engine/test_kv_formats.py} ${SCALE_TESTS_K:+-k "$SCALE_TESTS_K"} \
     2>&1 | tail -25 | tee -a "$LOG"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kernels_compile.py 2>&1 | grep -v "^  " | tail -25 | tee -a "$LOG"
 fi
