@@ -95,12 +95,15 @@ def kvstore(redis_url: str, host_kv_mib: int, *extra: str) -> Iterator[str]:
             "--redis-url", redis_url, "--replica-id", f"bench-{address.rsplit(':', 1)[1]}", *extra]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
+    said: list[str] = []  # what it printed before it was ready: the reason, when it never is
     try:
         for line in proc.stderr:
             if " ready on " in line:
                 break
+            said = [*said[-11:], line.rstrip()]
         else:
-            sys.exit(f"kvstore did not start (rc {proc.wait()})")
+            tail = "\n  ".join(said)
+            sys.exit(f"kvstore did not start (rc {proc.wait()}); its last lines:\n  {tail}")
         yield address
     finally:
         proc.terminate()
