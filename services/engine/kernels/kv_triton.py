@@ -49,23 +49,27 @@ def _e4m3_decode(c):
 
 
 @triton.jit
+def _fp8_store(x, base, u8_ptr, f32_ptr, D: tl.constexpr, S0: tl.constexpr):  # type: ignore[no-untyped-def]
+    """One row x [D] quantised into the packed row at byte `base`: its fp32 scale, zero padding to S0, the codes."""
+    amax = tl.max(tl.abs(x), 0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    y = x / scale
+    code = _e4m3_encode(tl.abs(y)) | tl.where(y < 0, 128, 0)
+    tl.store(f32_ptr + base // 4, scale)
+    tl.store(u8_ptr + base + S0 + tl.arange(0, D), code.to(tl.uint8))
+    pad = tl.arange(0, 16)
+    tl.store(u8_ptr + base + 4 + pad, tl.zeros([16], tl.uint8), mask=pad < S0 - 4)  # the zero bytes after the scale
+
+
+@triton.jit
 def _fp8_write(
     x_ptr, rows_ptr, u8_ptr, f32_ptr, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, S0: tl.constexpr
 ):  # fmt: skip
     pid = tl.program_id(0)
     t, h = pid // H, pid % H
     row = tl.load(rows_ptr + t)
-    d = tl.arange(0, D)
-    x = tl.load(x_ptr + pid * D + d).to(tl.float32)
-    amax = tl.max(tl.abs(x), 0)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    y = x / scale
-    code = _e4m3_encode(tl.abs(y)) | tl.where(y < 0, 128, 0)
-    base = (row * H + h) * RB
-    tl.store(f32_ptr + base // 4, scale)
-    tl.store(u8_ptr + base + S0 + d, code.to(tl.uint8))
-    pad = tl.arange(0, 16)
-    tl.store(u8_ptr + base + 4 + pad, tl.zeros([16], tl.uint8), mask=pad < S0 - 4)  # the zero bytes after the scale
+    x = tl.load(x_ptr + pid * D + tl.arange(0, D)).to(tl.float32)
+    _fp8_store(x, (row * H + h) * RB, u8_ptr, f32_ptr, D, S0)
 
 
 @triton.jit
@@ -84,15 +88,7 @@ def _fp8_write_kv(
         x = tl.load(k_ptr + t * k_sn + h * k_sh + d).to(tl.float32)
     else:
         x = tl.load(v_ptr + t * v_sn + h * v_sh + d).to(tl.float32)
-    amax = tl.max(tl.abs(x), 0)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    y = x / scale
-    code = _e4m3_encode(tl.abs(y)) | tl.where(y < 0, 128, 0)
-    base = kv * V_BYTES + (row * H + h) * RB
-    tl.store(f32_ptr + base // 4, scale)
-    tl.store(u8_ptr + base + S0 + d, code.to(tl.uint8))
-    pad = tl.arange(0, 16)
-    tl.store(u8_ptr + base + 4 + pad, tl.zeros([16], tl.uint8), mask=pad < S0 - 4)
+    _fp8_store(x, kv * V_BYTES + (row * H + h) * RB, u8_ptr, f32_ptr, D, S0)
 
 
 @triton.jit

@@ -214,12 +214,8 @@ class KVPool:
             return
         fmt = self.formats[layer]
         k = hadamard(k) if fmt.hadamard else k
-        kernels = self._kernels(fmt)
-        if (
-            kernels is not None
-            and self.fp8_kv_one_launch
-            and kernels.quantize_scatter_kv(fmt, k, v, rows, self.k[layer], self.v[layer])
-        ):
+        kernels = self._kernels(fmt) if self.fp8_kv_one_launch else None
+        if kernels is not None and kernels.quantize_scatter_kv(fmt, k, v, rows, self.k[layer], self.v[layer]):
             return  # K and V in one launch
         self._quantize_into(fmt, self.k[layer], rows, k)
         self._quantize_into(fmt, self.v[layer], rows, v)

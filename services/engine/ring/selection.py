@@ -77,19 +77,10 @@ class PromptIndex:
         self._order = np.argsort(self.tokens, kind="stable")  # positions by id, ascending within one id
         self._sorted = self.tokens[self._order]
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
     def positions(self, token: int) -> np.ndarray:
         """Where `token` occurs, ascending."""
         lo = int(self._sorted.searchsorted(token))
-        hi = lo
-        while hi < len(self._sorted) and self._sorted[hi] == token:  # most ids occur a few times: no second search
-            hi += 1
-            if hi - lo > 8:
-                hi = int(self._sorted.searchsorted(token, side="right"))
-                break
-        return self._order[lo:hi]
+        return self._order[lo : int(self._sorted.searchsorted(token, side="right"))]
 
 
 def copy_source(
