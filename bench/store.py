@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,12 +96,12 @@ def kvstore(redis_url: str, host_kv_mib: int, *extra: str) -> Iterator[str]:
             "--redis-url", redis_url, "--replica-id", f"bench-{address.rsplit(':', 1)[1]}", *extra]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
-    said: list[str] = []  # what it printed before it was ready: the reason, when it never is
+    said: deque[str] = deque(maxlen=12)  # its last lines before it was ready: the reason, when it never is
     try:
         for line in proc.stderr:
             if " ready on " in line:
                 break
-            said = [*said[-11:], line.rstrip()]
+            said.append(line.rstrip())
         else:
             tail = "\n  ".join(said)
             sys.exit(f"kvstore did not start (rc {proc.wait()}); its last lines:\n  {tail}")
