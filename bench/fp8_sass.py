@@ -33,12 +33,14 @@ def split_kernel_cubin(fp8: bool, f16: bool) -> bytes:
 
     code = "*u8" if fp8 else "*bf16"
     ptrs = dict(q_ptr="*bf16", k_ptr=code, v_ptr=code, rows_ptr="*i64", key_pos_ptr="*i64", q_pos_ptr="*i64",
-                m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", keep_ptr="*bf16")  # fmt: skip
+                m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", keep_ptr="*bf16",
+                keep_pos_ptr="*i64")  # fmt: skip
     ints = ["width", "rows_per_split", "num_splits", "window", "span"]
     ints += [f"stride_{s}" for s in ("qb", "qh", "kr", "kh", "vr", "vh", "ob", "oh")]
     types = dict(ptrs, scale_log2="fp32", **{name: "i32" for name in ints})
     constexprs = dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, HAS_WINDOW=False, RING=False, DIRECT=False, DOT_FP32=False,
-                      INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=False, PDL=True, SORTED=True, FP8=fp8,
+                      INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=False, KEEP_AT=False, PDL=True, SORTED=True,
+                      FP8=fp8,
                       FP8_F16=f16)  # fmt: skip
     div16 = (*ptrs, "width", "rows_per_split", "stride_qb", "stride_qh", "stride_kr", "stride_vr", "stride_kh",
              "stride_vh", "stride_ob", "stride_oh")  # fmt: skip

@@ -62,6 +62,9 @@ class EngineConfig:
     # takes ~3 ms on the H200 host (GetPages, Python, the copy) against ~3.4 ms a burst of 8 at 32K, so one
     # burst left the device idle ~1.7 ms a re-selection; two leave it ~0.2 ms (bench/RESULTS.md, run 20)
     ring_prefetch_steps: int = 16
+    # a decode re-selection scores and takes effect inside a decode burst, on the device (scheduler._burst), instead
+    # of ending the burst at each sequence's re-selection step: the same steps read the same pages either way
+    ring_switch_in_burst: bool = True
     retrieval: bool = True  # False: the negative control (evidence stays empty)
     # selection (ring.RingLimits): each head votes its top k pages (0: mass summed over heads), a decode
     # re-selection keeps the prompt's best anchor pages, recent pages are no candidates (bench/longeval)
@@ -305,6 +308,12 @@ class EngineConfig:
             "fetched in the background meanwhile); 0: at the next step, restored inside it",
         )
         p.add_argument(
+            "--no-ring-switch-in-burst",
+            action="store_true",
+            default=env("KVMEM_RING_SWITCH_IN_BURST", "1") == "0",
+            help="end a decode burst at each sequence's re-selection step, as before (A/B runs)",
+        )
+        p.add_argument(
             "--no-retrieval",
             action="store_true",
             default=env("KVMEM_RETRIEVAL", "1") == "0",
@@ -406,6 +415,7 @@ class EngineConfig:
             neighbor_pages=a.neighbor_pages,
             rescore_interval=a.rescore_interval,
             ring_prefetch_steps=a.ring_prefetch_steps,
+            ring_switch_in_burst=not a.no_ring_switch_in_burst,
             retrieval=not a.no_retrieval,
             ring_vote_top=a.ring_vote_top,
             ring_anchor_pages=a.ring_anchor_pages,

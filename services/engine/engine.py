@@ -399,7 +399,8 @@ class Engine:
         if scores is not None:
             self.ring.add_scores(ring, scores, w.score_tokens)
         candidates = w.start // self.limits.page_size
-        end = w.start + w.num_new  # what the recent window covers once this selection is in use
+        # what the recent window covers once this selection is in use (a burst's scoring step may be any of its steps)
+        end = (w.score_pos if w.score_pos >= 0 else w.start) + w.num_new
         if w.score_only or w.exact_query:  # the prompt's final selection
             ring.final_scored = True
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)

@@ -266,6 +266,34 @@ def test_keeps_a_copy_of_the_queries(where: str, partial: bool) -> None:
         dat.decode_attention(*x, keep_q=kept[:, :4])
 
 
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("partial", [False, True])
+def test_keeps_the_queries_of_the_step_at_keep_pos(where: str, partial: bool) -> None:
+    """keep_pos [B]: sequence b's q is kept iff keep_pos[b] < 0 or q_pos[b] == keep_pos[b] (a decode burst keeps
+    its scoring step's query), the other rows of keep_q left as they were, exactly the SDPA path's
+    torch.where (graph_attention._sdpa); several splits, and the attention is unchanged."""
+    from services.engine.kernels import decode_attention_triton as dat
+
+    device = device_or_skip(where)
+    x = _inputs(4, (8, 2), 64, 512, torch.bfloat16, device, seed=12)
+    assert 512 // dat.split_rows(4, 2, 512) > 1
+    keep_pos = x.q_pos + torch.tensor([0, 0, 1, -1], device=device)
+    keep_pos[0] = -1  # every step
+    before = torch.randn(4, 8, 64, device=device).to(torch.bfloat16)
+    kept = before.clone()
+    got = dat.decode_attention(*x, window=None, partial=partial, keep_q=kept, keep_pos=keep_pos)
+    keep = (keep_pos < 0) | (x.q_pos == keep_pos)
+    assert keep.tolist() == [True, True, False, False]
+    assert torch.equal(kept, torch.where(keep[:, None, None], x.q, before))
+    if isinstance(got, dat.Partials):
+        got = dat.merge_reference(got)
+    want = dat.decode_attention_reference(*x)
+    tol = _tolerance(torch.bfloat16)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    with pytest.raises(AssertionError):  # keep_pos without keep_q
+        dat.decode_attention(*x, keep_pos=keep_pos)
+
+
 def test_split_rows_is_a_function_of_the_shapes() -> None:
     from services.engine.kernels.decode_attention_triton import split_rows
 

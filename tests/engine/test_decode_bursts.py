@@ -279,6 +279,40 @@ def test_overlapped_bursts_give_the_tokens_of_bursts_read_one_by_one(
     assert [len(t) for t, _ in overlapped] == [20, 13, 24]
 
 
+def test_re_selections_inside_bursts_give_the_tokens_of_single_steps(
+    model, smol_tokenizer: Tokenizer, start_store: StartStore
+) -> None:
+    """Pages of 16, bursts of 8, a re-selection every 4 of a sequence's steps taking effect 2 steps later (its
+    pages prefetched): bursts run through the re-selection steps, the step's query kept on the device for the
+    page scores (Work.score_pos), and switch a sequence's read set where its last re-selection takes effect
+    (Work.switch, both sets resident for the burst). The same tokens as single steps and as bursts cut at every
+    re-selection (switch_in_burst off), in fewer launches."""
+    address = start_store(host_kv_mib=64).address
+    kw = dict(num_slots=30, page_size=16, max_context=512, ring_chunk=32, store_address=address,
+              lengths=(300, 170, 233))  # fmt: skip
+    params = [greedy(40), greedy(33), greedy(45)]
+
+    def limits(on: bool) -> object:
+        return ring_limits(8, page_size=16, rescore_interval=4, prefetch_steps=2, switch_in_burst=on)
+
+    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "in1", ring=limits(True), **kw)
+    cut, cut_steps, _ = _burst_run(model, smol_tokenizer, 8, params, "cut8", ring=limits(False), **kw)
+    inside, steps, engine = _burst_run(model, smol_tokenizer, 8, params, "in8", ring=limits(True), **kw)
+    _check_bursts(steps, page=16)
+    works = [w for ws in steps for w in ws if w.num_steps > 1]
+    switched = [w for w in works if w.switch is not None]
+    assert switched and all(w.start < w.switch.pos < w.start + w.num_steps for w in switched)  # type: ignore[union-attr]
+    assert any(w.switch.leaving or w.switch.joining for w in switched)  # type: ignore[union-attr]
+    assert any(w.start <= w.score_pos < w.start + w.num_steps - 1 for w in works)  # scored before the burst's end
+    cuts = engine.scheduler.burst_cuts  # type: ignore[attr-defined]
+    assert not set(cuts) & {"rescore", "scoring"}, cuts
+    assert [t for t, _ in cut] == [t for t, _ in single]
+    assert [t for t, _ in inside] == [t for t, _ in single]
+    assert engine.ring.num_prefetched > 0  # type: ignore[attr-defined]
+    assert len(steps) < len(cut_steps)
+    assert [len(t) for t, _ in inside] == [40, 33, 45]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("burst", [1, 4])
 def test_captured_decode_through_the_ring_gives_the_uncaptured_tokens(

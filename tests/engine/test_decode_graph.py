@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from services.common.tokenizer import Tokenizer
+from services.engine.kv.attention import PAD_POS
 from services.engine.kv.kv_formats import parse_format
 from services.engine.kv.kv_pool import KVPool
 from services.engine.ring.local_ring import LocalRings, ring_span
@@ -29,7 +30,7 @@ from services.engine.ring.summaries import PageSummaries
 from services.engine.step.decode_graph import DecodeGraphs, batch_bucket, window_bucket
 from services.engine.step.model_runner import ModelRunner
 from services.engine.step.sampling import SamplingParams
-from services.engine.step.scheduler import Work
+from services.engine.step.scheduler import Switch, Work
 from services.engine.step.sequence import NOT_RESIDENT, Sequence
 from tests.conftest import StartStore
 from tests.engine.helpers import (
@@ -283,6 +284,93 @@ def _burst_equals_single_steps(model: torch.nn.Module, device: torch.device, cap
 def test_runner_burst_equals_single_steps(model) -> None:
     graphs = _burst_equals_single_steps(model, CPU, capture=False)
     assert graphs.num_eager == 3 * PAGE
+
+
+def _use_triton_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's step on the Triton decode-attention and advance kernels (interpreted on the CPU; the model's
+    other kernels stay torch)."""
+    import importlib
+
+    from services.engine.step import decode_graph, graph_attention
+
+    def kernels(name: str, device: torch.device) -> object:
+        wanted = ("decode_attention_triton", "step_triton")
+        return importlib.import_module(f"services.engine.kernels.{name}") if name in wanted else None
+
+    for module in (decode_graph, graph_attention):
+        monkeypatch.setattr(module, "triton_module", kernels)
+
+
+@pytest.mark.parametrize(("switch_at", "score_at", "kernels"), [(1, 2, "torch"), (3, 0, "torch"), (1, 2, "triton")])
+def test_burst_that_switches_and_scores_mid_burst_equals_single_steps(
+    model, kernels: str, switch_at: int, score_at: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of a page (4 steps) of three sequences (batch bucket 4: a padding row repeats sequence 0):
+    sequence 0 (a ring) switches its read set at step `switch_at` (pages 1 and 2 leave, page 5 joins) and
+    scores at step `score_at`; sequence 2's switch is at the burst's first step (it reads without page 0
+    throughout) and it scores at the last step (score_pos -1); sequence 1 neither. Tokens, the last step's
+    logits, the kept queries (sequence 0's from step `score_at`, the others' from the last step) and sequence
+    0's page scores equal single steps on page tables that lack the joining page before the switch and the
+    leaving pages from it on; after the burst sequence 0's row holds the after-set and is rewritten next.
+    `kernels`: the Triton decode-attention kernel keeps the queries (its keep_pos) and the Triton advance kernel
+    switches the rows (interpreted: a few seconds, so once, and not over local rings, whose kernel keeps none)."""
+    if kernels == "triton":
+        if getattr(model, "test_local_rings", False):
+            pytest.skip("the paged layers are tiny Gemma's, run without local rings")
+        _use_triton_step(monkeypatch)
+    lengths = [32, 12, 20]  # every sequence starts on a page: the burst fills it
+    burst, single = Harness(model, lengths, seed=3), Harness(model, lengths, seed=3)
+    for h in (burst, single):
+        _attach_ring(h)
+    starts = [s.num_computed for s in burst.seqs]
+    switch0 = Switch(starts[0] + switch_at, leaving=frozenset({1, 2}), joining=frozenset({5}))
+    switch2 = Switch(starts[2], leaving=frozenset({0}), joining=frozenset())
+    seq0, seq1, seq2 = burst.seqs
+    works = [
+        Work(seq0, starts[0], 1, score_tokens=1, num_steps=PAGE, score_pos=starts[0] + score_at, switch=switch0),
+        Work(seq1, starts[1], 1, num_steps=PAGE),
+        Work(seq2, starts[2], 1, score_tokens=1, num_steps=PAGE, switch=switch2),
+    ]
+    assert burst.graphs.accepts(works)
+    logits = burst.graphs.run(works)
+    tokens = burst.graphs.tokens_to_host(3, PAGE)
+    kept = burst.graphs._last.queries[:, :3].clone()  # type: ignore[union-attr]
+    scores = burst.graphs.page_scores(works)
+    assert scores[1] is None and scores[2] is None  # sequence 2 has no ring: nothing to score
+
+    slots0, slots2 = (list(s.page_table.slot_ids) for s in (single.seqs[0], single.seqs[2]))
+    single.seqs[2].page_table.slot_ids[0] = NOT_RESIDENT
+    want_kept = torch.empty_like(kept)
+    want_scores = None
+    for step in range(PAGE):
+        table = single.seqs[0].page_table.slot_ids
+        table[:] = slots0
+        for page in switch0.joining if step < switch_at else switch0.leaving:
+            table[page] = NOT_RESIDENT
+        step_works = single.works()
+        if step == score_at:
+            step_works[0] = Work(single.seqs[0], step_works[0].start, 1, score_tokens=1)
+        want_logits = single.graphs.run(step_works)
+        queries = single.graphs._last.queries[:, :3]  # type: ignore[union-attr]
+        if step == score_at:
+            want_kept[:, 0] = queries[:, 0]
+            want_scores = single.graphs.page_scores(step_works)[0]
+        if step == PAGE - 1:
+            want_kept[:, 1:] = queries[:, 1:]
+        single.advance(want_logits)
+    assert tokens.tolist() == [s.output_ids[-PAGE:] for s in single.seqs]
+    assert (logits - want_logits).abs().max().item() < ATOL
+    torch.testing.assert_close(kept, want_kept, rtol=1e-5, atol=1e-5)
+    assert scores[0] is not None and want_scores is not None
+    torch.testing.assert_close(scores[0], want_scores, rtol=1e-4, atol=1e-5)
+
+    bufs = burst.graphs._last
+    assert bufs is not None and bufs.owners[0] is None and bufs.owners[3] is None  # switched: rewritten next
+    after = [p for p in range(starts[0] // PAGE + 1) if p not in switch0.leaving]
+    want_rows = torch.tensor([slots0[p] * PAGE + r for p in after for r in range(PAGE)])
+    assert torch.equal(bufs.rows[0, : len(want_rows)].cpu(), want_rows)
+    assert (bufs.key_pos[0, len(want_rows) :] == PAD_POS).all()
+    assert bufs.owners[1] is not None and bufs.owners[2] is not None  # no switch inside the burst: reused
 
 
 # -- GPU: capture and replay ---------------------------------------------------------------------------

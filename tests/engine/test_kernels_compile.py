@@ -71,7 +71,8 @@ def split_ptx(f16: bool, fp8: bool = True) -> str:
 
     store = "*u8" if fp8 else "*bf16"
     ptrs = dict(q_ptr="*bf16", k_ptr=store, v_ptr=store, rows_ptr="*i64", key_pos_ptr="*i64", q_pos_ptr="*i64",
-                m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", keep_ptr="*bf16")  # fmt: skip
+                m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", keep_ptr="*bf16",
+                keep_pos_ptr="*i64")  # fmt: skip
     ints = ["width", "rows_per_split", "num_splits", "window", "span"]
     ints += [f"stride_{s}" for s in ("qb", "qh", "kr", "kh", "vr", "vh", "ob", "oh")]
     types = dict(ptrs, scale_log2="fp32", **{name: "i32" for name in ints})
@@ -79,8 +80,8 @@ def split_ptx(f16: bool, fp8: bool = True) -> str:
              "stride_vh", "stride_ob",
              "stride_oh")  # fmt: skip
     constexprs = dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, HAS_WINDOW=False, RING=False, DIRECT=False,
-                      DOT_FP32=False, INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, PDL=True, SORTED=True,
-                      FP8=fp8, FP8_F16=f16 and fp8)  # fmt: skip
+                      DOT_FP32=False, INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, KEEP_AT=True, PDL=True,
+                      SORTED=True, FP8=fp8, FP8_F16=f16 and fp8)  # fmt: skip
     options = dict(num_warps=dat.NUM_WARPS, num_stages=dat.STAGES_BY_HEAD_DIM[128])  # the launch's at D 128
     return str(_compile(dat._split_kernel, types, constexprs, div16, **options).asm["ptx"])
 

@@ -217,6 +217,7 @@ def _split_kernel(
     acc_ptr,  # [B, Hq, S, D] fp32: sum of exp2(score - max) * v
     out_ptr,  # [B, Hq, D] (DIRECT only)
     keep_ptr,  # [B, Hq, D] contiguous: a copy of q (KEEP_Q only)
+    keep_pos_ptr,  # [B] int64: the position whose q is kept, < 0: every one (KEEP_AT only)
     width,
     rows_per_split,
     num_splits,
@@ -246,6 +247,7 @@ def _split_kernel(
     SORTED: tl.constexpr = False,  # key positions non-decreasing along each row list (padding last)
     FP8: tl.constexpr = False,  # uint8 fp8 rows (scale + e4m3fn codes, kv_formats.py): q in bf16 against the codes
     FP8_F16: tl.constexpr = False,  # with FP8: q and the codes in fp16 (attention_tiles.softmax_step_f16)
+    KEEP_AT: tl.constexpr = False,  # with KEEP_Q: only where keep_pos < 0 or q_pos == keep_pos
 ):
     pdl.start(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -258,8 +260,12 @@ def _split_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
     if KEEP_Q:
         if split == 0:
+            keep = g_ok
+            if KEEP_AT:  # a burst keeps the query of one step (its scoring step), every step when < 0
+                at = tl.load(keep_pos_ptr + b)
+                keep = tl.where((at < 0) | (at == tl.load(q_pos_ptr + b)), keep, False)  # interpreted: not `&`
             kept = keep_ptr + (b * tl.num_programs(1) * G + heads[:, None]) * D + d[None, :]
-            tl.store(kept, q.to(keep_ptr.dtype.element_ty), mask=g_ok[:, None])
+            tl.store(kept, q.to(keep_ptr.dtype.element_ty), mask=keep[:, None])
     if FP8_F16:  # a larger |q| would be inf in fp16 (a model's queries are far from it)
         q = tl.clamp(q.to(tl.float32), -tiles.F16_MAX, tiles.F16_MAX).to(tl.float16)
         if DOT_FP32:  # interpreted: rounded to fp16 as on the GPU, the dots in fp32
@@ -413,11 +419,14 @@ def decode_attention(
     keep_q: torch.Tensor | None = None,
     sorted_keys: bool = False,
     fp8: bool = False,
+    keep_pos: torch.Tensor | None = None,
 ) -> torch.Tensor | Partials:
     """`decode_attention_reference` in one or two launches -> out [B, Hq, D] (q's dtype unless `out`); with
     `partial`, the split kernel's Partials when there are several splits (no merge launch: the caller merges);
     `keep_q` [B, Hq, D] (contiguous): q is also copied there, by the same launch (a decode step's queries,
-    kept for page scoring, without a copy of their own). `sorted_keys`: the caller promises each row list's
+    kept for page scoring, without a copy of their own); with `keep_pos` [B] int64, only sequence b's with
+    keep_pos[b] < 0 or q_pos[b] == keep_pos[b] (a decode burst keeps its scoring step's query: the other steps
+    leave keep_q[b] as it is). `sorted_keys`: the caller promises each row list's
     key positions never decrease (the decode graphs' read sets: pages in order, padding at PAD_POS last), so a
     split whose first key is after the query skips its rows (a window bucket's padding costs no loop).
 
@@ -431,8 +440,9 @@ def decode_attention(
     assert rows.dtype == key_pos.dtype == q_pos.dtype == torch.int64
     rows, key_pos = rows.contiguous(), key_pos.contiguous()
     return _attend(
-        q, k_store, v_store, rows, key_pos, q_pos, scale, window, out, width, 0, partial, keep_q, sorted_keys, fp8
-    )
+        q, k_store, v_store, rows, key_pos, q_pos, scale, window, out, width, 0, partial, keep_q, sorted_keys, fp8,
+        keep_pos,
+    )  # fmt: skip
 
 
 def decode_attention_ring(
@@ -476,10 +486,11 @@ def _attend(
     keep_q: torch.Tensor | None = None,
     sorted_keys: bool = False,
     fp8: bool = False,
+    keep_pos: torch.Tensor | None = None,
 ) -> torch.Tensor | Partials:
     """The launches of both read sets: rows/key_pos [B, W] (span 0), or a ring (rows = ring bases, span > 0);
     `partial`: the partials instead of the merge launch (one split: the output, as always); `keep_q`: a copy
-    of q written there; `fp8`: the stores are uint8 fp8 rows."""
+    of q written there (`keep_pos`: only in the rows it selects); `fp8`: the stores are uint8 fp8 rows."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_store.shape[1]
     assert supported(k_store, fp8), f"k_store {k_store.dtype} {tuple(k_store.shape)}: plain float or fp8, D 2^k <= 256"
@@ -493,6 +504,9 @@ def _attend(
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.stride(2) == 1, (out.shape, q.shape)
     assert keep_q is None or (keep_q.shape == q.shape and keep_q.is_contiguous()), (keep_q, q.shape)
+    if keep_pos is not None:
+        assert keep_q is not None and keep_pos.shape == (batch,) and keep_pos.dtype == torch.int64, keep_pos.shape
+        keep_pos = keep_pos.contiguous()
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
@@ -518,14 +532,15 @@ def _attend(
     stages = NUM_STAGES if dot_fp32 else STAGES_BY_HEAD_DIM.get(head_dim, NUM_STAGES)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out, keep_q if keep_q is not None else out,
+        keep_pos if keep_pos is not None else q_pos,
         width, per_split, num_splits, window if window is not None else 0, max(span, 1), scale * LOG2E,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, RING=span > 0, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
         SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, KEEP_Q=keep_q is not None, SORTED=sorted_keys,
-        FP8=fp8, FP8_F16=f16, num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=stages,
-        **pdl.launch_args(q.device),
+        FP8=fp8, FP8_F16=f16, KEEP_AT=keep_pos is not None,
+        num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=stages, **pdl.launch_args(q.device),
     )  # fmt: skip
     if direct:
         return out

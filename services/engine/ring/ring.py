@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -54,6 +55,9 @@ class RingLimits:
     # a decode re-selection takes effect this many steps later, its host pages fetched in the background
     # meanwhile (0: at the next step, restored inside it); a function of steps only, never of timing
     prefetch_steps: int = 0
+    # with prefetch_steps, a decode burst may contain a sequence's re-selection step and the step where its last
+    # re-selection takes effect (scheduler._burst, Switch): the burst keeps both read sets and switches on the device
+    switch_in_burst: bool = True
     # page scoring: 0 sums every (token, head, layer)'s mass over pages (summaries.page_scores); k > 0: each
     # head votes its top k pages (summaries.page_votes); bench/longeval measured both (bench/RESULTS.md)
     vote_top: int = 0
@@ -112,6 +116,9 @@ class SeqRing:
     decode_steps: int = 0
     scored_at: int | None = None  # decode_steps at the last decode re-selection's scoring step (the prefetch counts
     # from it)
+    # the scoring steps' clocks of decode re-selections launched and not selected yet, oldest first (with a burst in
+    # flight, the next one may be launched before the host selects from the last one's scores)
+    unselected: deque[int] = field(default_factory=deque)
     pinned: list[bytes] = field(default_factory=list)  # host pages pinned for this sequence (unpinned in this order)
     pinned_set: set[bytes] = field(default_factory=set)  # the same hashes, for membership (demote asks per victim)
     num_restores: int = 0
@@ -200,11 +207,12 @@ class RingManager:
 
     # -- planning ---------------------------------------------------------------------------------
 
-    def plan(self, ring: SeqRing, num_tokens: int) -> BucketPlan:
-        """The resident set once the sequence holds `num_tokens` tokens' worth of pages."""
+    def plan(self, ring: SeqRing, num_tokens: int, evidence: set[int] | None = None) -> BucketPlan:
+        """The resident set once the sequence holds `num_tokens` tokens' worth of pages (with `evidence`: the
+        set it will hold once a pending re-selection is in effect, else its own)."""
         lim = self.limits
         num_pages = -(-num_tokens // lim.page_size)
-        evidence = ring.evidence if lim.retrieval else set()
+        evidence = (ring.evidence if evidence is None else evidence) if lim.retrieval else set()
         # plan_buckets is a function of these and of the (frozen) limits only: the same inputs, the same plan
         cached = ring.plans.get(num_pages)
         if cached is not None and cached[0] == evidence and cached[1] == ring.skeleton:
@@ -407,8 +415,8 @@ class RingManager:
         wanted = self._to_prefetch(ring, chosen, slot_ids, page_hashes, end_tokens)
         fetch = self._prefetch(wanted) if wanted and self._prefetcher is not None else None
         # from the scoring step's clock, not this call's: an overlapped burst may already be scheduled after it
-        assert ring.scored_at is not None, "a decode re-selection without its scoring step"
-        ring.pending = PendingEvidence(chosen, ring.scored_at + self.limits.prefetch_steps, fetch)
+        assert ring.unselected, "a decode re-selection without its scoring step"
+        ring.pending = PendingEvidence(chosen, ring.unselected.popleft() + self.limits.prefetch_steps, fetch)
 
     def _to_prefetch(
         self, ring: SeqRing, chosen: set[int], slot_ids: list[int], page_hashes: list[bytes], end_tokens: int
@@ -448,10 +456,22 @@ class RingManager:
             return
         ring.pending = None
         ring.evidence = pending.evidence
-        if pending.fetch is None:
+        self._take_fetch(ring, pending)
+
+    def stage_pending(self, ring: SeqRing) -> None:
+        """A pending re-selection that takes effect inside the next decode burst (scheduler._burst): its fetched
+        pages wait in `ring.prefetched` for the materialize that makes them resident beside the pages in use; its
+        evidence stays pending until apply_pending, after the burst."""
+        assert ring.pending is not None, "nothing to stage"
+        self._take_fetch(ring, ring.pending)
+
+    def _take_fetch(self, ring: SeqRing, pending: PendingEvidence) -> None:
+        """The pending re-selection's background fetch into `ring.prefetched` (once)."""
+        fetch, pending.fetch = pending.fetch, None
+        if fetch is None:
             return
         try:
-            hashes, data = pending.fetch.result()
+            hashes, data = fetch.result()
         except Exception as exc:  # noqa: BLE001 - any failure: the restore path fetches (or finds them lost)
             logger.warning("prefetch of a re-selection's host pages failed (%s); restoring them in the step", exc)
             return

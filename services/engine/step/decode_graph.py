@@ -7,6 +7,10 @@ scoring runs here instead of StepAttention. The step's inputs live in static buf
     ids, positions, write_rows      [B]     the new tokens and their pool rows
     rows, key_pos                   [B, W]  every resident row of the sequence up to its last page,
                                             padded with row 0 at position PAD_POS (always masked)
+    rows_next, key_pos_next,        [B, W], the read set from position switch_pos on (a re-selection taking
+    switch_pos                      [B]     effect inside a burst, scheduler.Switch; PAD_POS: none)
+    keep_pos                        [B]     the position whose query the row keeps for page scoring (< 0:
+                                            every step's, the last one's surviving)
     local_rows, local_pos (per      [B, L]  the rows of the last ceil((window - 1) / page) + 1 pages only:
     sliding window, paged)                  a sliding layer reads L rows, not W (pools without local rings)
 
@@ -28,7 +32,12 @@ Each step ends by advancing its own inputs on the device: the argmax of its logi
 ids (and is recorded in `burst_tokens` at the step's index), positions and write rows move one on. A
 decode burst (scheduler.py) is the step run `num_steps` times in a row with no host work between
 them, the host reading all the burst's tokens at its end in one copy; a single step ignores the advance
-(the next step's inputs are filled from the host).
+(the next step's inputs are filled from the host). Two things may change inside a burst, both decided
+by the host before it: the step whose query scores the pages (Work.score_pos) is the only one that keeps
+its queries (keep_pos: the attention of each paged layer stores q where the position matches), and a
+sequence whose read set switches (Work.switch: pages leave, others join) reads the set before the switch
+until the advance that brings its position to switch_pos copies rows_next / key_pos_next over its rows
+(both sets built on the host, whole pages in order, padded to the larger one's bucket).
 
 On CUDA with `capture`, the first step of a bucket runs eagerly (the warm-up, and this step's
 result) and is then captured; later steps of that bucket replay the graph. All graphs share one
@@ -48,7 +57,8 @@ unless KVMEM_RECURRENT_GRAPHS=1 (not yet run on a GPU): the same step then runs 
 
 Per-step host work: a sequence's padded rows are rebuilt only when its page table (up to its last
 page) changed, and copied into a bucket's buffers only when that batch row held something else;
-otherwise a step copies 5 x B integers to the device, in one copy. A continued step (Work.on_device: the
+otherwise a step copies 7 x B integers to the device, in one copy (a row whose read set switched inside a
+burst is rewritten by the next step that uses it). A continued step (Work.on_device: the
 step after a burst whose tokens the host has not read, engine.py) keeps the ids the last step left on the
 device and copies the other inputs; the staging buffer alternates between two halves so that filling one
 never races the copy of the other still queued, and the rows come from pinned memory: nothing here waits
@@ -82,15 +92,26 @@ logger = logging.getLogger(__name__)
 MIN_WINDOW = 256
 
 
-def advance_inputs(token: torch.Tensor, burst_tokens: torch.Tensor, inputs: torch.Tensor) -> None:
+def advance_inputs(
+    token: torch.Tensor,
+    burst_tokens: torch.Tensor,
+    inputs: torch.Tensor,
+    reads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
     """The end of a step: its token [B] into burst_tokens [P, B] at the step index and into the input ids,
-    positions and write rows one on, the step index (inputs [5, B]: ids, positions, write_rows, ring_base,
-    step) on modulo P (replays past a page wrap). kernels/step_triton.py does it in one launch."""
-    step = inputs[4, :1]
-    burst_tokens.index_copy_(0, step, token[None])
+    positions and write rows one on, the step index (every column) on modulo P (replays past a page wrap);
+    then each batch row whose new position is its switch_pos takes its next read set (reads: rows, key_pos,
+    rows_next, key_pos_next [B, W]). inputs [7, B]: ids, positions, write_rows, ring_base, step, keep_pos,
+    switch_pos. kernels/step_triton.py does it in one launch."""
+    step = inputs[4]
+    burst_tokens.index_copy_(0, step[:1], token[None])
     inputs[0].copy_(token)
     inputs[1:3] += 1  # positions, write_rows: the burst stays inside the page
     torch.remainder(step + 1, burst_tokens.shape[0], out=step)
+    rows, key_pos, rows_next, key_pos_next = reads
+    switch = (inputs[1] == inputs[6])[:, None]  # [B, 1]
+    torch.where(switch, rows_next, rows, out=rows)
+    torch.where(switch, key_pos_next, key_pos, out=key_pos)
 
 
 def batch_bucket(n: int) -> int:
@@ -111,13 +132,22 @@ def window_bucket(num_rows: int) -> int:
 
 @dataclass
 class _SeqRows:
-    """One sequence's read set, rebuilt only when its page table up to `last_page` changes (CPU tensors)."""
+    """One sequence's read set, rebuilt only when its page table up to `last_page` (or its switch) changes
+    (CPU tensors)."""
 
-    key: tuple[int, ...]  # (last_page, slot of every page up to it)
-    rows: torch.Tensor  # [R] pool rows of the resident pages 0..last_page, in order
+    key: tuple[object, ...]  # (last_page, slot of every page up to it[, the switch, whether it is mid-burst])
+    rows: torch.Tensor  # [R] pool rows of the resident pages 0..last_page, in order (before a switch: not joining)
     pos: torch.Tensor  # [R] their token positions
     local: dict[int, tuple[torch.Tensor, torch.Tensor]]  # window -> (rows [L], positions [L]), padded
     padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # W -> rows, pos [W]
+    switch_pos: int = PAD_POS  # a switch inside the burst: the first position that reads `after`
+    after: tuple[torch.Tensor, torch.Tensor] | None = None  # its rows, positions (the pages not leaving)
+    padded_after: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the larger read set: the window bucket holds both."""
+        return max(int(self.rows.shape[0]), int(self.after[0].shape[0]) if self.after is not None else 0)
 
 
 class DecodeGraphs:
@@ -220,7 +250,7 @@ class DecodeGraphs:
         assert all(w.num_steps == num_steps for w in works) and num_steps <= self.pool.page_size
         entries = [self._rows_of(w) for w in works]
         batch = batch_bucket(n)
-        width = window_bucket(max(int(e.rows.shape[0]) for e in entries))
+        width = window_bucket(max(e.num_rows for e in entries))
         bufs = self._bufs(batch, width)
         self._fill(bufs, works, entries)
         self._seq_rows = {w.seq: e for w, e in zip(works, entries, strict=True)}  # forget finished sequences
@@ -289,7 +319,7 @@ class DecodeGraphs:
         """The step, then its inputs advanced to the next step of a burst (the module docstring)."""
         logits, token = self._forward(bufs)
         kernels = triton_module("step_triton", self.device)
-        (kernels.advance if kernels is not None else advance_inputs)(token, bufs.burst_tokens, bufs.inputs)
+        (kernels.advance if kernels is not None else advance_inputs)(token, bufs.burst_tokens, bufs.inputs, bufs.reads)
         return logits
 
     def _capture(self, bufs: GraphBuffers) -> torch.Tensor:
@@ -323,14 +353,18 @@ class DecodeGraphs:
             def long(*shape: int, fill: int = 0) -> torch.Tensor:
                 return torch.full(shape, fill, dtype=torch.long, device=dev)
 
-            inputs = long(5, batch)  # one copy from `staging` a step: ids, positions, write_rows, ring_base, step
+            # one copy from `staging` a step: ids, positions, write_rows, ring_base, step, keep_pos, switch_pos
+            inputs = long(7, batch)
+            inputs[5] = -1  # keep every step's queries
+            inputs[6] = PAD_POS  # no switch
             bufs = GraphBuffers(
                 batch=batch, window=width, ids=inputs[0], positions=inputs[1],
                 write_rows=inputs[2], rows=long(batch, width), key_pos=long(batch, width, fill=PAD_POS),
+                rows_next=long(batch, width), key_pos_next=long(batch, width, fill=PAD_POS),
                 local_rows={w: long(batch, n) for w, n in local.items()},
                 local_pos={w: long(batch, n, fill=PAD_POS) for w, n in local.items()},
-                ring_base=inputs[3], step=inputs[4, :1], inputs=inputs,
-                staging=torch.zeros(2, 5, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
+                ring_base=inputs[3], step=inputs[4, :1], keep_pos=inputs[5], switch_pos=inputs[6], inputs=inputs,
+                staging=torch.zeros(2, 7, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
                 state_slots=long(batch),
                 slot_staging=torch.zeros(2, batch, dtype=torch.long, pin_memory=dev.type == "cuda"),
                 burst_tokens=long(size, batch),
@@ -354,16 +388,25 @@ class DecodeGraphs:
             pos = w.start
             slot = w.seq.page_table.slot_ids[pos // size]
             token = 0 if on_device else w.seq.token_at(pos)  # continued: the device's own (PENDING here)
-            staging[:, i] = (token, pos, slot * size + pos % size, max(0, w.seq.local_ring) * span, 0)
+            keep = -1  # every step keeps its queries (the last one's survive)
+            if w.score_tokens:  # only the scoring step's
+                keep = w.score_pos if w.score_pos >= 0 else w.start + w.num_steps - 1
+            ring_base = max(0, w.seq.local_ring) * span
+            staging[:, i] = (token, pos, slot * size + pos % size, ring_base, 0, keep, e.switch_pos)
             slot_half[i] = max(0, w.seq.state_slot)
             if bufs.owners[i] != e.key:  # the rows depend on the key only
-                rows, kpos = self._padded(e, bufs.window)
+                rows, kpos = self._padded(e.padded, e.rows, e.pos, bufs.window)
                 bufs.rows[i].copy_(rows, non_blocking=True)
                 bufs.key_pos[i].copy_(kpos, non_blocking=True)
+                if e.after is not None:
+                    rows, kpos = self._padded(e.padded_after, *e.after, bufs.window)
+                    bufs.rows_next[i].copy_(rows, non_blocking=True)
+                    bufs.key_pos_next[i].copy_(kpos, non_blocking=True)
                 for win, (lrows, lpos) in e.local.items():
                     bufs.local_rows[win][i].copy_(lrows, non_blocking=True)
                     bufs.local_pos[win][i].copy_(lpos, non_blocking=True)
-                bufs.owners[i] = e.key
+                # a row that switches inside the burst ends it holding the other set: the next step rewrites it
+                bufs.owners[i] = e.key if e.after is None else None
         if self.states is not None:
             bufs.state_slots.copy_(slot_half, non_blocking=True)
         if not on_device:
@@ -375,14 +418,17 @@ class DecodeGraphs:
             bufs.ids.copy_(last.ids)
         bufs.inputs[1:].copy_(half[1:], non_blocking=True)
 
-    def _padded(self, e: _SeqRows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        got = e.padded.get(width)
+    def _padded(
+        self, cache: dict[int, tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor, pos: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A read set (rows, positions [R]) padded to `width` (row 0 at PAD_POS), pinned; cached per width."""
+        got = cache.get(width)
         if got is None:
-            rows = torch.zeros(width, dtype=torch.long)
-            pos = torch.full((width,), PAD_POS, dtype=torch.long)
-            rows[: e.rows.shape[0]] = e.rows
-            pos[: e.pos.shape[0]] = e.pos
-            got = e.padded[width] = (self._pinned(rows), self._pinned(pos))
+            padded_rows = torch.zeros(width, dtype=torch.long)
+            padded_pos = torch.full((width,), PAD_POS, dtype=torch.long)
+            padded_rows[: rows.shape[0]] = rows
+            padded_pos[: pos.shape[0]] = pos
+            got = cache[width] = (self._pinned(padded_rows), self._pinned(padded_pos))
         return got
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
@@ -390,31 +436,51 @@ class DecodeGraphs:
         return t.pin_memory() if self.device.type == "cuda" else t
 
     def _rows_of(self, w: Work) -> _SeqRows:
-        """The sequence's read set (cached while its page table up to the new token's page is unchanged)."""
+        """The sequence's read set (cached while its page table up to the new token's page, and its switch, are
+        unchanged): every resident page up to the token's, or with a switch (scheduler.Switch) inside the burst
+        those without the joining pages, then (`after`) those without the leaving ones; a switch at or before
+        the burst's first step gives the latter only."""
         size = self.pool.page_size
         last_page = w.start // size
         slots = w.seq.page_table.slot_ids
-        key = (last_page, *slots[: last_page + 1])
+        switch = w.switch
+        mid_burst = switch is not None and switch.pos > w.start
+        key: tuple[object, ...] = (last_page, *slots[: last_page + 1])
+        if switch is not None:
+            key = (*key, switch, mid_burst)
         cached = self._seq_rows.get(w.seq)
         if cached is not None and cached.key == key:
             return cached
         resident = [p for p in range(last_page + 1) if slots[p] != NOT_RESIDENT]
-        offsets = torch.arange(size)
-        pages = torch.tensor(resident, dtype=torch.long)
-        slot_t = torch.tensor([slots[p] for p in resident], dtype=torch.long)
-        rows = (slot_t[:, None] * size + offsets).reshape(-1)
-        pos = (pages[:, None] * size + offsets).reshape(-1)
+        pages = resident
+        if switch is not None:
+            assert set(resident).issuperset(switch.leaving | switch.joining), (switch, resident)
+            pages = [p for p in resident if p not in switch.leaving]  # from the switch on
+        rows, pos = self._page_rows(pages, slots)
         local = {}
         for win, num_pages in self.local_pages.items():
             first = max(0, last_page + 1 - num_pages)
-            keep = pages >= first
-            n = int(keep.sum()) * size
+            if switch is not None:  # the scheduler switches pages out of a sliding layer's reach only
+                assert all(p < first for p in switch.leaving | switch.joining), (switch, win, first)
+            near = [p for p in pages if p >= first]
+            n = len(near) * size
             lrows = torch.zeros(num_pages * size, dtype=torch.long)
             lpos = torch.full((num_pages * size,), PAD_POS, dtype=torch.long)
-            lrows[:n] = (slot_t[keep][:, None] * size + offsets).reshape(-1)
-            lpos[:n] = (pages[keep][:, None] * size + offsets).reshape(-1)
+            lrows[:n], lpos[:n] = self._page_rows(near, slots)
             local[win] = (self._pinned(lrows), self._pinned(lpos))
-        return _SeqRows(key=key, rows=rows, pos=pos, local=local)
+        if not mid_burst:
+            return _SeqRows(key=key, rows=rows, pos=pos, local=local)
+        assert switch is not None
+        before = self._page_rows([p for p in resident if p not in switch.joining], slots)
+        return _SeqRows(key=key, rows=before[0], pos=before[1], local=local, switch_pos=switch.pos, after=(rows, pos))
+
+    def _page_rows(self, pages: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool rows and token positions [len(pages) * page_size] of these pages (each resident), in order."""
+        size = self.pool.page_size
+        offsets = torch.arange(size)
+        page_t = torch.tensor(pages, dtype=torch.long)
+        slot_t = torch.tensor([slots[p] for p in pages], dtype=torch.long)
+        return (slot_t[:, None] * size + offsets).reshape(-1), (page_t[:, None] * size + offsets).reshape(-1)
 
     # -- page summaries ------------------------------------------------------------------------------
 

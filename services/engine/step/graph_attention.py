@@ -34,20 +34,30 @@ class GraphBuffers:
     write_rows: torch.Tensor  # [B]
     rows: torch.Tensor  # [B, W]
     key_pos: torch.Tensor  # [B, W]
+    rows_next: torch.Tensor  # [B, W] the read set a row switches to inside a burst (scheduler.Switch)
+    key_pos_next: torch.Tensor  # [B, W]
     local_rows: dict[int, torch.Tensor]  # window -> [B, L]
     local_pos: dict[int, torch.Tensor]  # window -> [B, L]
     ring_base: torch.Tensor  # [B] first row of each sequence's local ring (local rings only)
     state_slots: torch.Tensor  # [B] each row's recurrent-state slot (recurrent models; else zeros)
     slot_staging: torch.Tensor  # [2, B] host copies of state_slots, used in turn with `staging`
     step: torch.Tensor  # [1] the step's index in its burst (where its argmax goes in burst_tokens)
-    inputs: torch.Tensor  # [5, B] ids, positions, write_rows, ring_base and step (column 0) are its rows
-    staging: torch.Tensor  # [2, 5, B] host copies of `inputs` (pinned on CUDA), used in turn
+    keep_pos: torch.Tensor  # [B] the position whose query a row keeps in `queries`; < 0: every step's
+    switch_pos: torch.Tensor  # [B] the first position that reads rows_next / key_pos_next; PAD_POS: none
+    inputs: torch.Tensor  # [7, B] ids, positions, write_rows, ring_base, step (each column), keep_pos, switch_pos
+    staging: torch.Tensor  # [2, 7, B] host copies of `inputs` (pinned on CUDA), used in turn
     burst_tokens: torch.Tensor  # [page_size, B] the argmax of each step of a burst
     queries: torch.Tensor  # [L, B, Hq, D] each layer's queries (after RoPE), kept for page scoring
-    owners: list[tuple[int, ...] | None]  # per batch row: the read set key its rows came from
+    # per batch row: the read set key its rows came from (None: unknown, e.g. switched inside a burst)
+    owners: list[tuple[object, ...] | None]
     turn: int = 0  # the half of `staging` the next fill writes
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None  # [B, V] the captured graph's logits
+
+    @property
+    def reads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rows, key_pos, rows_next, key_pos_next: what the end of a step switches (decode_graph.advance_inputs)."""
+        return self.rows, self.key_pos, self.rows_next, self.key_pos_next
 
 
 class GraphAttention:
@@ -128,17 +138,20 @@ class GraphAttention:
         """q [B, Hq, D] over the pool rows [B, W] of the layer at positions key_pos [B, W]: the fused kernel
         where it applies (`partial`: its Partials where it splits), else gathered rows and SDPA with the
         additive mask of (read_set, window). `keep_q`: q is also kept in the step's queries (page scoring
-        reads them after a scoring step), by the fused kernel itself or by a copy."""
+        reads them after a scoring step), by the fused kernel itself or by a copy, in the batch rows whose
+        keep_pos is < 0 or this step's position (a burst keeps the query of its scoring step)."""
         batch, width = rows.shape
         fused = self._fused_stores(layer_idx, width)
         kept = self.bufs.queries[layer_idx] if keep_q else None
         if fused is not None:
             return self.kernels.decode_attention(  # type: ignore[union-attr,no-any-return]
                 q, *fused[0], rows, key_pos, self.bufs.positions, scale, window, partial=partial, keep_q=kept,
-                sorted_keys=SORTED_READS, fp8=fused[1],
+                keep_pos=self.bufs.keep_pos, sorted_keys=SORTED_READS, fp8=fused[1],
             )  # fmt: skip
-        if kept is not None:
-            kept.copy_(q)
+        if kept is not None:  # the fused kernel's rule: keep_pos < 0 (every step) or the step at keep_pos
+            keep_pos = self.bufs.keep_pos
+            keep = (keep_pos < 0) | (self.bufs.positions == keep_pos)
+            kept.copy_(torch.where(keep[:, None, None], q, kept))
         num_heads, head_dim = q.shape[1], q.shape[2]
         k_w, v_w = self.pool.gather(layer_idx, rows.reshape(-1), q.dtype)  # [B * W, Hkv, D]
         k_w = k_w.view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, W, D]

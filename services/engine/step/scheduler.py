@@ -12,14 +12,20 @@ prefill chunk of a sparse over-budget prompt first runs once as a scoring pass s
 sees the whole query before the chunk is computed for real.
 
 Decode bursts: when every item of a step is a greedy decode the decode runner can run, the step is
-`num_steps` decode steps in a row (up to `decode_burst`; one when a step re-selects), each one's argmax
-the next one's input on the device, the host coming back only at the burst's end. A burst stays inside every sequence's
-current page (no page is filled, demoted or allocated mid-burst), within its max_tokens, and ends at
-or before the next re-selection step (a re-selection scores the burst's last query) and at the step where
-the last re-selection takes effect (its scoring step + prefetch_steps): the same steps attend the same pages
-whatever the burst size, so a sparse answer does not depend on it. A stop token
-mid-burst ends the sequence there: the tokens after it are dropped, their K/V rows lie past
-num_computed and are never read.
+`num_steps` decode steps in a row (up to `decode_burst`), each one's argmax the next one's input on the device, the
+host coming back only at the burst's end. A burst stays inside every sequence's current page (no page is filled or
+allocated mid-burst) and within its max_tokens. A sequence's decode re-selection scores at every rescore_interval-th
+of its own steps and takes effect prefetch_steps steps after that (its new pages fetched from the host meanwhile).
+With prefetch steps and `switch_in_burst` (the default) both happen on the device, inside a burst: the re-selection
+step's query is kept for the page scores the host computes after the burst (Work.score_pos), and a re-selection
+already selected by the host takes effect at its step (Work.switch: the burst's steps before it read the old
+resident set, the steps from it the new one, both resident for the burst; the next room-making demotes the pages
+that left); one not selected yet (its scoring burst unread) ends the burst before its step, as does a pool without
+room for both sets. Otherwise a burst ends at or before the next re-selection step (a re-selection scores the burst's
+last query) and at the step where the last re-selection takes effect (its scoring step + prefetch_steps). Either
+way the same steps attend the same pages whatever the burst size, so a sparse answer does not depend on it. A stop
+token mid-burst ends the sequence there: the tokens after it are dropped, their K/V rows lie past num_computed and
+are never read.
 
 Split steps: a sequence whose tokens the host chooses (a grammar, penalties, logprobs, sampling) cannot run in a
 burst. When every running sequence decodes and only some are greedy, steps alternate: one leaves the host-sampled
@@ -55,11 +61,21 @@ from services.engine.kv.recurrent_state import RecurrentStates
 from services.engine.kv.slots import SlotAllocator
 from services.engine.ring.buckets import BucketPlan
 from services.engine.ring.host_pages import HostPages, PagesLostError
-from services.engine.ring.ring import RingExhaustedError, RingManager
+from services.engine.ring.ring import RingExhaustedError, RingManager, SeqRing
 from services.engine.step.prefix_cache import PrefixCache
 from services.engine.step.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
 
 logger = logging.getLogger(__name__)
+
+
+class Switch(NamedTuple):
+    """A ring sequence's read set changing inside a decode burst (a decode re-selection taking effect on the
+    device, `_burst`): the burst's steps before position `pos` read the sequence's resident pages without
+    `joining`, its steps from `pos` on read them without `leaving` (both sets of page numbers, resident)."""
+
+    pos: int
+    leaving: frozenset[int]
+    joining: frozenset[int]
 
 
 class Work(NamedTuple):
@@ -79,6 +95,10 @@ class Work(NamedTuple):
     # a question replay (RingLimits.question_replay; score_only): its tokens are the prompt's from this index on,
     # at positions [start, start + num_new) past what the sequence has computed, attending it; -1: the sequence's own
     replay_from: int = -1
+    # a decode burst that scores (score_tokens): the position of the step whose query scores the pages; -1: the
+    # burst's last step
+    score_pos: int = -1
+    switch: Switch | None = None  # a re-selection taking effect inside this burst (Switch)
 
     @property
     def samples(self) -> bool:
@@ -125,7 +145,8 @@ class Scheduler:
         self.num_preemptions = 0
         # what ended each decode burst that ran (its shortest limit): "cap" (decode_burst), "page" (a sequence's
         # page end), "tokens" (one's token limit), "scoring" (a step that scores), "rescore" (one's next
-        # re-selection step), "due" (where one's last re-selection takes effect): where burst length goes
+        # re-selection step), "due" (where one's last re-selection takes effect, or with switch_in_burst where one
+        # not selected yet would), "room" (no room for both read sets of a switch): where burst length goes
         self.burst_cuts: Counter[str] = Counter()
         # ring sequence -> (page table, pages, evidence, skeleton) of its last room-making
         self._room_keys: dict[Sequence, tuple[object, ...]] = {}
@@ -224,6 +245,8 @@ class Scheduler:
                 return None
             if w.score_tokens and (self.ring is None or self.ring.limits.prefetch_steps == 0):
                 return None  # its re-selection takes effect at the very next step: the host selects first
+            if seq.ring is not None and self.ring is not None and self._unselected_due(seq.ring):
+                return None  # a re-selection not selected yet takes effect at the next step: the host selects first
             if self.states is not None and self.states.is_boundary(w.start + w.num_steps):
                 return None  # the state snapshot at this boundary is taken when the host reads the step
         # the sequences' prefetched pages written in one batch (nothing here preempts or reads a slot)
@@ -239,12 +262,21 @@ class Scheduler:
         assert all(w.device_argmax for w in works), "a continued decode step the decode runner does not accept"
         return self._stamp(works)
 
+    def _unselected_due(self, ring: SeqRing) -> bool:
+        """A re-selection whose scoring step the host has not read yet takes effect at the sequence's next step."""
+        assert self.ring is not None
+        after = ring.decode_steps + 1 - self.ring.limits.prefetch_steps  # a scoring step at or before it is due
+        return any(scored < after for scored in ring.unselected)
+
     def _stamp(self, works: list[Work]) -> list[Work]:
         """Note the decode clock of each re-selection's scoring step (its prefetch counts from there)."""
         for w in works:
             ring = w.seq.ring
             if w.score_tokens and ring is not None and not w.seq.in_prefill:
-                ring.scored_at = ring.decode_steps
+                last = w.start + w.num_steps - 1  # the burst's last step has the clock decode_steps
+                ring.scored_at = ring.decode_steps - (last - w.score_pos if w.score_pos >= 0 else 0)
+                if self.ring is not None and self.ring.limits.prefetch_steps > 0:  # select_deferred takes it
+                    ring.unselected.append(ring.scored_at)
         return works
 
     def finish(self, seq: Sequence) -> None:
@@ -354,40 +386,93 @@ class Scheduler:
             if most < steps:
                 steps, cut = most, why
 
+        lim = self.ring.limits if self.ring is not None else None
+        in_burst = lim is not None and lim.switch_in_burst and lim.prefetch_steps > 0
         for w in works:
             seq, params = w.seq, w.seq.params
             if w.num_new != 1 or not w.samples or not params.device_greedy:
                 return works
             limit(size - w.start % size, "page")
             limit(seq.max_tokens - len(seq.output_ids), "tokens")
-            if w.score_tokens:  # a re-selection scores this step's query: a burst of one (tokens on the device)
+            if w.score_tokens and not in_burst:  # a re-selection scores this step's query: a burst of one
                 steps, cut = 1, "scoring"
-        rescoring = [w.seq for w in works if self._rescores(w.seq)]
-        assert self.ring is not None or not rescoring
-        interval = self.ring.limits.rescore_interval if self.ring is not None else 0
-        for seq in rescoring:
-            ring = seq.ring  # its decode_steps counts the burst's first step already (never a scoring one here)
-            assert ring is not None and self.ring is not None
-            if interval > 0:  # end at its next re-selection step at the latest
-                limit(interval - ring.decode_steps % interval + 1, "rescore")
-            if ring.scored_at is not None:  # and where its last one takes effect (the same steps see the same
-                due = ring.scored_at + self.ring.limits.prefetch_steps  # pages whatever the burst size)
-                if ring.decode_steps <= due:
-                    limit(due - ring.decode_steps + 1, "due")
-        last = {seq: seq.ring.decode_steps + steps - 1 for seq in rescoring}  # type: ignore[union-attr]
-        burst = [
-            w._replace(num_steps=steps, score_tokens=int(w.seq in last and self._rescore_at(last[w.seq])),
-                       device_argmax=True)
-            for w in works
-        ]  # fmt: skip
-        if not self.burst_ok(burst):
+        rescoring = [w for w in works if self._rescores(w.seq)]
+        assert lim is not None or not rescoring
+        interval = lim.rescore_interval if lim is not None else 0
+        # a sequence's clock at the burst's first step (its decode_steps counts that step already)
+        first = {w.seq: w.seq.ring.decode_steps for w in rescoring}  # type: ignore[union-attr]
+        switches: list[tuple[int, Work]] = []  # (the index of the first step with the new evidence, its work)
+        for w in rescoring:
+            ring = w.seq.ring
+            assert ring is not None and lim is not None
+            clock = first[w.seq]
+            if not in_burst:
+                if interval > 0:  # end at its next re-selection step at the latest
+                    limit(interval - clock % interval + 1, "rescore")
+                if ring.scored_at is not None:  # and where its last one takes effect (the same steps see the same
+                    due = ring.scored_at + lim.prefetch_steps  # pages whatever the burst size)
+                    if clock <= due:
+                        limit(due - clock + 1, "due")
+                continue
+            # on the device: a re-selection scores at any step of the burst (one a burst), and the one before takes
+            # effect at any step once it is selected (the host read its scoring step); one not selected yet ends the
+            # burst before its step (one scored in this very burst, or in a burst still unread)
+            if interval > 0:
+                scoring = (-clock) % interval  # the index of the burst's re-selection step, if it has one
+                limit(scoring + interval, "rescore")
+                limit(scoring + lim.prefetch_steps + 1, "due")
+            for scored in ring.unselected:  # continue_decode declines a burst that would start at one
+                limit(scored + lim.prefetch_steps + 1 - clock, "due")
+            pending = ring.pending
+            if pending is not None and clock <= pending.apply_at:
+                switches.append((pending.apply_at + 1 - clock, w))  # its new evidence's first step, > 0
+        if not self.burst_ok([w._replace(num_steps=steps, device_argmax=True) for w in works]):
             return works
+        placed: dict[Sequence, Switch] = {}
+        with self.ring.batched_writes() if self.ring is not None else nullcontext():  # the staged pages: one write
+            for at, w in sorted(switches, key=lambda item: item[0]):
+                if at >= steps:
+                    break
+                switch = self._stage_switch(w, at)
+                if switch is None:  # no room for both read sets: the burst ends before the switch, the host's then
+                    limit(at, "room")
+                    break
+                placed[w.seq] = switch
+        burst = []
+        for w in works:
+            score_pos = -1
+            if w.seq in first and interval > 0:
+                index = (-first[w.seq]) % interval
+                if index < steps:
+                    score_pos = w.start + index
+            burst.append(w._replace(num_steps=steps, score_tokens=int(score_pos >= 0),
+                                    score_pos=score_pos if in_burst else -1, device_argmax=True,
+                                    switch=placed.get(w.seq)))  # fmt: skip
         self.burst_cuts[cut] += 1
         for w in burst:
             w.seq.local_end = max(w.seq.local_end, w.start + steps)
             if w.seq.ring is not None and self._rescores(w.seq):
                 w.seq.ring.decode_steps += steps - 1
         return burst
+
+    def _stage_switch(self, w: Work, at: int) -> Switch | None:
+        """Both read sets of a sequence whose pending re-selection takes effect at step `at` of the burst
+        resident (its new pages restored beside the ones in use, from the fetched bytes), or None when the pool
+        has no room for them (nothing staged). The next room-making applies the re-selection and demotes the
+        pages that left (apply_pending, demote)."""
+        seq, ring = w.seq, w.seq.ring
+        assert ring is not None and ring.pending is not None and self.ring is not None
+        table = seq.page_table
+        end = w.start + 1  # the burst stays in this page: every step's plan has this page count
+        before = self.ring.plan(ring, end).resident
+        after = self.ring.plan(ring, end, ring.pending.evidence).resident
+        union = before | after
+        if self.ring.slots_needed(table.slot_ids, union) > self.slots.num_available():
+            return None
+        self.ring.stage_pending(ring)
+        self.ring.materialize(table.slot_ids, table.page_hashes, union, ring)
+        self._room_keys.pop(seq, None)  # the next room-making plans it afresh (and demotes what left)
+        return Switch(w.start + at, frozenset(before - after), frozenset(after - before))
 
     def _over_budget(self, seq: Sequence) -> bool:
         assert self.ring is not None
