@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import sys
 import tempfile
@@ -78,10 +79,15 @@ def main() -> int:
     p.add_argument("--decode-burst", type=int, default=8)
     p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--kv-format", default="bf16")
+    p.add_argument(
+        "--headroom", type=int, default=-1, help="pool tokens a session beyond its budget (default budget / 4: "
+        "room for both read sets of a re-selection taking effect inside a burst)",
+    )  # fmt: skip
     p.add_argument("--top", type=int, default=25, help="rows of the cProfile table")
     p.add_argument("--dump", default="", help="write the cProfile stats here (pstats)")
     a = p.parse_args()
     n, length, new = a.sessions, a.prompt_len, a.new_tokens
+    headroom = a.budget // 4 if a.headroom < 0 else a.headroom
     with ExitStack() as stack:
         model = a.model
         if not model:
@@ -92,8 +98,9 @@ def main() -> int:
         stack.enter_context(kvstore(url, host_mib))
         cfg = EngineConfig(
             model=model, device="cpu", max_waiting=256, max_context=length + new + 64, kv_format=a.kv_format,
-            kv_capacity=n * a.budget + 4 * 64, ring_budget=a.budget, prefill_chunk=a.prefill_chunk, max_running=n,
-            decode_burst=a.decode_burst, redis_url=url, host_kv_mib=host_mib,
+            kv_capacity=n * (a.budget + headroom) + 4 * 64, ring_budget=a.budget, prefill_chunk=a.prefill_chunk,
+            max_running=n, decode_burst=a.decode_burst, redis_url=url, host_kv_mib=host_mib,
+            ring_switch_in_burst=os.environ.get("KVMEM_RING_SWITCH_IN_BURST", "1") != "0",
         )  # fmt: skip
         engine, _ = build_engine(cfg, start=False)  # started once every session is submitted: one schedule
         stack.callback(engine.stop)

@@ -175,6 +175,10 @@ def main() -> int:
     p.add_argument("--ring-len", type=int, default=32_768, help="prompt + new tokens of each ring-row session")
     p.add_argument("--ring-budget", type=int, default=4096, help="resident tokens per sequence through the ring")
     p.add_argument(
+        "--ring-headroom", type=int, default=1024, help="pool tokens a ring session beyond its budget: room for both "
+        "read sets while a re-selection takes effect inside a decode burst (scheduler.py)",
+    )  # fmt: skip
+    p.add_argument(
         "--ring-new-tokens", type=int, default=256, help="new tokens of each ring-row session (outlast the prefill)"
     )
     p.add_argument(

@@ -3,7 +3,8 @@
 Two engines on the run's model, one after the other, both with fp8 KV (bf16 pages for 32 x 32K do not fit in
 HBM beside the weights):
 
-- ring: a pool of --ring-sessions x --ring-budget tokens (each sequence holds at most --ring-budget resident),
+- ring: a pool of --ring-sessions x (--ring-budget + --ring-headroom) tokens (each sequence holds at most
+  --ring-budget resident, the headroom only while a re-selection takes effect inside a decode burst),
   a real redis-server and kvstore process on loopback (bench/store.py) holding every page's host copy in a
   shared-memory arena (--ring-arena-dir), the engine writing through to it;
 - dense: a pool holding every session whole, no kvstore.
@@ -90,11 +91,15 @@ def ring_rows(run: Run, model_dir: Path) -> None:
         url = stack.enter_context(redis_server())
         stack.enter_context(kvstore(url, host_mib, "--arena-dir", a.ring_arena_dir))
         config: dict[str, Any] = dict(
-            kv_format="fp8", max_context=max_context, kv_capacity=n * budget + 4 * 64, ring_budget=budget,
-            prefill_chunk=a.prefill_chunk, max_running=n, redis_url=url, host_kv_mib=host_mib,
+            kv_format="fp8", max_context=max_context, kv_capacity=n * (budget + a.ring_headroom) + 4 * 64,
+            ring_budget=budget, prefill_chunk=a.prefill_chunk, max_running=n, redis_url=url, host_kv_mib=host_mib,
+            ring_switch_in_burst=os.environ.get("KVMEM_RING_SWITCH_IN_BURST", "1") != "0",
         )  # fmt: skip
         with built(run, model_dir, **config) as engine:
             _sessions(run, engine, "ring", gen_prompts, row, [budget] * n)
+            cuts = engine.scheduler.burst_cuts  # what ended the decode bursts (scheduler.py), all sessions' run
+            row.update(ring_headroom=a.ring_headroom, switch_in_burst=engine.limits.ring.switch_in_burst,
+                       burst_cuts=dict(cuts))  # fmt: skip
             if long_prompt:
                 _long(run, engine, "ring", long_prompt, long_row, budget)
     run.save()
