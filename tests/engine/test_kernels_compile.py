@@ -117,11 +117,24 @@ def compile_silu_mul() -> None:
     _compile(norm_triton._act_mul_kernel, types, dict(BLOCK=1024, ACT=norm_triton.GATED_ACTS["silu"], PDL=True))
 
 
+def compile_advance() -> None:
+    """The end of a captured decode step (step_triton.advance: inputs advanced, a read-set switch copied), compiled
+    as the engine launches it on the GPU (the loop's bound the switch's width, not the interpreter's constexpr);
+    its PTX copies a switching row's read sets in a loop."""
+    from services.engine.kernels import step_triton
+
+    ptrs = ("token_ptr", "burst_ptr", "inputs_ptr", "rows_ptr", "key_pos_ptr", "rows_next_ptr", "key_pos_next_ptr")
+    types = dict({name: "*i64" for name in ptrs}, batch="i32", pages="i32", width="i32")
+    constexprs = dict(BLOCK=step_triton.BLOCK_W, INTERPRETED=False, WIDTH=0, PDL=True)
+    ptx = str(_compile(step_triton._advance_kernel, types, constexprs, ptrs).asm["ptx"])
+    assert "st.global" in ptx and "ld.global" in ptx
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None,
     reason="triton with its CUDA backend is not installed",
 )
-def test_fp8_attention_and_silu_kernels_compile_for_sm90() -> None:
+def test_fp8_attention_silu_and_advance_kernels_compile_for_sm90() -> None:
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -132,4 +145,5 @@ if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     compile_fp8_attention()
     compile_silu_mul()
+    compile_advance()
     print("compiled")
