@@ -371,7 +371,7 @@ class Engine:
             if seq.is_finished:
                 continue  # stopped in the step before this continued one (or aborted, failed): dropped
             if seq.ring is not None and self.ring is not None:
-                self._ring_after_step(w, page_scores, seq.ring)
+                self._ring_after_step(w, page_scores, seq.ring, chosen)
             if w.score_only:
                 continue
             if not chosen:
@@ -390,8 +390,11 @@ class Engine:
                 if seq.is_finished:
                     break  # a stop mid-burst: the tokens after it are dropped
 
-    def _ring_after_step(self, w: Work, scores: torch.Tensor | None, ring: SeqRing) -> None:
-        """Fold the step's page scores in and re-select evidence when the schedule says so."""
+    def _ring_after_step(
+        self, w: Work, scores: torch.Tensor | None, ring: SeqRing, chosen: list[int | Sampled] | None = None
+    ) -> None:
+        """Fold the step's page scores in and re-select evidence when the schedule says so (`chosen`: the step's
+        tokens, a burst's in order, not taken into the sequence yet)."""
         assert self.ring is not None
         if w.replay_from >= 0:  # a question replay: its scores wait for the query span's (the final selection)
             self.ring.keep_replay_scores(ring, scores)
@@ -399,8 +402,9 @@ class Engine:
         if scores is not None:
             self.ring.add_scores(ring, scores, w.score_tokens)
         candidates = w.start // self.limits.page_size
-        # what the recent window covers once this selection is in use (a burst's scoring step may be any of its steps)
-        end = (w.score_pos if w.score_pos >= 0 else w.start) + w.num_new
+        # the scoring step's index in a burst (any of its steps with switch_in_burst, else its last)
+        at = (w.score_pos if w.score_pos >= 0 else w.start + w.num_steps - 1) - w.start
+        end = w.start + at + w.num_new  # what the recent window covers once this selection is in use
         if w.score_only or w.exact_query:  # the prompt's final selection
             ring.final_scored = True
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)
@@ -409,10 +413,12 @@ class Engine:
         elif w.score_tokens:  # decode: the scheduler scores only the steps that re-select
             seq, table = w.seq, w.seq.page_table
             prompt, recent = None, list[int]()
-            if ring.prompt_tokens is not None:  # follow_copy: the answer's last known tokens, the prompt's before
-                n = self.ring.limits.follow_copy  # the first ones
-                prompt = ring.prompt_tokens
-                recent = (seq.prompt_ids[-n:] + seq.output_ids[max(0, seq.known_outputs - n) : seq.known_outputs])[-n:]
+            if ring.prompt_tokens is not None:  # follow_copy: the answer's tokens up to the scoring step's own (a
+                n = self.ring.limits.follow_copy  # burst's scoring step may be any of its steps: the burst's tokens
+                prompt = ring.prompt_tokens  # before it count, as single steps would have read them), the prompt's
+                known = seq.known_outputs  # before the first ones
+                ahead = [t if isinstance(t, int) else t.token for t in (chosen or [])[:at]]
+                recent = (seq.prompt_ids[-n:] + seq.output_ids[max(0, known - n) : known] + ahead)[-n:]
             self.ring.select_deferred(
                 ring, candidates, seq.request_id, self.stats.steps_total, table.slot_ids, table.page_hashes, end,
                 prompt, recent,

@@ -54,7 +54,10 @@ def _burst_run(
 ) -> tuple[list[tuple[list[int], object]], list[list[Work]], object]:
     """Prompts of these lengths decoded together; (per request (tokens, Done), the works of every step, the
     engine)."""
+    on_engine = kw.pop("on_engine", None)
     engine = make_engine(model, tokenizer, decode_burst=burst, **kw)  # type: ignore[arg-type]
+    if on_engine is not None:
+        on_engine(engine)  # type: ignore[operator]
     steps: list[list[Work]] = []
     real = engine.runner.run
 
@@ -311,6 +314,40 @@ def test_re_selections_inside_bursts_give_the_tokens_of_single_steps(
     assert engine.ring.num_prefetched > 0  # type: ignore[attr-defined]
     assert len(steps) < len(cut_steps)
     assert [len(t) for t, _ in inside] == [40, 33, 45]
+
+
+@pytest.mark.parametrize("in_burst", [True, False], ids=["in-burst", "cut"])
+def test_a_re_selection_follows_the_copy_from_its_own_step_whatever_the_burst(
+    smol_tokenizer: Tokenizer, start_store: StartStore, in_burst: bool
+) -> None:
+    """Copy following (follow_copy) looks up the answer's last tokens as of the re-selection step itself: a burst's
+    scoring step may be any of its steps (or its last), so the tokens the burst chose before it count. Every decode
+    re-selection gets the same tail and end in bursts of 8 as in single steps, and the answers are the same."""
+    address = start_store(host_kv_mib=64).address
+    ring = ring_limits(8, page_size=16, rescore_interval=4, prefetch_steps=2, follow_copy=4, switch_in_burst=in_burst)
+    kw = dict(num_slots=30, page_size=16, max_context=512, ring_chunk=32, store_address=address, ring=ring,
+              lengths=(300, 170))  # fmt: skip
+    params = [greedy(40), greedy(33)]
+    calls: dict[int, list[tuple[object, ...]]] = {}
+    runs = {}
+    for burst in (1, 8):
+        model = decode_model("llama", VOCAB)
+        seen = calls.setdefault(burst, [])
+
+        def spying(engine, seen: list[tuple[object, ...]] = seen) -> None:  # type: ignore[no-untyped-def]
+            real = engine.ring.select_deferred
+
+            def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+                seen.append((args[2], args[6], tuple(args[8])))
+                return real(*args, **kwargs)
+
+            engine.ring.select_deferred = spy
+
+        got, _, _ = _burst_run(model, smol_tokenizer, burst, params, f"fc{burst}{in_burst}", on_engine=spying, **kw)
+        runs[burst] = [t for t, _ in got]
+    assert len(calls[1]) >= 10 and all(len(tail) == 4 for _, _, tail in calls[1])
+    assert sorted(calls[8]) == sorted(calls[1])  # the same tails and ends, request by request (order: launches)
+    assert runs[8] == runs[1]
 
 
 @pytest.mark.gpu
