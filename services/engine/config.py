@@ -63,7 +63,9 @@ class EngineConfig:
     # burst left the device idle ~1.7 ms a re-selection; two leave it ~0.2 ms (bench/RESULTS.md, run 20)
     ring_prefetch_steps: int = 16
     # a decode re-selection scores and takes effect inside a decode burst, on the device (scheduler._burst), instead
-    # of ending the burst at each sequence's re-selection step: the same steps read the same pages either way
+    # of ending the burst at each sequence's re-selection step: the same steps read the same pages either way. Both
+    # read sets are resident for that burst, so it needs free slots beyond the sequences' budgets (the bench rows
+    # give a quarter of the budget); without them the burst ends before the switch, as with this off
     ring_switch_in_burst: bool = True
     retrieval: bool = True  # False: the negative control (evidence stays empty)
     # selection (ring.RingLimits): each head votes its top k pages (0: mass summed over heads), a decode
