@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.engine.builder import build_engine  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.step.sampling import SamplingParams  # noqa: E402
-from services.engine.step.scheduler import Work  # noqa: E402
 from services.engine.step.sequence import Chunk, Done, Failed, Sequence  # noqa: E402
+from services.engine.step.work import Work  # noqa: E402
 
 
 def main() -> int:

@@ -37,8 +37,9 @@ from services.engine.step.detokenizer import Detokenizer
 from services.engine.step.grammar import GrammarCompiler, GrammarError, GrammarTables
 from services.engine.step.model_runner import Launched, ModelRunner
 from services.engine.step.sampling import InvalidRequestError, Row, Sampled, SamplingParams, sample_batch
-from services.engine.step.scheduler import Scheduler, Work
+from services.engine.step.scheduler import Scheduler
 from services.engine.step.sequence import NOT_RESIDENT, Chunk, Done, Failed, FinishReason, SeqStatus, Sequence
+from services.engine.step.work import Work
 
 if TYPE_CHECKING:
     from services.engine.kv.write_through import WriteThrough

@@ -16,8 +16,8 @@ import torch
 
 from services.common.tokenizer import Tokenizer
 from services.engine.step.sampling import SamplingParams
-from services.engine.step.scheduler import Work
 from services.engine.step.sequence import FinishReason, Sequence
+from services.engine.step.work import Work
 from tests.conftest import StartStore
 from tests.engine.helpers import (
     DECODE_MODELS,

@@ -30,8 +30,8 @@ from services.engine.ring.summaries import PageSummaries
 from services.engine.step.decode_graph import DecodeGraphs, batch_bucket, window_bucket
 from services.engine.step.model_runner import ModelRunner
 from services.engine.step.sampling import SamplingParams
-from services.engine.step.scheduler import Switch, Work
 from services.engine.step.sequence import NOT_RESIDENT, Sequence
+from services.engine.step.work import Switch, Work
 from tests.conftest import StartStore
 from tests.engine.helpers import (
     DECODE_MODELS,

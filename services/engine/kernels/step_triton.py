@@ -4,7 +4,7 @@ A decode burst replays the same CUDA graph step after step (decode_graph.py), so
 turning its argmax into the next step's inputs on the device: the token goes into the burst's row of
 `burst_tokens` and becomes the next input id, positions and write rows move one on, and the step
 index wraps at the page size. A batch row whose new position is its `switch_pos` (a re-selection taking
-effect inside the burst, scheduler.Switch) then reads its next read set: rows and key_pos take rows_next
+effect inside the burst, work.Switch) then reads its next read set: rows and key_pos take rows_next
 and key_pos_next. In torch that is a handful of small launches (decode_graph.advance_inputs, the
 reference); here it is one launch of one program per batch row: each program touches its own column of
 the inputs and its own row of the read sets only, so no program waits for another, and the rare switch

@@ -8,7 +8,7 @@ scoring runs here instead of StepAttention. The step's inputs live in static buf
     rows, key_pos                   [B, W]  every resident row of the sequence up to its last page,
                                             padded with row 0 at position PAD_POS (always masked)
     rows_next, key_pos_next,        [B, W], the read set from position switch_pos on (a re-selection taking
-    switch_pos                      [B]     effect inside a burst, scheduler.Switch; PAD_POS: none)
+    switch_pos                      [B]     effect inside a burst, work.Switch; PAD_POS: none)
     keep_pos                        [B]     the position whose query the row keeps for page scoring (< 0:
                                             every step's, the last one's surviving)
     local_rows, local_pos (per      [B, L]  the rows of the last ceil((window - 1) / page) + 1 pages only:
@@ -84,8 +84,8 @@ from services.engine.kv.transfers import to_host
 from services.engine.models.loader import CausalLM
 from services.engine.ring.summaries import row_index
 from services.engine.step.graph_attention import GraphAttention, GraphBuffers
-from services.engine.step.scheduler import Work
 from services.engine.step.sequence import NOT_RESIDENT, Sequence
+from services.engine.step.work import Work
 
 logger = logging.getLogger(__name__)
 
@@ -437,7 +437,7 @@ class DecodeGraphs:
 
     def _rows_of(self, w: Work) -> _SeqRows:
         """The sequence's read set (cached while its page table up to the new token's page, and its switch, are
-        unchanged): every resident page up to the token's, or with a switch (scheduler.Switch) inside the burst
+        unchanged): every resident page up to the token's, or with a switch (work.Switch) inside the burst
         those without the joining pages, then (`after`) those without the leaving ones; a switch at or before
         the burst's first step gives the latter only."""
         size = self.pool.page_size

@@ -34,7 +34,7 @@ class GraphBuffers:
     write_rows: torch.Tensor  # [B]
     rows: torch.Tensor  # [B, W]
     key_pos: torch.Tensor  # [B, W]
-    rows_next: torch.Tensor  # [B, W] the read set a row switches to inside a burst (scheduler.Switch)
+    rows_next: torch.Tensor  # [B, W] the read set a row switches to inside a burst (work.Switch)
     key_pos_next: torch.Tensor  # [B, W]
     local_rows: dict[int, torch.Tensor]  # window -> [B, L]
     local_pos: dict[int, torch.Tensor]  # window -> [B, L]

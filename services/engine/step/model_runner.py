@@ -14,8 +14,8 @@ from services.engine.kv.transfers import copied, device_index, to_host
 from services.engine.models.loader import CausalLM
 from services.engine.ring.host_pages import HostPages
 from services.engine.step.decode_graph import DecodeGraphs
-from services.engine.step.scheduler import Work
 from services.engine.step.sequence import NOT_RESIDENT
+from services.engine.step.work import Work
 
 logger = logging.getLogger(__name__)
 

@@ -54,7 +54,6 @@ import logging
 from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import NamedTuple
 
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.recurrent_state import RecurrentStates
@@ -64,46 +63,9 @@ from services.engine.ring.host_pages import HostPages, PagesLostError
 from services.engine.ring.ring import RingExhaustedError, RingManager, SeqRing
 from services.engine.step.prefix_cache import PrefixCache
 from services.engine.step.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
+from services.engine.step.work import Switch, Work
 
 logger = logging.getLogger(__name__)
-
-
-class Switch(NamedTuple):
-    """A ring sequence's read set changing inside a decode burst (a decode re-selection taking effect on the
-    device, `_burst`): the burst's steps before position `pos` read the sequence's resident pages without
-    `joining`, its steps from `pos` on read them without `leaving` (both sets of page numbers, resident)."""
-
-    pos: int
-    leaving: frozenset[int]
-    joining: frozenset[int]
-
-
-class Work(NamedTuple):
-    """`num_new` tokens of `seq` starting at position `start` go through the model this step."""
-
-    seq: Sequence
-    start: int
-    num_new: int
-    score_tokens: int = 0  # trailing tokens of this work whose queries score pages (ring)
-    score_only: bool = False  # a scoring pass: nothing is kept but the scores
-    num_steps: int = 1  # a decode burst: this many greedy decode steps in a row (num_new == 1)
-    on_device: bool = False  # its input token is the last step's argmax, not read by the host yet
-    device_argmax: bool = False  # its tokens are each step's argmax, chosen on the device (a greedy decode burst)
-    # the step attends every earlier page, host-only ones streamed in, and its scoring tokens rank the pages by
-    # their real attention mass (RingLimits.query_pass "attention" and "exact"): the prompt's final selection
-    exact_query: bool = False
-    # a question replay (RingLimits.question_replay; score_only): its tokens are the prompt's from this index on,
-    # at positions [start, start + num_new) past what the sequence has computed, attending it; -1: the sequence's own
-    replay_from: int = -1
-    # a decode burst that scores (score_tokens): the position of the step whose query scores the pages; -1: the
-    # burst's last step
-    score_pos: int = -1
-    switch: Switch | None = None  # a re-selection taking effect inside this burst (Switch)
-
-    @property
-    def samples(self) -> bool:
-        """The step reaches the end of the sequence, so its last logits give the next token."""
-        return not self.score_only and self.start + self.num_new == self.seq.num_tokens
 
 
 class _NoRoom(Exception):
@@ -399,13 +361,15 @@ class Scheduler:
         rescoring = [w for w in works if self._rescores(w.seq)]
         assert lim is not None or not rescoring
         interval = lim.rescore_interval if lim is not None else 0
-        # a sequence's clock at the burst's first step (its decode_steps counts that step already)
-        first = {w.seq: w.seq.ring.decode_steps for w in rescoring}  # type: ignore[union-attr]
+        # per rescoring sequence, the index of its re-selection step in the burst (maybe past its end)
+        scoring_at: dict[Sequence, int] = {}
         switches: list[tuple[int, Work]] = []  # (the index of the first step with the new evidence, its work)
         for w in rescoring:
             ring = w.seq.ring
             assert ring is not None and lim is not None
-            clock = first[w.seq]
+            clock = ring.decode_steps  # at the burst's first step (decode_steps counts that step already)
+            if interval > 0:
+                scoring_at[w.seq] = (-clock) % interval
             if not in_burst:
                 if interval > 0:  # end at its next re-selection step at the latest
                     limit(interval - clock % interval + 1, "rescore")
@@ -418,9 +382,8 @@ class Scheduler:
             # effect at any step once it is selected (the host read its scoring step); one not selected yet ends the
             # burst before its step (one scored in this very burst, or in a burst still unread)
             if interval > 0:
-                scoring = (-clock) % interval  # the index of the burst's re-selection step, if it has one
-                limit(scoring + interval, "rescore")
-                limit(scoring + lim.prefetch_steps + 1, "due")
+                limit(scoring_at[w.seq] + interval, "rescore")
+                limit(scoring_at[w.seq] + lim.prefetch_steps + 1, "due")
             for scored in ring.unselected:  # continue_decode declines a burst that would start at one
                 limit(scored + lim.prefetch_steps + 1 - clock, "due")
             pending = ring.pending
@@ -429,7 +392,7 @@ class Scheduler:
         if not self.burst_ok([w._replace(num_steps=steps, device_argmax=True) for w in works]):
             return works
         placed: dict[Sequence, Switch] = {}
-        with self.ring.batched_writes() if self.ring is not None else nullcontext():  # the staged pages: one write
+        with self.ring.batched_writes() if switches and self.ring is not None else nullcontext():  # one write
             for at, w in sorted(switches, key=lambda item: item[0]):
                 if at >= steps:
                     break
@@ -440,11 +403,8 @@ class Scheduler:
                 placed[w.seq] = switch
         burst = []
         for w in works:
-            score_pos = -1
-            if w.seq in first and interval > 0:
-                index = (-first[w.seq]) % interval
-                if index < steps:
-                    score_pos = w.start + index
+            index = scoring_at.get(w.seq, steps)
+            score_pos = w.start + index if index < steps else -1
             burst.append(w._replace(num_steps=steps, score_tokens=int(score_pos >= 0),
                                     score_pos=score_pos if in_burst else -1, device_argmax=True,
                                     switch=placed.get(w.seq)))  # fmt: skip
