@@ -9,59 +9,16 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-from collections.abc import Iterator
-from typing import NamedTuple
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from services.engine.kv.attention import PAD_POS
+from tests.engine.decode_attention_cases import Inputs, inputs, tolerance
 from tests.engine.helpers import device_or_skip
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-
-
-class Inputs(NamedTuple):
-    q: torch.Tensor  # [B, Hq, D]
-    k_store: torch.Tensor  # [R, Hkv, D]
-    v_store: torch.Tensor
-    rows: torch.Tensor  # [B, W] int64
-    key_pos: torch.Tensor  # [B, W] int64
-    q_pos: torch.Tensor  # [B] int64
-    scale: float
-
-
-def _inputs(
-    batch: int, heads: tuple[int, int], head_dim: int, width: int, dtype: torch.dtype, device: torch.device, seed: int
-) -> Inputs:
-    """Scattered pool rows in shuffled order, positions with gaps, padding rows (row 0 at PAD_POS) at the
-    end of each sequence's rows, and a few real keys after the query (masked as future)."""
-    num_heads, num_kv_heads = heads
-    g = torch.Generator().manual_seed(seed)
-    num_rows = batch * width + 64
-    k_store = torch.randn(num_rows, num_kv_heads, head_dim, generator=g)
-    v_store = torch.randn(num_rows, num_kv_heads, head_dim, generator=g)
-    q = 2 * torch.randn(batch, num_heads, head_dim, generator=g)  # scores spread: a peaked softmax
-    rows = torch.stack([torch.randperm(num_rows - 1, generator=g)[:width] + 1 for _ in range(batch)])
-    key_pos = torch.cumsum(torch.randint(1, 4, (batch, width), generator=g), dim=1)  # increasing, gaps
-    q_pos = torch.empty(batch, dtype=torch.int64)
-    for b in range(batch):
-        num_pad = (width // 4 + 13 * b) % (width // 2)
-        key_pos[b, width - num_pad :] = PAD_POS
-        rows[b, width - num_pad :] = 0
-        real = width - num_pad
-        q_pos[b] = key_pos[b, real - 1 - min(3, real - 1)]  # the last real keys are in the future
-        order = torch.randperm(width, generator=g)  # rows in no particular order
-        rows[b], key_pos[b] = rows[b, order], key_pos[b, order]
-    return Inputs(
-        q.to(device, dtype), k_store.to(device, dtype), v_store.to(device, dtype),
-        rows.to(device), key_pos.to(device), q_pos.to(device), head_dim**-0.5,
-    )  # fmt: skip
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    return 2e-5 if dtype == torch.float32 else 2e-2  # bf16/fp16: one rounding of the output (and of p on GPU)
 
 
 def _check(x: Inputs, window: int | None, out: torch.Tensor | None = None) -> None:
@@ -70,7 +27,7 @@ def _check(x: Inputs, window: int | None, out: torch.Tensor | None = None) -> No
     want = dat.decode_attention_reference(*x, window=window)
     got = dat.decode_attention(*x, window=window, out=out)
     assert got.shape == x.q.shape and got.dtype == (x.q.dtype if out is None else out.dtype)
-    tol = _tolerance(x.k_store.dtype)
+    tol = tolerance(x.k_store.dtype)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
@@ -115,7 +72,7 @@ def _sdpa_attention(x: Inputs, window: int | None) -> torch.Tensor:
 def test_reference_matches_loop_and_sdpa(heads: tuple[int, int], window: int | None) -> None:
     from services.engine.kernels.decode_attention_triton import decode_attention_reference
 
-    x = _inputs(3, heads, 32, 128, torch.float32, torch.device("cpu"), seed=7)
+    x = inputs(3, heads, 32, 128, torch.float32, torch.device("cpu"), seed=7)
     got = decode_attention_reference(*x, window=window)
     torch.testing.assert_close(got.double(), _loop_attention(x, window), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, _sdpa_attention(x, window), rtol=1e-5, atol=1e-5)
@@ -124,7 +81,7 @@ def test_reference_matches_loop_and_sdpa(heads: tuple[int, int], window: int | N
 def test_reference_keeps_q_dtype_and_sees_only_the_visible_row() -> None:
     from services.engine.kernels.decode_attention_triton import decode_attention_reference
 
-    x = _inputs(2, (4, 2), 16, 64, torch.bfloat16, torch.device("cpu"), seed=3)
+    x = inputs(2, (4, 2), 16, 64, torch.bfloat16, torch.device("cpu"), seed=3)
     got = decode_attention_reference(*x, window=1)  # only the key at q_pos itself
     assert got.dtype == torch.bfloat16
     for b in range(2):
@@ -171,20 +128,20 @@ def _gpu_cases() -> list[object]:
 def test_kernel_matches_reference_cpu(
     batch: int, heads: tuple[int, int], head_dim: int, width: int, dtype: torch.dtype, window: int | None
 ) -> None:
-    _check(_inputs(batch, heads, head_dim, width, dtype, torch.device("cpu"), seed=width + batch), window)
+    _check(inputs(batch, heads, head_dim, width, dtype, torch.device("cpu"), seed=width + batch), window)
 
 
 @pytest.mark.parametrize(("batch", "heads", "head_dim", "width", "dtype", "window"), _gpu_cases())
 def test_kernel_matches_reference_cuda(
     batch: int, heads: tuple[int, int], head_dim: int, width: int, dtype: torch.dtype, window: int | None
 ) -> None:
-    _check(_inputs(batch, heads, head_dim, width, dtype, device_or_skip("cuda"), seed=width + batch), window)
+    _check(inputs(batch, heads, head_dim, width, dtype, device_or_skip("cuda"), seed=width + batch), window)
 
 
 def _only_one_visible(where: str, last: bool) -> Inputs:
     """Positions 0..W-1 in order; the query sees only the last row (window 1) or only the first (q_pos 0):
     every other split is fully masked."""
-    x = _inputs(2, (4, 1), 64, 256, torch.float32, device_or_skip(where), seed=11)
+    x = inputs(2, (4, 1), 64, 256, torch.float32, device_or_skip(where), seed=11)
     width = x.rows.shape[1]
     key_pos = torch.arange(width, device=x.rows.device).expand(2, width).contiguous()
     q_pos = torch.full((2,), width - 1 if last else 0, dtype=torch.int64, device=x.rows.device)
@@ -212,7 +169,7 @@ def test_partial_last_split_and_direct_path(where: str, monkeypatch: pytest.Monk
     monkeypatch.setattr(dat, "TARGET_PROGRAMS", 1)
     assert dat.split_rows(2, 2, 1216) == 448 and dat.split_rows(2, 2, 256) == 256
     for width in (1216, 256):
-        _check(_inputs(1, (4, 1), 64, width, torch.float32, device_or_skip(where), seed=width), window=None)
+        _check(inputs(1, (4, 1), 64, width, torch.float32, device_or_skip(where), seed=width), window=None)
 
 
 def test_many_splits_are_merged() -> None:
@@ -220,14 +177,14 @@ def test_many_splits_are_merged() -> None:
     from services.engine.kernels import decode_attention_triton as dat
 
     assert dat.split_rows(1, 1, 1088) == 64
-    _check(_inputs(1, (4, 1), 32, 1088, torch.float32, torch.device("cpu"), seed=5), window=200)
+    _check(inputs(1, (4, 1), 32, 1088, torch.float32, torch.device("cpu"), seed=5), window=200)
 
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_strided_query_and_given_output(where: str) -> None:
     """q as the query heads of a fused [B, Hq + 2 Hkv, D] projection; the result lands in `out` (a view)."""
     device = device_or_skip(where)
-    x = _inputs(2, (8, 2), 64, 128, torch.float32, device, seed=9)
+    x = inputs(2, (8, 2), 64, 128, torch.float32, device, seed=9)
     fused = torch.randn(2, 12, 64, device=device)
     fused[:, :8] = x.q
     big = torch.full((2, 10, 64), float("nan"), device=device)
@@ -250,7 +207,7 @@ def test_keeps_a_copy_of_the_queries(where: str, partial: bool) -> None:
     from services.engine.kernels import decode_attention_triton as dat
 
     device = device_or_skip(where)
-    x = _inputs(2, (8, 2), 64, 512, torch.bfloat16, device, seed=11)
+    x = inputs(2, (8, 2), 64, 512, torch.bfloat16, device, seed=11)
     assert 512 // dat.split_rows(2, 2, 512) > 1  # several splits: only the first one's programs copy
     fused = torch.randn(2, 12, 64, device=device, dtype=torch.bfloat16)
     fused[:, :8] = x.q
@@ -260,7 +217,7 @@ def test_keeps_a_copy_of_the_queries(where: str, partial: bool) -> None:
     if isinstance(got, dat.Partials):
         got = dat.merge_reference(got)
     want = dat.decode_attention_reference(*x)
-    tol = _tolerance(torch.bfloat16)
+    tol = tolerance(torch.bfloat16)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     with pytest.raises(AssertionError):  # not q's shape
         dat.decode_attention(*x, keep_q=kept[:, :4])
@@ -275,7 +232,7 @@ def test_keeps_the_queries_of_the_step_at_keep_pos(where: str, partial: bool) ->
     from services.engine.kernels import decode_attention_triton as dat
 
     device = device_or_skip(where)
-    x = _inputs(4, (8, 2), 64, 512, torch.bfloat16, device, seed=12)
+    x = inputs(4, (8, 2), 64, 512, torch.bfloat16, device, seed=12)
     assert 512 // dat.split_rows(4, 2, 512) > 1
     keep_pos = x.q_pos + torch.tensor([0, 0, 1, -1], device=device)
     keep_pos[0] = -1  # every step
@@ -288,7 +245,7 @@ def test_keeps_the_queries_of_the_step_at_keep_pos(where: str, partial: bool) ->
     if isinstance(got, dat.Partials):
         got = dat.merge_reference(got)
     want = dat.decode_attention_reference(*x)
-    tol = _tolerance(torch.bfloat16)
+    tol = tolerance(torch.bfloat16)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     with pytest.raises(AssertionError):  # keep_pos without keep_q
         dat.decode_attention(*x, keep_pos=keep_pos)
@@ -306,7 +263,7 @@ def test_split_rows_is_a_function_of_the_shapes() -> None:
 def test_wrapper_refuses_bad_shapes() -> None:
     from services.engine.kernels.decode_attention_triton import decode_attention, supported
 
-    x = _inputs(1, (4, 1), 64, 128, torch.float32, torch.device("cpu"), seed=1)
+    x = inputs(1, (4, 1), 64, 128, torch.float32, torch.device("cpu"), seed=1)
     assert supported(x.k_store) and supported(x.k_store.bfloat16()) and supported(x.k_store.half())
     assert not supported(torch.zeros(8, 1, 68, dtype=torch.uint8))  # a quantised pool layer
     assert not supported(torch.zeros(8, 1, 48)) and not supported(torch.zeros(8, 1, 512))
@@ -354,7 +311,7 @@ def test_captured_in_a_cuda_graph(window: int | None) -> None:
     from services.engine.kernels.decode_attention_triton import decode_attention, decode_attention_reference
 
     device = device_or_skip("cuda")
-    static = _inputs(3, (4, 1), 256, 1024, torch.bfloat16, device, seed=1)
+    static = inputs(3, (4, 1), 256, 1024, torch.bfloat16, device, seed=1)
     out = torch.empty_like(static.q)
     decode_attention(*static, window=window, out=out)  # compile outside the capture
     torch.cuda.synchronize()
@@ -362,7 +319,7 @@ def test_captured_in_a_cuda_graph(window: int | None) -> None:
     with torch.cuda.graph(graph):
         decode_attention(*static, window=window, out=out)
     for seed in (2, 3):
-        fresh = _inputs(3, (4, 1), 256, 1024, torch.bfloat16, device, seed=seed)
+        fresh = inputs(3, (4, 1), 256, 1024, torch.bfloat16, device, seed=seed)
         for buf, new in zip(static[:6], fresh[:6], strict=True):
             buf.copy_(new)
         graph.replay()
@@ -379,14 +336,14 @@ def test_new_widths_and_batches_compile_nothing() -> None:
 
     device = device_or_skip("cuda")
     for width in (512, 2048):
-        _check(_inputs(1, (4, 1), 256, width, torch.bfloat16, device, seed=1), window=None)
+        _check(inputs(1, (4, 1), 256, width, torch.bfloat16, device, seed=1), window=None)
     caches = [
         dat._split_kernel.device_caches[torch.cuda.current_device()][0],
         dat._merge_kernel.device_caches[torch.cuda.current_device()][0],
     ]
     before = [len(c) for c in caches]
     for batch, width in ((1, 1024), (3, 256), (3, 2048), (2, 4096), (5, 1088)):
-        _check(_inputs(batch, (4, 1), 256, width, torch.bfloat16, device, seed=width), window=None)
+        _check(inputs(batch, (4, 1), 256, width, torch.bfloat16, device, seed=width), window=None)
     assert [len(c) for c in caches] == before
 
 
@@ -426,7 +383,7 @@ def test_ring_window_matches_its_reference(
     scale = 64**-0.5
     got = dat.decode_attention_ring(q, k_store, v_store, ring_base, span, q_pos, scale, width, window)
     want = dat.decode_attention_ring_reference(q, k_store, v_store, ring_base, span, q_pos, scale, width, window)
-    tol = _tolerance(dtype)
+    tol = tolerance(dtype)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     rows, key_pos = ring_read_set(ring_base, span, q_pos, width)
     assert int((key_pos[0] <= q_pos[0]).sum()) == 6  # positions 0..5 only
@@ -445,16 +402,16 @@ def test_partials_merge_to_the_output(where: str, heads: tuple[int, int], width:
     from services.engine.kernels import decode_attention_triton as dat
 
     dtype = torch.float32 if where == "cpu" else torch.bfloat16
-    x = _inputs(1, heads, 64, width, dtype, device_or_skip(where), seed=width)
+    x = inputs(1, heads, 64, width, dtype, device_or_skip(where), seed=width)
     got = dat.decode_attention(*x, window=window, partial=True)
     assert isinstance(got, dat.Partials) and got.num_splits == width // dat.split_rows(1, heads[1], width) > 1
     assert got.m.shape == got.l.shape == (1, heads[0], got.num_splits) and got.dtype == dtype
-    tol = _tolerance(dtype)
+    tol = tolerance(dtype)
     want = dat.decode_attention_reference(*x, window=window)
     torch.testing.assert_close(dat.merge_reference(got).float(), want.float(), rtol=tol, atol=tol)
     assert not isinstance(dat.decode_attention(*x, window=window), dat.Partials)  # merged unless asked
     if heads[1] == 2:  # a batch that fills the grid in one split a row range: the output as always
-        one = _inputs(128, heads, 64, 64, dtype, x.q.device, seed=1)
+        one = inputs(128, heads, 64, 64, dtype, x.q.device, seed=1)
         assert dat.split_rows(128, heads[1], 64) == 64
         direct = dat.decode_attention(*one, window=window, partial=True)
         assert isinstance(direct, torch.Tensor)
@@ -491,138 +448,7 @@ def test_sorted_keys_skip_the_splits_past_the_query(where: str) -> None:
     out = torch.full_like(q, float("nan"))
     got = dat.decode_attention(*x, out=out, sorted_keys=True)
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
-    tol = _tolerance(dtype)
+    tol = tolerance(dtype)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(got.float(), plain.float(), rtol=tol, atol=tol)
     assert dat.split_rows(batch, hkv, width) < width  # several splits, some wholly past the query
-
-
-def _fp8_stores(x: Inputs) -> tuple[torch.Tensor, torch.Tensor, Inputs]:
-    """The inputs' K/V rows quantised to fp8 rows (kv_formats.py), and the inputs with their dequantised rows
-    (what the gather path attends)."""
-    from services.engine.kv.kv_formats import parse_format
-
-    fmt = parse_format("fp8")
-    k8, v8 = fmt.quantize(x.k_store), fmt.quantize(x.v_store)
-    deq = x._replace(k_store=fmt.dequantize(k8, x.q.dtype), v_store=fmt.dequantize(v8, x.q.dtype))
-    return k8, v8, deq
-
-
-@pytest.fixture(params=["fp16", "bf16"])
-def fp8_dot(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Each operand mode of the fp8 rows' dots (KVMEM_FP8_DOT, read once per process by dat.fp8_dot)."""
-    from services.engine.kernels import decode_attention_triton as dat
-
-    monkeypatch.setenv("KVMEM_FP8_DOT", request.param)
-    dat.fp8_dot.cache_clear()
-    yield request.param
-    dat.fp8_dot.cache_clear()
-
-
-FP16_UNIT = 2.0**-11  # fp16's unit roundoff
-
-
-def _fp16_weight_tolerance(v: torch.Tensor) -> float:
-    """The fp16 path's error against the fp32 reference when q is exact in fp16: each weight exp2(s - m) *
-    v_scale (<= 1.07) is rounded to fp16 once, off by at most FP16_UNIT of itself (normal) or 2^-25 (subnormal),
-    so the output, a weighted mean of the rows, moves by at most FP16_UNIT * max |v| plus W * 2^-25 * max |v|
-    (the sums l are >= 2^-log2(v_scale)); 2^-10 * max |v| covers both up to W = 16K."""
-    return 2.0**-10 * float(v.abs().max())
-
-
-@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize(
-    ("batch", "heads", "width", "dtype"), [(2, (4, 1), 256, torch.float32), (1, (8, 2), 1024, torch.bfloat16)]
-)  # noqa: E501
-def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
-    where: str, batch: int, heads: tuple[int, int], width: int, dtype: torch.dtype, fp8_dot: str
-) -> None:
-    """An fp8 pool layer (uint8 rows: fp32 scale + e4m3fn codes) read in place, the scales applied to the scores
-    and the probabilities: the reference's output over the dequantised rows, split and merged or direct. bf16
-    dots: exact on the CPU (fp32 dots there). fp16 dots: q and the weights rounded to fp16 as on the GPU; with q
-    exact in fp16, within the weights' rounding (_fp16_weight_tolerance)."""
-    from services.engine.kernels import decode_attention_triton as dat
-
-    x = _inputs(batch, heads, 64, width, dtype, device_or_skip(where), seed=width)
-    if fp8_dot == "fp16":
-        x = x._replace(q=x.q.half().to(dtype))
-    k8, v8, deq = _fp8_stores(x)
-    assert dat.supported(k8, fp8=True) and not dat.supported(k8)
-    want = dat.decode_attention_reference(*deq)
-    got = dat.decode_attention(x.q, k8, v8, x.rows, x.key_pos, x.q_pos, x.scale, fp8=True)
-    assert got.dtype == dtype
-    if dtype != torch.float32 or where != "cpu":
-        tol = 2e-2  # a bf16 output, or tensor-core dots with bf16 probabilities
-    else:
-        tol = 2e-5 if fp8_dot == "bf16" else _fp16_weight_tolerance(deq.v_store)
-    torch.testing.assert_close(got.float(), want.float(), rtol=0 if fp8_dot == "fp16" else tol, atol=tol)
-
-
-@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("values", ["spread", "tiny"])
-def test_fp8_fp16_dots_over_rows_far_from_one(where: str, values: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fp16 dots where fp16's range matters: rows whose largest |value| (a code of 448) spans 1e-7..1e4 from
-    row to row, with zero rows, and queries of |q| up to ~100 ("spread": peaked softmaxes whose weights mix
-    scales eleven orders apart), and a long sequence of value rows at 1e-6..1e-5 ("tiny": p * v_scale alone
-    would sit in fp16's subnormals, 4e-11 for a weight of 1/1024: the running max of s + log2 v_scale keeps the
-    weights near 1). Within the fp16 rounding of the weights of the fp32 reference, per sequence."""
-    from services.engine.kernels import decode_attention_triton as dat
-
-    monkeypatch.setenv("KVMEM_FP8_DOT", "fp16")
-    dat.fp8_dot.cache_clear()
-    device = device_or_skip(where)
-    g = torch.Generator().manual_seed(5)
-    batch, (hq, hkv), d, width = 2, (8, 2), 64, 512 if values == "spread" else 2048
-    num_rows = batch * width + 64
-
-    def rows_at(low: float, high: float) -> torch.Tensor:  # each row's magnitude log-uniform in [low, high]
-        mag = torch.exp(
-            torch.empty(num_rows, hkv, 1).uniform_(
-                float(torch.log(torch.tensor(low))), float(torch.log(torch.tensor(high))), generator=g
-            )
-        )
-        return torch.randn(num_rows, hkv, d, generator=g) * mag  # fmt: skip
-
-    if values == "spread":
-        k_store, v_store = rows_at(1e-7, 1e4), rows_at(1e-7, 1e4)
-        k_store[::37] = 0.0
-        v_store[::41] = 0.0
-        q = torch.randn(batch, hq, d, generator=g) * torch.tensor([0.1, 30.0])[:, None, None]
-    else:
-        k_store, v_store = rows_at(0.5, 2.0), rows_at(1e-6, 1e-5)
-        q = torch.randn(batch, hq, d, generator=g) * 0.1  # a flat softmax: ~1/W a weight
-    rows = torch.stack([torch.randperm(num_rows - 1, generator=g)[:width] + 1 for _ in range(batch)])
-    key_pos = torch.arange(width).expand(batch, -1).contiguous()
-    q_pos = torch.tensor([width - 1, width // 3])
-    x = Inputs(q.half().float().to(device), k_store.to(device), v_store.to(device), rows.to(device), key_pos.to(device),
-               q_pos.to(device), d**-0.5)  # fmt: skip
-    k8, v8, deq = _fp8_stores(x)
-    want = dat.decode_attention_reference(*deq)
-    got = dat.decode_attention(x.q, k8, v8, x.rows, x.key_pos, x.q_pos, x.scale, fp8=True)
-    assert got.isfinite().all()
-    slack = 4.0 if device.type == "cuda" else 1.0  # tensor-core sums in another order, exp2 approximate
-    if values == "tiny":  # each output element within 2^-10 of the reference's weighted mean of |v|: the bound itself
-        bound = dat.decode_attention_reference(*deq._replace(v_store=deq.v_store.abs()))
-        assert ((got - want).abs() <= slack * 2.0**-10 * bound).all(), ((got - want).abs() / bound).max()
-    for b in range(batch):
-        tol = slack * _fp16_weight_tolerance(deq.v_store[x.rows[b]])
-        torch.testing.assert_close(got[b], want[b], rtol=0, atol=tol)
-    dat.fp8_dot.cache_clear()
-
-
-def test_fp8_rows_off_sixteen_byte_alignment_keep_the_gather_path() -> None:
-    """The fp8 kernels load the codes 16 bytes at a time (attention_tiles.load_kv tells the compiler every row
-    starts on 16 bytes): a layer whose rows do not (a base off by 4, or a row of 4 + D bytes) is not theirs, in
-    either kernel."""
-    from services.engine.kernels import decode_attention_triton as dat
-    from services.engine.kernels import prefill_attention_triton as pat
-
-    rows, heads, width = 64, 2, 16 + 32
-    aligned = torch.zeros(rows, heads, width, dtype=torch.uint8)
-    assert aligned.data_ptr() % 16 == 0  # torch's allocations are 64-byte aligned
-    off = torch.zeros(rows * heads * width + 16, dtype=torch.uint8)
-    start = (-off.data_ptr()) % 16 + 4  # 4 bytes past a 16-byte boundary: still 4-aligned
-    off = off[start : start + rows * heads * width].view(rows, heads, width)
-    q = torch.zeros(16, 4, 32, dtype=torch.bfloat16)
-    assert dat.supported(aligned, fp8=True) and pat.supported(q, aligned, fp8=True)
-    assert not dat.supported(off, fp8=True) and not pat.supported(q, off, fp8=True)
