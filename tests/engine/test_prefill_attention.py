@@ -108,10 +108,11 @@ def test_supported() -> None:
 def test_step_attention_modes_match_masked(
     mode: str, kv: str, where: str, triton_tier: None, fp8_in_place: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One step packing two sequences' chunks (one with 21 earlier tokens on scattered pages, one fresh) and two
-    decode tokens (one over a gapped ring read set): each KVMEM_PREFILL_ATTENTION mode gives the masked path's
-    output, `triton` (and `cudnn`, for chunks under a bucket) really runs the kernel (interpreted here) on the
-    two chunks, and every mode but the masked one runs both decode tokens through one flash-decoding launch;
+    """One step packing three sequences' chunks (one with 21 earlier tokens on scattered pages, one fresh, one a
+    ring's over a gapped read set) and two decode tokens (one over a gapped ring read set): each
+    KVMEM_PREFILL_ATTENTION mode gives the masked path's output, `triton` (and `cudnn`, for chunks under a
+    bucket) really runs the kernel (interpreted here) on the three chunks, and every mode but the masked one runs
+    both decode tokens through one flash-decoding launch;
     an fp8 pool layer too (read in place by the kernels, with fp8=True, under KVMEM_FP8_ATTENTION=1; gathered
     and dequantised by the masked path). On CUDA the same with the compiled kernels."""
     from services.engine import kernels
@@ -151,7 +152,15 @@ def test_step_attention_modes_match_masked(
     kept = torch.cat((torch.arange(0, page), torch.arange(2 * page, ring_past + 1)))
     ring_rows = (ring_slots[kept // page] * page + kept % page).to(dev)
     spans.append(SeqSpan(ring_past, 1, rows(ring_slots, ring_past, ring_past + 1), ring_rows, kept.to(dev)))
-    total = sum(new) + 1
+    # a ring's prompt chunk over a gapped read set (pages 1 and 2 not resident; the chunk starts inside page 3)
+    chunk_slots, chunk_past, chunk_new = torch.tensor([13, 14, 15, 16, 18, 19]), 26, 17
+    pool.write(0, rows(chunk_slots, 0, chunk_past), randn(chunk_past, hkv, d), randn(chunk_past, hkv, d))
+    seen = torch.cat((torch.arange(0, page), torch.arange(3 * page, chunk_past + chunk_new)))
+    chunk_rows = (chunk_slots[seen // page] * page + seen % page).to(dev)
+    chunk_write = rows(chunk_slots, chunk_past, chunk_past + chunk_new)
+    spans.append(SeqSpan(chunk_past, chunk_new, chunk_write, chunk_rows, seen.to(dev)))
+    assert spans[-1].causal_rows
+    total = sum(new) + 1 + chunk_new
     q, k, v = randn(total, hq, d), randn(total, hkv, d), randn(total, hkv, d)
     calls, decodes = [], []
     real = pat.prefill_attention
@@ -167,7 +176,7 @@ def test_step_attention_modes_match_masked(
         monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", m)
         outs[m] = StepAttention(pool, spans, hq // hkv, torch.float16).attend(0, q, k, v, d**-0.5)
     paged = mode in ("cudnn", "triton")  # cudnn: short chunks (and every chunk on the CPU) as triton
-    assert calls == ([(18, kv == "fp8"), (19, kv == "fp8")] if paged else [])
+    assert calls == ([(18, kv == "fp8"), (19, kv == "fp8"), (17, kv == "fp8")] if paged else [])
     assert decodes == [(2, kv == "fp8")]  # both decode tokens in one launch (not in the masked reference)
     assert not outs[mode].isnan().any()
     assert _rel(outs[mode], outs["masked"]) < (2e-3 if kv == "fp16" else 1e-2)  # fp8: q in bf16 in the kernel

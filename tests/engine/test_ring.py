@@ -67,7 +67,20 @@ def _run_checking_buckets(engine, seqs, max_steps: int = 5000) -> None:
     raise AssertionError("sequences did not finish")
 
 
-def test_exact_policy_matches_the_unlimited_pool(model, smol_tokenizer: Tokenizer, store_address: str) -> None:
+@pytest.mark.parametrize("held", [False, True], ids=["fetched", "held"])
+def test_exact_policy_matches_the_unlimited_pool(
+    model, smol_tokenizer: Tokenizer, store_address: str, held: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`held`: the host pages a chunk attends do not fit HOST_PAGES_ON_DEVICE, so they stay held in the store and
+    each layer's staging batches read their bytes (HostPages.hold): the same tokens."""
+    from services.engine.kv import kv_pool
+    from services.engine.ring.host_pages import KVStoreHostPages
+
+    holds: list[int] = []
+    real_hold = KVStoreHostPages.hold
+    monkeypatch.setattr(KVStoreHostPages, "hold", lambda self, h, d: holds.append(len(h)) or real_hold(self, h, d))
+    if held:
+        monkeypatch.setattr(kv_pool, "HOST_PAGES_ON_DEVICE", 1)
     limits = ring_limits(budget_pages=8)  # 32 tokens resident for a 90-token context
     engine = make_engine(model, smol_tokenizer, num_slots=8, ring=limits, ring_chunk=8, store_address=store_address,
                          default_policy="exact")  # fmt: skip
@@ -79,6 +92,7 @@ def test_exact_policy_matches_the_unlimited_pool(model, smol_tokenizer: Tokenize
     assert tokens == reference_greedy(model, prompt, 20)
     assert done.prefill_policy == "exact" and not done.unverified
     assert engine.ring.num_demotions > 10
+    assert bool(holds) == held and all(n > 0 for n in holds)
 
 
 def test_sparse_policy_is_flagged_unverified(model, smol_tokenizer: Tokenizer, store_address: str) -> None:

@@ -350,3 +350,27 @@ def test_a_question_replays_best_page_leads_the_prompts_selection() -> None:
     ring.final_scored = True
     manager.select(ring, num_candidate_pages=20, request_id="r", step=0)
     assert ring.anchor[:2] == [5, 9] and 15 not in ring.anchor
+
+
+@pytest.mark.gpu
+def test_exact_attention_on_the_tensor_cores_matches_float32() -> None:
+    """bf16 inputs on CUDA: grouped_attention_lse's scores and weighted sum and page_mass's logits multiply on the
+    tensor cores (float32 out): the float32 CPU forms' values, within the weights' rounding to bf16."""
+    from services.engine.ring import exact_attention as ea
+    from tests.engine.helpers import device_or_skip
+
+    dev = device_or_skip("cuda")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(64, 8, 128, generator=g).bfloat16()
+    k, v = (torch.randn(2, 700, 128, generator=g).bfloat16() for _ in range(2))
+    allowed = torch.rand(4 * 64, 700, generator=g) > 0.3
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    out_c, lse_c = ea.grouped_attention_lse(q, k, v, mask, 0.088)
+    out_g, lse_g = ea.grouped_attention_lse(q.to(dev), k.to(dev), v.to(dev), mask.to(dev), 0.088)
+    assert ea._tensor_cores[0]  # the tensor-core path ran, not the float32 fallback
+    assert out_g.dtype == torch.float32 and (out_g.cpu() - out_c).norm() / out_c.norm() < 1e-2
+    assert (lse_g.cpu() - lse_c).abs().max() < 1e-3
+    pos = torch.arange(700)
+    mass_c = ea.page_mass(q[-16:], [(k, pos, None)], 0.088, 10, 64)
+    mass_g = ea.page_mass(q[-16:].to(dev), [(k.to(dev), pos.to(dev), None)], 0.088, 10, 64)
+    assert (mass_g.cpu() - mass_c).abs().max() < 1e-4

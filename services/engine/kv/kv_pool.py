@@ -27,7 +27,7 @@ from services.engine.kv.transfers import device_index
 from services.engine.ring.local_ring import LocalRings
 
 logger = logging.getLogger(__name__)
-HOST_PAGES_ON_DEVICE = 256 << 20  # bytes of host pages fetched to the device at once (host_pages_device)
+HOST_PAGES_ON_DEVICE = 256 << 20  # bytes of host pages fetched to the device at once (host_pages_fit)
 
 
 @functools.cache
@@ -432,11 +432,12 @@ class KVPool:
         stack.view(2 * g, -1, h, w).index_copy_(1, rows, src)
         return True
 
-    def host_pages_device(self, count: int) -> torch.device:
-        """Where `count` host pages that are read a layer at a time (pages_kv) are best held: the device while
-        they fit in HOST_PAGES_ON_DEVICE bytes, else host memory (a long context's pages: 3.5 GB at 32K on an
-        8B shape, more than the device should hold for one sequence at once; each layer's bytes travel alone)."""
-        return self.device if count * self.page_nbytes <= HOST_PAGES_ON_DEVICE else torch.device("cpu")
+    def host_pages_fit(self, count: int) -> bool:
+        """Whether `count` host pages that are read a layer at a time (pages_kv) are best fetched to the device whole:
+        while they fit in HOST_PAGES_ON_DEVICE bytes. Beyond, a long context's (3.5 GB at 32K on an 8B shape, more
+        than the device should hold for one sequence at once) stay in the store, held, each layer's bytes read
+        straight to the device (HostPages.hold)."""
+        return count * self.page_nbytes <= HOST_PAGES_ON_DEVICE
 
     def page_kv(self, page: torch.Tensor, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer of a page held as bytes (a host page): [page_size, Hkv, D] each in `dtype`,
@@ -448,11 +449,22 @@ class KVPool:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer of pages held as bytes (uint8 [page_nbytes] each, on any device): only that
         layer's bytes of each travel to `device`, where they are decoded: [P * page_size, Hkv, D] each."""
-        lo, hi = self._layer_offsets[layer], self._layer_offsets[layer + 1]
+        lo, hi = self.layer_part(layer)
         data = torch.stack([p.reshape(-1)[lo:hi] for p in pages]).to(device, non_blocking=True)  # [P, layer bytes]
+        return self.layer_kv(data, layer, dtype)
+
+    def layer_part(self, layer: int) -> tuple[int, int]:
+        """Bytes [lo, hi) of a page (KVPool.read_page's layout) that hold this layer's K and V."""
+        return self._layer_offsets[layer], self._layer_offsets[layer + 1]
+
+    def layer_kv(self, data: torch.Tensor, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's bytes of P pages, uint8 [P, layer bytes] (layer_part's range of each), decoded on their
+        device: K and V [P * page_size, Hkv, D] each in `dtype`."""
+        lo, hi = self.layer_part(layer)
+        pages = data.shape[0]
         plain = self._plain[layer]
         if plain is not None:  # [P, K|V, page, Hkv, D] of the stored dtype
-            kv = data.view(plain).view(len(pages), 2, self.page_size, self.num_kv_heads, self.head_dim)
+            kv = data.view(plain).view(pages, 2, self.page_size, self.num_kv_heads, self.head_dim)
             return (kv[:, 0].reshape(-1, self.num_kv_heads, self.head_dim).to(dtype),
                     kv[:, 1].reshape(-1, self.num_kv_heads, self.head_dim).to(dtype))  # fmt: skip
         fmt = self.formats[layer]

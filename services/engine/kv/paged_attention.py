@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.transfers import device_index
 from services.engine.ring.exact_attention import grouped_attention_lse, merge_partials, page_mass, rows_to_heads
 from services.engine.ring.summaries import PageSummaries
+
+if TYPE_CHECKING:
+    from services.engine.ring.host_pages import HeldPages
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +79,12 @@ class SeqSpan:
     # score by the real attention mass of the scoring tokens over every page (needs host_pages: the step attends
     # all of them) instead of the Quest bound over the summaries
     score_by_attention: bool = False
-    # exact: uint8 [page_nbytes] each, on the device, or in host memory when they are many (model_runner): each
-    # layer's staging batches then copy just that layer's bytes over
+    # exact: the host-only pages the span attends (their logical page indices in host_page_ids): uint8
+    # [page_nbytes] each on the device while they fit (model_runner), else held in the store (host_held), each
+    # layer's staging batches reading just that layer's bytes straight to the device
     host_pages: list[torch.Tensor] = field(default_factory=list)
-    host_page_ids: list[int] = field(default_factory=list)  # their logical page indices
+    host_held: HeldPages | None = None
+    host_page_ids: list[int] = field(default_factory=list)
     # local rings (sliding-window layers): the window before the new tokens comes from the ring, the new
     # tokens' own K/V straight from the step; the ring keeps the last min(num_new, span) of them
     local_ring: int = -1
@@ -90,6 +96,19 @@ class SeqSpan:
     # after the forward: [score_pages] summed over layers (the bound), or with score_by_attention each layer's heads'
     # mass [L * Hq, score_pages] (ring.fuse_heads ranks pages from it)
     scores: torch.Tensor | None = None
+
+    @property
+    def has_host_pages(self) -> bool:
+        return bool(self.host_page_ids)
+
+    @property
+    def causal_rows(self) -> bool:
+        """Whether the read rows are causal by index: the new tokens' rows are the last num_new, in order, after
+        rows that are all earlier than the first of them (a ring's gapped read set is: its resident pages hold
+        positions before num_past, then the chunk's own), so new token i sees rows [0, T - num_new + i] whatever
+        the gaps, the rule the paged kernels and the lower-right causal paths apply. Not a question replay's
+        (own_kv: its own K/V are not among the read rows)."""
+        return not self.own_kv
 
 
 class StepAttention:
@@ -166,8 +185,8 @@ class StepAttention:
                 outs.append(decoded[i])
                 start += span.num_new
                 continue
-            plain = span.key_pos is None and window is None and not span.host_pages and not span.score_by_attention
-            if self.prompt_kernel and plain and prompt_sdpa_fits(q_s, span.num_past):
+            plain = span.causal_rows and window is None and not span.has_host_pages and not span.score_by_attention
+            if self.prompt_kernel and plain and prompt_sdpa_fits(q_s, span.read_rows.shape[0] - span.num_new):
                 k_s, v_s = k[start : start + span.num_new], v[start : start + span.num_new]
                 out = self._attend_prompt(layer_idx, span, q_s, k_s, v_s, scale)
                 if out is not None:
@@ -207,7 +226,7 @@ class StepAttention:
         dev = self.pool.device
         members, q_rows, starts = [], [], 0
         for i, span in enumerate(self.spans):
-            if span.num_new == 1 and not span.host_pages and not span.score_by_attention and not span.own_kv:
+            if span.num_new == 1 and not span.has_host_pages and not span.score_by_attention and not span.own_kv:
                 members.append(i)
                 q_rows.append(starts)
             starts += span.num_new
@@ -228,12 +247,14 @@ class StepAttention:
     def _attend_prompt(
         self, layer_idx: int, span: SeqSpan, q_s: torch.Tensor, k_s: torch.Tensor, v_s: torch.Tensor, scale: float
     ) -> torch.Tensor | None:
-        """A prompt chunk over a gap-free past (whole buckets of it) through cuDNN's fused attention: its own
-        K/V rows as the step computed them (an fp8 layer's chunk attends its unquantised rows) and the past
-        gathered from the pool; None where cuDNN refuses the shape (then never asked again)."""
+        """A prompt chunk over its past rows (whole buckets of them: gap-free, or a ring's resident pages) through
+        cuDNN's fused attention: its own K/V rows as the step computed them (an fp8 layer's chunk attends its
+        unquantised rows) and the past gathered from the pool; None where cuDNN refuses the shape (then never
+        asked again)."""
         past = None
-        if span.num_past:
-            past = self.pool.gather(layer_idx, span.read_rows[: span.num_past], q_s.dtype)
+        num_past_rows = span.read_rows.shape[0] - span.num_new
+        if num_past_rows:
+            past = self.pool.gather(layer_idx, span.read_rows[:num_past_rows], q_s.dtype)
         try:
             return prompt_sdpa(q_s, k_s, v_s, scale, past)
         except RuntimeError as exc:
@@ -251,9 +272,10 @@ class StepAttention:
         own: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One sequence's attention over its read rows -> [n, Hq, D] (the `prefill_mode` paths for a causal
-        span over positions 0..T-1; the masked path for gaps, windows and single tokens; `exact` host pages);
-        `own`: an own_kv span's K/V, [n, Hkv, D] each, attended after the read rows."""
-        causal = span.num_new > 1 and span.key_pos is None and window is None and not span.host_pages
+        span: its new rows last, every earlier row seen by all of them, gaps or not; the masked path for windows,
+        question replays and single tokens; `exact` host pages); `own`: an own_kv span's K/V, [n, Hkv, D] each,
+        attended after the read rows."""
+        causal = span.num_new > 1 and span.causal_rows and window is None and not span.has_host_pages
         if causal and self.kernel is not None:  # the kernel reads a plain or an fp8 layer in place
             plain, fp8 = self.pool.plain_kv(layer_idx), self.pool.fp8_kv(layer_idx)
             stores, is_fp8 = (plain, False) if plain is not None else (fp8, True)
@@ -263,7 +285,7 @@ class StepAttention:
         if own is not None:
             k_s, v_s = torch.cat((k_s, own[0].to(k_s.dtype))), torch.cat((v_s, own[1].to(v_s.dtype)))
         k_s, v_s = k_s.transpose(0, 1), v_s.transpose(0, 1)  # [Hkv, T, D]
-        if span.host_pages:
+        if span.has_host_pages:
             mask = self._mask(i, span, window)
             return self._exact(layer_idx, span, q_s, k_s, v_s, mask, scale, window).to(q_s.dtype)
         if causal and self.mode != "masked":
@@ -340,9 +362,10 @@ class StepAttention:
         """Resident keys, then the host-only pages (all earlier than the new tokens) in staging batches."""
         out, lse = grouped_attention_lse(q_s, k_s, v_s, mask, scale)
         size = self.pool.page_size
-        pairs = list(zip(span.host_page_ids, span.host_pages, strict=True))
+        ids = span.host_page_ids
+        order = list(range(len(ids)))
         if window is not None:  # a sliding layer sees only the pages that reach into its window
-            pairs = [(p, t) for p, t in pairs if p * size + size - 1 > span.num_past - window]
+            order = [j for j in order if ids[j] * size + size - 1 > span.num_past - window]
         q_pos = span.num_past + torch.arange(span.num_new, device=self.pool.device)
         offsets = torch.arange(size, device=self.pool.device)
         scoring = span.score_by_attention and span.score_tokens > 0 and span.score_pages > 0
@@ -353,20 +376,20 @@ class StepAttention:
             allowed = position_mask(q_pos[-span.score_tokens :], key_pos, window).repeat(self.group, 1)
             resident_mask = torch.zeros(allowed.shape, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
             mass_parts.append((k_s, key_pos, resident_mask))
-        for i in range(0, len(pairs), self.staging_pages):
-            batch = pairs[i : i + self.staging_pages]
+        for i in range(0, len(order), self.staging_pages):
+            batch = order[i : i + self.staging_pages]
             # staging: [Hkv, B * page, D] of this layer, moved to the pool's device
-            k_b, v_b = self.pool.pages_kv([t for _, t in batch], layer_idx, q_s.dtype, self.pool.device)
+            k_b, v_b = self._host_kv(span, batch, layer_idx, q_s.dtype)
             k_h, v_h = k_b.transpose(0, 1), v_b.transpose(0, 1)
             host_mask = None
             if window is not None:
-                key_pos = torch.cat([p * size + offsets for p, _ in batch])
+                key_pos = torch.cat([ids[j] * size + offsets for j in batch])
                 allowed = position_mask(q_pos, key_pos, window).repeat(self.group, 1)
                 host_mask = torch.zeros(allowed.shape, device=self.pool.device).masked_fill_(~allowed, float("-inf"))
             out_h, lse_h = grouped_attention_lse(q_s, k_h, v_h, host_mask, scale)
             out, lse = merge_partials(out, lse, out_h, lse_h)
             if scoring:
-                key_pos = torch.cat([p * size + offsets for p, _ in batch])
+                key_pos = torch.cat([ids[j] * size + offsets for j in batch])
                 score_mask = None if host_mask is None else host_mask.view(self.group, span.num_new, -1)[
                     :, -span.score_tokens :].reshape(self.group * span.score_tokens, -1)  # fmt: skip
                 mass_parts.append((k_h, key_pos, score_mask))
@@ -376,6 +399,16 @@ class StepAttention:
             mass = page_mass(q_s[-span.score_tokens :], mass_parts, scale, span.score_pages, size).mean(dim=0)
             span.scores = mass if span.scores is None else torch.cat((span.scores, mass))
         return rows_to_heads(out, q_s.shape[0], q_s.shape[1])
+
+    def _host_kv(
+        self, span: SeqSpan, batch: list[int], layer_idx: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V of these host pages (indices into span.host_page_ids) on the pool's device:
+        [B * page_size, Hkv, D] each."""
+        if span.host_held is not None:
+            data = span.host_held.read(batch, self.pool.layer_part(layer_idx), self.pool.device)
+            return self.pool.layer_kv(data, layer_idx, dtype)
+        return self.pool.pages_kv([span.host_pages[j] for j in batch], layer_idx, dtype, self.pool.device)
 
 
 def _row_mask(

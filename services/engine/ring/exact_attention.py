@@ -1,12 +1,57 @@
 """Attention over keys that arrive in parts (resident pages, then host pages through a staging
 buffer), merged exactly with log-sum-exp: the `exact` prefill policy.
 
-Pure torch: this is both the CPU path and the reference for any fused GPU kernel.
+Pure torch: this is both the CPU path and the reference for any fused GPU kernel. On CUDA, half-precision inputs
+multiply on the tensor cores (`_scores`, `_weighted`); the float32 forms are the references (tests compare).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
+
+_HALF = (torch.bfloat16, torch.float16)
+_tensor_cores = [True]  # False once torch.bmm refused out_dtype (logged once)
+
+
+def _half_on_cuda(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return _tensor_cores[0] and a.is_cuda and a.dtype in _HALF and b.dtype == a.dtype
+
+
+def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a @ b with float32 products and sums into a float32 result, on the tensor cores; None if this torch has no
+    out_dtype for bmm on this device (the float32 form is used from then on)."""
+    try:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        _tensor_cores[0] = False
+        logger.warning("exact attention in float32 CUDA cores: torch.bmm has no float32 out_dtype here (%s)", exc)
+        return None
+
+
+def _scores(q_rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q_rows [Hkv, R, D] against k [Hkv, T, D] -> [Hkv, R, T] float32. Half-precision inputs on CUDA multiply on the
+    tensor cores into float32 (a bf16 or fp16 product is exact in float32: the float32 form's values up to the order
+    of the sums; the float32 SIMT GEMMs were ~1.2 s of an 8 x 12K exact prefill at the 8B shape, bench/RESULTS.md
+    round 10), anything else in float32."""
+    if _half_on_cuda(q_rows, k):
+        out = _bmm_f32(q_rows, k.transpose(1, 2))
+        if out is not None:
+            return out
+    return torch.bmm(q_rows.float(), k.float().transpose(1, 2))
+
+
+def _weighted(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """weights [Hkv, R, T] float32 @ v [Hkv, T, D] -> [Hkv, R, D] float32: with half-precision v on CUDA the weights
+    rounded to v's dtype and the sums in float32 on the tensor cores (as flash attention weighs V), else float32."""
+    if _half_on_cuda(v, v):
+        out = _bmm_f32(weights.to(v.dtype), v)
+        if out is not None:
+            return out
+    return torch.bmm(weights, v.float())
 
 
 def grouped_attention_lse(
@@ -23,13 +68,13 @@ def grouped_attention_lse(
     group = num_heads // num_kv_heads
     # q_rows: [Hkv, G * N, D] as in grouped_sdpa
     q_rows = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
-    scores = torch.bmm(q_rows.float(), k.float().transpose(1, 2)) * scale  # [Hkv, G*N, T]
+    scores = _scores(q_rows, k) * scale  # [Hkv, G*N, T]
     if row_mask is not None:
         scores = scores + row_mask
     lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G*N]
     weights = torch.exp(scores - lse.unsqueeze(-1).clamp(min=-1e30))
     weights = torch.nan_to_num(weights, nan=0.0)
-    return torch.bmm(weights, v.float()), lse
+    return _weighted(weights, v), lse
 
 
 def merge_partials(
@@ -68,12 +113,11 @@ def page_mass(
     num_kv_heads = parts[0][0].shape[0]
     group = num_heads // num_kv_heads
     q_rows = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
-    q_rows = q_rows.float()
     rows = q_rows.shape[1]
     page_lse = torch.full((num_kv_heads, rows, num_pages + 1), -torch.inf, device=q.device)
     lse = torch.full((num_kv_heads, rows), -torch.inf, device=q.device)
     for k, key_pos, mask in parts:
-        logits = torch.bmm(q_rows, k.float().transpose(1, 2)) * scale  # [Hkv, G*Tq, T_i]
+        logits = _scores(q_rows, k) * scale  # [Hkv, G*Tq, T_i]
         if mask is not None:
             logits = logits + mask
         top = logits.amax(dim=-1, keepdim=True).clamp(min=-1e30)  # rows with no visible key stay finite

@@ -72,6 +72,11 @@ class HostPages(Protocol):
         each page, packed (KVPool.slot_parts); PagesLostError when one is gone."""
         ...
 
+    def hold(self, page_hashes: list[bytes], device: torch.device | str) -> HeldPages:
+        """These pages kept readable (their store pins held) for reads of a few byte ranges at a time (a layer's),
+        each straight to the device that asks (HeldPages), until released; PagesLostError when one is gone."""
+        ...
+
     def wait(self, page_hashes: list[bytes], timeout_s: float) -> bool:
         """Block until these pages have a host copy; False on timeout."""
         ...
@@ -90,6 +95,81 @@ class HostPages(Protocol):
     def close(self) -> None:
         """Release the store connection and any registered host memory (engine stop)."""
         ...
+
+
+class HeldPages:
+    """Host pages held for one step (KVStoreHostPages.hold): their store pins kept, each `read` copying some byte
+    ranges of some of them (one layer's, at a time) to a device, asynchronously on its current stream, straight from
+    their registered arena by DMA (kernels/restore.py); the pages in no registered arena (another host's, a pageable
+    arena, a CPU engine's) are copied once into host memory at hold. The exact policy's long contexts: a 32K
+    prompt's host pages at the 8B shape are 2 GB in fp8, and copying them all into host memory before the first
+    layer could read its 64 MB kept the device idle ~450 ms a 12K prompt (bench/RESULTS.md, round 10). `release`
+    once every read is queued: the pins go when the copies are done, off the caller's path."""
+
+    def __init__(
+        self, batch: PageBatch, page_nbytes: int, method: str, background: Callable[..., None], device_copies: bool
+    ) -> None:
+        self._batch = batch
+        self._method = method
+        self._background = background
+        # (source: a uint8 host tensor, byte offset of each page in it, the page's index in the batch)
+        self._sources: list[tuple[torch.Tensor, list[int], list[int]]] = []
+        by_arena: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        copied: list[int] = []
+        pinned = pinned_arenas() if device_copies else None
+        for i, data in enumerate(batch):
+            address = _address(data) if pinned is not None and isinstance(data, memoryview) else None
+            hit = pinned.find(address) if pinned is not None and address is not None else None
+            if hit is None:
+                copied.append(i)
+                continue
+            arena, tensor = hit
+            _, offsets, rows = by_arena.setdefault(arena.address, (tensor, [], []))
+            offsets.append(address - arena.address)  # type: ignore[operator]
+            rows.append(i)
+        self._sources.extend(by_arena.values())
+        if copied:
+            own = np.empty(len(copied) * page_nbytes, dtype=np.uint8)
+            for k, i in enumerate(copied):
+                own[k * page_nbytes : (k + 1) * page_nbytes] = np.frombuffer(batch[i], dtype=np.uint8)  # type: ignore[arg-type]
+            self._sources.append((torch.from_numpy(own), [k * page_nbytes for k in range(len(copied))], copied))
+        self.num_copied = len(copied)
+        self._count = len(batch)
+        self._released = False
+
+    def __len__(self) -> int:
+        return self._count
+
+    def read(self, indices: list[int], part: Part, device: torch.device) -> torch.Tensor:
+        """Bytes [lo, hi) = `part` of the pages at these batch indices -> uint8 [len(indices), hi - lo] on `device`,
+        in that order (asynchronous on CUDA: the tensor is ready for the work queued after it)."""
+        assert not self._released, "read after release"
+        out = torch.empty(len(indices), part[1] - part[0], dtype=torch.uint8, device=device)
+        where = {i: k for k, i in enumerate(indices)}
+        with pinned_arenas().lock:  # registered arenas stay registered while the copies are queued
+            for src, offsets, rows in self._sources:
+                picked = [(off, where[i]) for off, i in zip(offsets, rows, strict=True) if i in where]
+                if picked:
+                    restore_pages(src, [o for o, _ in picked], out, [r for _, r in picked], self._method, (part,))
+        return out
+
+    def release(self) -> None:
+        """Drop the pins once the copies queued so far are done (on CUDA an event on the current stream, waited
+        for off the caller's path)."""
+        if self._released:
+            return
+        self._released = True
+        done = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            done = torch.cuda.Event()
+            done.record()
+        self._background(_release_after, self._batch, done)
+
+
+def _release_after(batch: PageBatch, done: torch.cuda.Event | None) -> None:
+    if done is not None:
+        done.synchronize()
+    batch.release()
 
 
 class ArenaRegistration(NamedTuple):
@@ -156,6 +236,8 @@ class PinnedArenas:
             self._failed.discard(arena)
             entry = self._arenas.pop(arena.address, None)
             if entry is not None:
+                if torch.cuda.is_initialized():  # a held batch's copies may still be in flight (HeldPages.read)
+                    torch.cuda.synchronize()
                 unregister_host(arena.address)
                 logger.info("unregistered the arena of %s (%d MiB)", arena.replica_id, arena.nbytes >> 20)
 
@@ -276,6 +358,21 @@ class KVStoreHostPages:
         read; PagesLostError when any is gone. On CUDA the copies are done on return."""
         with self._fetch_lock:  # the engine's step and the ring's prefetcher share the staging buffer
             return self._fetch_to(page_hashes, torch.device(device), parts or None)
+
+    def hold(self, page_hashes: list[bytes], device: torch.device | str) -> HeldPages:
+        """HeldPages over these pages (in order) for reads to `device` (DMA from registered arenas on CUDA);
+        PagesLostError when any is gone. Release it once its reads are queued."""
+        batch = self._get(page_hashes)
+        try:
+            held = HeldPages(
+                batch, self._page_nbytes, self._method, self._background, torch.device(device).type == "cuda"
+            )
+        except BaseException:
+            batch.release()
+            raise
+        self.num_fetched += len(page_hashes)
+        self.num_staged += held.num_copied
+        return held
 
     def _fetch_to(self, page_hashes: list[bytes], device: torch.device, parts: tuple[Part, ...] | None) -> torch.Tensor:
         batch = self._get(page_hashes)

@@ -260,14 +260,24 @@ class RingManager:
         adopted = chain[:count]
         first = len(page_hashes)
         device = ring.summaries.kmin.device
-        # summaries need the keys; no slot keeps the pages (a long prefix's stay in host memory, read a layer at a time)
-        pages = self.host.fetch_to(adopted, self.pool.host_pages_device(count))
+        # summaries need the keys; no slot keeps the pages (a long prefix's stay in the store, read a layer at a time)
+        held = None if self.pool.host_pages_fit(count) else self.host.hold(adopted, device)
+        pages = self.host.fetch_to(adopted, device) if held is None else None
         size = self.limits.page_size
         ids = torch.arange(first, first + count, device=device)
         valid = torch.ones(count, size, dtype=torch.bool, device=device)
-        for layer in self.pool.paged_layers:
-            keys, _ = self.pool.pages_kv(list(pages), layer, torch.float32, device)
-            ring.summaries.update(layer, ids, keys.view(count, size, *keys.shape[1:]), valid)
+        try:
+            for layer in self.pool.paged_layers:
+                if held is not None:
+                    data = held.read(list(range(count)), self.pool.layer_part(layer), device)
+                    keys, _ = self.pool.layer_kv(data, layer, torch.float32)
+                else:
+                    assert pages is not None
+                    keys, _ = self.pool.pages_kv(list(pages), layer, torch.float32, device)
+                ring.summaries.update(layer, ids, keys.view(count, size, *keys.shape[1:]), valid)
+        finally:
+            if held is not None:
+                held.release()
         page_table.extend([NOT_RESIDENT] * count)
         page_hashes.extend(adopted)
         self.host.pin(adopted)

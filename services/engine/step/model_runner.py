@@ -98,13 +98,29 @@ class ModelRunner:
         positions: list[int] = []
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
-        for w in works:
-            first = w.replay_from if w.replay_from >= 0 else w.start  # a question replay reads the question again
-            token_ids.extend(w.seq.token_ids[first : first + w.num_new])
-            positions.extend(range(w.start, w.start + w.num_new))
-            spans.append(self._span(w))
-            if w.samples:
-                sample_rows.append(len(token_ids) - 1)
+        try:
+            for w in works:
+                first = w.replay_from if w.replay_from >= 0 else w.start  # a question replay reads the question again
+                token_ids.extend(w.seq.token_ids[first : first + w.num_new])
+                positions.extend(range(w.start, w.start + w.num_new))
+                spans.append(self._span(w))
+                if w.samples:
+                    sample_rows.append(len(token_ids) - 1)
+            hidden = self._forward(works, spans, token_ids, positions)
+        finally:  # host pages held for the exact policy go back to the store once their reads are done
+            for span in spans:
+                if span.host_held is not None:
+                    span.host_held.release()
+        scores = [span.scores for span in spans]
+        if not sample_rows:
+            return torch.empty(0, device=self.device), scores
+        rows_t = device_index(sample_rows, self.device)
+        return self.model.logits(hidden.index_select(0, rows_t)), scores  # [M, V]
+
+    def _forward(
+        self, works: list[Work], spans: list[SeqSpan], token_ids: list[int], positions: list[int]
+    ) -> torch.Tensor:
+        """The model over the works' tokens -> hidden [N, hidden]."""
         # every index through pinned memory (kv/transfers.py): a pageable copy would make the host wait for the
         # step before this one, a prompt chunk that samples nothing included, and the device then waits for the host
         ids = device_index(token_ids, self.device)
@@ -116,14 +132,8 @@ class ModelRunner:
                 [w.seq.state_slot for w in works], [w.num_new for w in works], [w.start == 0 for w in works],
                 [not w.score_only for w in works],
             )  # fmt: skip
-            hidden = self.model(ids, pos, attn, batch)  # type: ignore[call-arg]
-        else:
-            hidden = self.model(ids, pos, attn)  # [N, hidden]
-        scores = [span.scores for span in spans]
-        if not sample_rows:
-            return torch.empty(0, device=self.device), scores
-        rows_t = device_index(sample_rows, self.device)
-        return self.model.logits(hidden.index_select(0, rows_t)), scores  # [M, V]
+            return self.model(ids, pos, attn, batch)  # type: ignore[call-arg,no-any-return]
+        return self.model(ids, pos, attn)  # type: ignore[no-any-return]
 
     def _local_span(self, span: SeqSpan, w: Work, end: int) -> None:
         """Sliding-window layers: the ring rows of the window before the new tokens (they attend those and
@@ -194,8 +204,11 @@ class ModelRunner:
         hidden = [p for p in range(num_pages) if table.slot_ids[p] == NOT_RESIDENT]
         if hidden:
             assert self.host is not None, "exact attention over host pages needs a host store"
-            where = self.pool.host_pages_device(len(hidden))  # attention copies each layer's bytes per batch
-            span.host_pages = list(self.host.fetch_to([table.page_hashes[p] for p in hidden], where))
+            hashes = [table.page_hashes[p] for p in hidden]
+            if self.pool.host_pages_fit(len(hidden)):  # attention reads each layer's bytes per batch
+                span.host_pages = list(self.host.fetch_to(hashes, self.device))
+            else:  # a long context's: held in the store, read a layer at a time
+                span.host_held = self.host.hold(hashes, self.device)
             span.host_page_ids = hidden
 
     def _replay_span(self, w: Work) -> SeqSpan:
