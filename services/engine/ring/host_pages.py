@@ -128,11 +128,12 @@ class HeldPages:
             offsets.append(address - arena.address)  # type: ignore[operator]
             rows.append(i)
         self._sources.extend(by_arena.values())
-        if copied:
-            own = np.empty(len(copied) * page_nbytes, dtype=np.uint8)
+        if copied:  # pinned for a device's reads: asynchronous copies, and the triton method reads it in place (UVA)
+            own = torch.empty(len(copied) * page_nbytes, dtype=torch.uint8, pin_memory=device_copies)
+            packed = own.numpy()
             for k, i in enumerate(copied):
-                own[k * page_nbytes : (k + 1) * page_nbytes] = np.frombuffer(batch[i], dtype=np.uint8)  # type: ignore[arg-type]
-            self._sources.append((torch.from_numpy(own), [k * page_nbytes for k in range(len(copied))], copied))
+                packed[k * page_nbytes : (k + 1) * page_nbytes] = np.frombuffer(batch[i], dtype=np.uint8)  # type: ignore[arg-type]
+            self._sources.append((own, [k * page_nbytes for k in range(len(copied))], copied))
         self.num_copied = len(copied)
         self._count = len(batch)
         self._released = False
