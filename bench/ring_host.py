@@ -113,11 +113,13 @@ def main() -> int:
         all_decoding = threading.Event()
 
         cuts: list[dict[str, int]] = []  # the scheduler's burst_cuts at the window's start, then at its last launch
+        restores: list[tuple[int, int]] = []  # (pages restored, of them fetched ahead) at the same two points
 
         def step() -> None:  # on the engine thread: profiled while every session decodes
             if all_decoding.is_set() and "t0" not in window:
                 window["t0"] = time.perf_counter()
                 cuts.append(dict(engine.scheduler.burst_cuts))
+                restores.append((engine.ring.num_restores, engine.ring.num_prefetched))
                 prof.enable()
             real_step()
 
@@ -126,6 +128,7 @@ def main() -> int:
                 launches[0] += 1
                 steps[0] += max(w.num_steps for w in works)
                 cuts[1:] = [dict(engine.scheduler.burst_cuts)]  # this launch's burst counted (one step runs many)
+                restores[1:] = [(engine.ring.num_restores, engine.ring.num_prefetched)]
             return real_launch(works)
 
         def forward(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -189,6 +192,7 @@ def main() -> int:
             steps_a_launch=round(steps[0] / per, 2),
             ms_a_launch=rows,
             burst_cuts={k: v - cuts[0].get(k, 0) for k, v in cuts[-1].items() if v > cuts[0].get(k, 0)},
+            pages_restored=restores[-1][0] - restores[0][0], of_them_prefetched=restores[-1][1] - restores[0][1],
         )))  # fmt: skip
         if a.dump:
             stats.dump_stats(a.dump)

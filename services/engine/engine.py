@@ -409,8 +409,10 @@ class Engine:
         if w.score_only or w.exact_query:  # the prompt's final selection
             ring.final_scored = True
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)
-        elif w.score_tokens and w.seq.in_prefill:
+            self.ring.prefetch_selection(ring, w.seq.page_table.slot_ids, w.seq.page_table.page_hashes, end)
+        elif w.score_tokens and w.seq.in_prefill:  # the next chunk's evidence
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)
+            self.ring.prefetch_selection(ring, w.seq.page_table.slot_ids, w.seq.page_table.page_hashes, end)
         elif w.score_tokens:  # decode: the scheduler scores only the steps that re-select
             seq, table = w.seq, w.seq.page_table
             prompt, recent = None, list[int]()

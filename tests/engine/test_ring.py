@@ -105,6 +105,33 @@ def test_sparse_policy_is_flagged_unverified(model, smol_tokenizer: Tokenizer, s
     assert done.completion_tokens == 12
 
 
+def test_a_prompts_selections_are_fetched_ahead(
+    model, smol_tokenizer: Tokenizer, store_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With prefetch_steps, a prompt's selections' host pages reach the device in the background (prefetch_selection)
+    as the decode re-selections' do: fewer restores on a step's path (here the final selection's two pages; the
+    protect and recent pages the exact last chunk takes back stay on it), and the same tokens as with the prompt's
+    selections restored on the step (prefetch_selection switched off)."""
+    prompt = _prompt(150, 12)
+    outputs, counts = [], []
+    for ahead in (False, True):
+        if not ahead:
+            monkeypatch.setattr(RingManager, "prefetch_selection", lambda *a: None)
+        else:
+            monkeypatch.undo()
+        limits = ring_limits(budget_pages=8, rescore_interval=4, prefetch_steps=2)
+        engine = make_engine(model, smol_tokenizer, num_slots=8, ring=limits, ring_chunk=8,
+                             store_address=store_address)  # fmt: skip
+        seq = engine.submit(f"ahead{ahead}", prompt, greedy(24))
+        _run_checking_buckets(engine, [seq])
+        outputs.append(drain(events_of(seq))[0])
+        counts.append((engine.ring.num_restores, engine.ring.num_prefetched))
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 24
+    (restored_before, fetched_before), (restored, fetched) = counts
+    on_the_step, before = restored - fetched, restored_before - fetched_before
+    assert restored > 10 and on_the_step <= 3 < before, counts
+
+
 def test_prompt_within_budget_stays_resident_and_exact(model, smol_tokenizer: Tokenizer, store_address: str) -> None:
     engine = make_engine(model, smol_tokenizer, num_slots=16, ring=ring_limits(budget_pages=16), ring_chunk=8,
                          store_address=store_address)  # fmt: skip
