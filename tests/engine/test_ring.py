@@ -254,15 +254,25 @@ def test_last_chunk_holds_the_whole_query(model, smol_tokenizer: Tokenizer, stor
     assert (scoring[0].start, scoring[0].num_new, scoring[0].score_tokens) == (55, 6, 6)
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["fetched", "held"])
 def test_prefix_found_only_in_the_host_store_is_adopted_lazily(
-    model, smol_tokenizer: Tokenizer, store_address: str
+    model, smol_tokenizer: Tokenizer, store_address: str, held: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A second engine (empty device cache) sharing the kvstore reuses the first engine's pages:
     they join its page table as not resident, only the planned ones are restored, and the answer
-    equals the dense reference."""
+    equals the dense reference. `held`: the adopted pages' summaries (and the exact chunks' host pages) read a
+    layer at a time from pages held in the store (HostPages.hold)."""
+    from services.engine.kv import kv_pool
+    from services.engine.ring.host_pages import KVStoreHostPages
+
+    holds: list[int] = []
+    real_hold = KVStoreHostPages.hold
+    monkeypatch.setattr(KVStoreHostPages, "hold", lambda self, h, d: holds.append(len(h)) or real_hold(self, h, d))
+    if held:
+        monkeypatch.setattr(kv_pool, "HOST_PAGES_ON_DEVICE", 1)
     first = make_engine(model, smol_tokenizer, num_slots=8, ring=ring_limits(budget_pages=8), ring_chunk=8,
                         store_address=store_address, default_policy="exact")  # fmt: skip
-    prompt = _prompt(70, 41)
+    prompt = _prompt(70, 41 + held)
     seq = first.submit("turn1", prompt, greedy(4))
     _run_checking_buckets(first, [seq])
     first.write_through.flush()
@@ -275,6 +285,7 @@ def test_prefix_found_only_in_the_host_store_is_adopted_lazily(
     assert done.cached_tokens == 68  # the 17 whole prompt pages of 4, from the host store
     assert tokens == reference_greedy(model, turn2, 8)
     assert second.ring.num_restores < 17  # lazily: only what the plan wanted came to the device
+    assert (17 in holds) == held and bool(holds) == held  # the 17 adopted pages, held at once
 
 
 def _timeline(engine, seq, max_steps: int = 5000) -> list[tuple[int, frozenset[int]]]:

@@ -363,16 +363,17 @@ class KVStoreHostPages:
     def hold(self, page_hashes: list[bytes], device: torch.device | str) -> HeldPages:
         """HeldPages over these pages (in order) for reads to `device` (DMA from registered arenas on CUDA);
         PagesLostError when any is gone. Release it once its reads are queued."""
-        batch = self._get(page_hashes)
-        try:
-            held = HeldPages(
-                batch, self._page_nbytes, self._method, self._background, torch.device(device).type == "cuda"
-            )
-        except BaseException:
-            batch.release()
-            raise
-        self.num_fetched += len(page_hashes)
-        self.num_staged += held.num_copied
+        with self._fetch_lock:  # in turn with fetch_to (the prefetcher's thread): the store reads and the counts
+            batch = self._get(page_hashes)
+            try:
+                held = HeldPages(
+                    batch, self._page_nbytes, self._method, self._background, torch.device(device).type == "cuda"
+                )
+            except BaseException:
+                batch.release()
+                raise
+            self.num_fetched += len(page_hashes)
+            self.num_staged += held.num_copied
         return held
 
     def _fetch_to(self, page_hashes: list[bytes], device: torch.device, parts: tuple[Part, ...] | None) -> torch.Tensor:
