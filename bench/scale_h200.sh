@@ -19,6 +19,8 @@
 #   ringab the ring row alone at 32 x SCALE_RING_LEN (default 12288; no dense run, no long session) twice on the
 #          same machine: decode re-selections cutting the bursts (KVMEM_RING_SWITCH_IN_BURST=0), then inside them
 #          (SCALE_AB_ORDER="1 0": the other order)
+#   ringprof the ring's timelines (bench/profile_decode.py --mode gaps): SCALE_PROF_BATCH (default 4) sessions of
+#          SCALE_RING_LEN from submission (prefill included, device only), then 32 sessions' decode window
 #   logits issue 26 item 5: the logits rows of SCALE_LOGIT_SHAPES (default qwen3_8b gemma3_12b) against transformers
 #          at 2K and 32K, each shape's random model written to /dev/shm and removed after
 # The random 8B model is written once to /tmp/m8b (in the background while tests/attn run) and kept: a second call
@@ -45,7 +47,7 @@ cd "$REPO" || exit 1
 rm -rf services/_gen && cp -r "$GEN" services/_gen
 { nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv; free -g; df -h /dev/shm /tmp; } >>"$LOG" 2>&1
 MPID=""
-if { has main || has ring || has ringab; } && [ ! -f /tmp/m8b/.done ]; then
+if { has main || has ring || has ringab || has ringprof; } && [ ! -f /tmp/m8b/.done ]; then
   python3 - >"$OUT/model.txt" 2>&1 <<'PY' &
 import os, time
 from pathlib import Path
@@ -61,9 +63,11 @@ PY
 fi
 if has tests; then
   log "gpu tests"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu ${SCALE_TEST_FILES:-tests/engine/test_norm_kernels.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu ${SCALE_TEST_FILES:-tests/engine/test_norm_kernels.py \
     tests/engine/test_prefill_attention.py tests/engine/test_decode_attention.py tests/engine/test_selection.py \
-    tests/engine/test_host_syncs.py tests/engine/test_linear_kernel.py tests/engine/test_kv_formats.py} ${SCALE_TESTS_K:+-k "$SCALE_TESTS_K"} \
+    tests/engine/test_host_syncs.py tests/engine/test_linear_kernel.py tests/engine/test_kv_formats.py \
+    tests/engine/test_decode_attention_fp8.py tests/engine/test_decode_graph.py tests/engine/test_step_kernel.py \
+    tests/engine/test_decode_bursts.py tests/kvstore/test_dma.py} ${SCALE_TESTS_K:+-k "$SCALE_TESTS_K"} \
     2>&1 | tail -25 | tee -a "$LOG"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kernels_compile.py 2>&1 | grep -v "^  " | tail -25 | tee -a "$LOG"
 fi
@@ -100,6 +104,17 @@ if has ringab; then
       --ring-sessions 32 --ring-new-tokens 256 --out-dir "$OUT" --out "$OUT/scale_ringab_$v.json" --shape "$SHAPE" \
       --device "$DEVICE" ${SCALE_EXTRA:-} 2>&1 | grep --line-buffered -v "WARNING\|Writing model\|Loading weights\|^ \|^{\|^}" \
       | tail -3 | tee -a "$LOG"
+  done
+fi
+if has ringprof; then
+  for name in prefill decode; do
+    opts="--batch 32 --new-tokens 96"
+    [ "$name" = prefill ] && opts="--whole --batch ${SCALE_PROF_BATCH:-4} --new-tokens 8"
+    log "ring profile, $name (profile_decode --mode gaps $opts)"
+    KVMEM_FP8_ATTENTION="${SCALE_FP8:-1}" timeout 200 python3 bench/profile_decode.py --mode gaps --model-dir /tmp/m8b \
+      --context "${SCALE_RING_LEN:-12288}" --budget 4096 --kv-format fp8 --token-kib 70 --chunk 8192 $opts 2>&1 \
+      | grep -v "^WARNING" > "$OUT/ring_profile_$name.txt"
+    grep -v "^  " "$OUT/ring_profile_$name.txt" | head -4 | tee -a "$LOG"
   done
 fi
 if has logits; then
