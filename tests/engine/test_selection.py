@@ -374,3 +374,25 @@ def test_exact_attention_on_the_tensor_cores_matches_float32() -> None:
     mass_c = ea.page_mass(q[-16:], [(k, pos, None)], 0.088, 10, 64)
     mass_g = ea.page_mass(q[-16:].to(dev), [(k.to(dev), pos.to(dev), None)], 0.088, 10, 64)
     assert (mass_g.cpu() - mass_c).abs().max() < 1e-4
+
+
+def test_grouped_attention_lse_is_softmax_attention_and_its_logsumexp() -> None:
+    """The partial attention of the exact policy: each row's softmax over its visible keys times V and the
+    log-sum-exp of its scores; a row with no visible key gives 0 and -inf (merge_partials weighs it 0)."""
+    from services.engine.ring.exact_attention import grouped_attention_lse
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 4, 8, generator=g)  # 5 tokens, 4 query heads over 2 KV heads
+    k, v = torch.randn(2, 9, 8, generator=g), torch.randn(2, 9, 8, generator=g)
+    allowed = torch.rand(2 * 5, 9, generator=g) > 0.4
+    allowed[3] = False
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    out, lse = grouped_attention_lse(q, k, v, mask, 0.3)
+    q_rows = q.view(5, 2, 2, 8).permute(1, 2, 0, 3).reshape(2, 10, 8)  # (KV head, group member, token)
+    scores = q_rows @ k.transpose(1, 2) * 0.3 + mask
+    want = torch.nan_to_num(torch.softmax(scores, dim=-1)) @ v
+    want_lse = torch.logsumexp(scores, dim=-1)
+    assert torch.allclose(out, want, atol=1e-6)
+    assert torch.equal(out[:, 3], torch.zeros(2, 8)) and torch.isneginf(lse[:, 3]).all()
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], want_lse[finite], atol=1e-6)
