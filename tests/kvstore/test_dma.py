@@ -6,7 +6,8 @@ same-host arena at once (before any page moved), a remote one not at all.
 GPU (`-m gpu`): memory registered with cudaHostRegister is pinned, every restore method is
 byte-identical to the torch reference, and KVStoreHostPages.fetch_to(..., cuda) from a real kvstore
 is byte-identical to the CPU read, by DMA from the registered arena on the same host and through the
-pinned staging buffer when streamed; `prepare(cuda)` registers the arena before the first fetch;
+pinned staging buffer when streamed, and so are `hold(cuda)`'s reads of one layer's bytes at a time;
+`prepare(cuda)` registers the arena before the first fetch;
 the registration goes when the client closes.
 """
 
@@ -194,6 +195,8 @@ def test_a_refused_registration_raises_and_leaves_no_error_behind() -> None:
 def test_fetch_to_cuda_is_byte_identical_to_the_cpu_read(
     _redis_server: None, gpu_store: StartStore, shared: bool, method: str
 ) -> None:
+    """fetch_to(cuda) equals the CPU read, by DMA from the arena or through staging; hold(cuda)'s reads of one layer's
+    bytes equal the pages' too; every pin goes once the reads are done."""
     from services.engine.kv.write_through import WriteThrough
     from services.engine.ring.host_pages import KVStoreHostPages, pinned_arenas
     from services.kvstore.client import KVStoreClient
@@ -220,48 +223,22 @@ def test_fetch_to_cuda_is_byte_identical_to_the_cpu_read(
         else:
             assert mapping is None and host.num_staged == len(order)
         del mapping
-        host.settle()  # pins are released off the step's path
+        # held: each read one byte range (a layer's) of some pages, from the arena or the copy taken at hold
+        held = host.hold(hashes[4:36], torch.device("cuda"))
+        assert held.num_copied == (0 if shared else 32)
+        layer = SMOLLM2_PAGE // 30  # one of SmolLM2's 30 layers' K and V
+        for part, picked in (((7 * layer, 8 * layer), list(range(32))), ((0, layer), [31, 2, 17])):
+            got = held.read(picked, part, torch.device("cuda"))
+            assert got.device.type == "cuda" and got.shape == (len(picked), layer)
+            want = [data[4 + i][part[0] : part[1]] for i in picked]
+            assert [got[k].cpu().numpy().tobytes() for k in range(len(picked))] == want
+        held.release()
+        host.settle()  # pins are released off the step's path (a held batch's once its copies are done)
         assert writer.info().num_pinned_pages == 0
     finally:
         host.close()
         writer.close()
     assert not any(a.replica_id == store.replica_id for a in pinned_arenas().registered)  # unregistered on close
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("method", ["copies", "triton"])
-@pytest.mark.parametrize("shared", [True, False], ids=["same-host", "streamed"])
-def test_held_pages_read_a_layer_at_a_time_by_dma(
-    _redis_server: None, gpu_store: StartStore, shared: bool, method: str
-) -> None:
-    """KVStoreHostPages.hold(..., cuda): each read copies one byte range of some pages straight from the registered
-    arena (same host: nothing copied at hold) or from the copy taken at hold (streamed), byte-identical to the
-    pages; release drops the pins once the copies are done."""
-    from services.engine.kv.write_through import WriteThrough
-    from services.engine.ring.host_pages import KVStoreHostPages
-    from services.kvstore.client import KVStoreClient
-
-    store = gpu_store(host_kv_mib=128, args=("--arena-dir", "/dev/shm"))  # tmpfs, as deployed (see above)
-    writer = KVStoreClient(store.address)
-    hashes, data = _put(writer, 40, SMOLLM2_PAGE, seed=4)
-    client = KVStoreClient(store.address, shared_memory=shared)
-    host = KVStoreHostPages(client, WriteThrough(writer, "bf16", 8), SMOLLM2_PAGE, "held-dma", restore_method=method)
-    try:
-        held = host.hold(hashes[4:36], torch.device("cuda"))
-        assert held.num_copied == (0 if shared else 32)
-        layer = SMOLLM2_PAGE // 30  # one of SmolLM2's 30 layers' K and V
-        for part, order in (((7 * layer, 8 * layer), list(range(32))), ((0, layer), [31, 2, 17])):
-            got = held.read(order, part, torch.device("cuda"))
-            assert got.device.type == "cuda" and got.shape == (len(order), layer)
-            want = [data[4 + i][part[0] : part[1]] for i in order]
-            assert [got[k].cpu().numpy().tobytes() for k in range(len(order))] == want
-        held.release()
-        host.settle()
-        assert writer.info().num_pinned_pages == 0
-    finally:
-        host.close()
-        writer.close()
 
 
 @pytest.mark.gpu

@@ -113,21 +113,11 @@ class HeldPages:
         self._method = method
         self._background = background
         # (source: a uint8 host tensor, byte offset of each page in it, the page's index in the batch)
-        self._sources: list[tuple[torch.Tensor, list[int], list[int]]] = []
-        by_arena: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-        copied: list[int] = []
-        pinned = pinned_arenas() if device_copies else None
-        for i, data in enumerate(batch):
-            address = _address(data) if pinned is not None and isinstance(data, memoryview) else None
-            hit = pinned.find(address) if pinned is not None and address is not None else None
-            if hit is None:
-                copied.append(i)
-                continue
-            arena, tensor = hit
-            _, offsets, rows = by_arena.setdefault(arena.address, (tensor, [], []))
-            offsets.append(address - arena.address)  # type: ignore[operator]
-            rows.append(i)
-        self._sources.extend(by_arena.values())
+        self._sources: list[Source] = []
+        copied = list(range(len(batch)))
+        if device_copies:
+            by_arena, copied = _arena_sources(batch, pinned_arenas())
+            self._sources.extend(by_arena.values())
         if copied:  # pinned for a device's reads: asynchronous copies, and the triton method reads it in place (UVA)
             own = torch.empty(len(copied) * page_nbytes, dtype=torch.uint8, pin_memory=device_copies)
             packed = own.numpy()
@@ -165,6 +155,28 @@ class HeldPages:
             done = torch.cuda.Event()
             done.record()
         self._background(_release_after, self._batch, done)
+
+
+Source = tuple[torch.Tensor, list[int], list[int]]  # a uint8 host tensor, pages' byte offsets in it, their indices
+
+
+def _arena_sources(batch: PageBatch, pinned: PinnedArenas) -> tuple[dict[int, Source], list[int]]:
+    """The batch's pages by the registered arena they lie in, {arena address: (the arena's tensor, each page's byte
+    offset in it, its index in the batch)}, and the indices of the pages in none (another host's, a pageable
+    arena's): those are copied into pinned memory by the caller."""
+    sources: dict[int, Source] = {}
+    elsewhere: list[int] = []
+    for i, data in enumerate(batch):
+        address = _address(data) if isinstance(data, memoryview) else None
+        hit = pinned.find(address) if address is not None else None
+        if address is None or hit is None:
+            elsewhere.append(i)
+            continue
+        arena, tensor = hit
+        _, offsets, rows = sources.setdefault(arena.address, (tensor, [], []))
+        offsets.append(address - arena.address)
+        rows.append(i)
+    return sources, elsewhere
 
 
 def _release_after(batch: PageBatch, done: torch.cuda.Event | None) -> None:
@@ -459,18 +471,7 @@ class KVStoreHostPages:
         n = self._page_nbytes
         pinned = pinned_arenas()
         with pinned.lock:  # registered arenas stay registered until the copies are done
-            sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by arena address
-            staged: list[int] = []
-            for i, data in enumerate(batch):
-                address = _address(data) if isinstance(data, memoryview) else None
-                hit = pinned.find(address) if address is not None else None
-                if hit is None:
-                    staged.append(i)
-                    continue
-                arena, tensor = hit
-                _, offsets, rows = sources.setdefault(arena.address, (tensor, [], []))
-                offsets.append(address - arena.address)  # type: ignore[operator]
-                rows.append(i)
+            sources, staged = _arena_sources(batch, pinned)
             if staged:
                 staging = self._staging_for(len(staged) * n)
                 packed = staging.numpy()
