@@ -69,8 +69,8 @@ def grouped_attention_lse(
     # q_rows: [Hkv, G * N, D] as in grouped_sdpa
     q_rows = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
     # the [Hkv, G * N, T] scores are the big tensor: every pass over them in place, the output normalised after the
-    # weighted sum (as flash attention does), no log-sum-exp or nan pass of its own (a 12K prompt's exact chunk on
-    # the CPU: 2.1 -> 0.58 s, bench/RESULTS.md round 10)
+    # weighted sum (as flash attention does), no log-sum-exp or nan pass of its own (two 12K prompts' exact chunks on
+    # the CPU: 1.9 -> 0.65 s, bench/exact_chunk.py, bench/RESULTS.md round 10)
     scores = _scores(q_rows, k).mul_(scale)  # [Hkv, G*N, T]
     if row_mask is not None:
         scores.add_(row_mask)
