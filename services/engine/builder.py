@@ -21,7 +21,7 @@ from services.engine.kv.write_through import WriteThrough
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
 from services.engine.ring.local_ring import LocalRings, ring_span
-from services.engine.ring.ring import RingLimits
+from services.engine.ring.state import RingLimits
 from services.engine.ring.summaries import warm_page_scores
 from services.engine.step.model_runner import ModelRunner
 

@@ -68,7 +68,7 @@ class EngineConfig:
     # give a quarter of the budget); without them the burst ends before the switch, as with this off
     ring_switch_in_burst: bool = True
     retrieval: bool = True  # False: the negative control (evidence stays empty)
-    # selection (ring.RingLimits): each head votes its top k pages (0: mass summed over heads), a decode
+    # selection (ring/state.py RingLimits): each head votes its top k pages (0: mass summed over heads), a decode
     # re-selection keeps the prompt's best anchor pages, recent pages are no candidates (bench/longeval)
     ring_vote_top: int = 0
     ring_anchor_pages: int = 4

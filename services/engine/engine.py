@@ -30,8 +30,9 @@ from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.slots import SlotAllocator
 from services.engine.kv.transfers import copied, to_host
 from services.engine.ring.host_pages import PagesLostError
-from services.engine.ring.ring import RingLimits, RingManager, SeqRing
+from services.engine.ring.ring import RingManager
 from services.engine.ring.selection import PromptIndex
+from services.engine.ring.state import RingLimits, SeqRing
 from services.engine.ring.summaries import PageSummaries
 from services.engine.step.detokenizer import Detokenizer
 from services.engine.step.grammar import GrammarCompiler, GrammarError, GrammarTables
@@ -406,11 +407,9 @@ class Engine:
         # the scoring step's index in a burst (any of its steps with switch_in_burst, else its last)
         at = (w.score_pos if w.score_pos >= 0 else w.start + w.num_steps - 1) - w.start
         end = w.start + at + w.num_new  # what the recent window covers once this selection is in use
-        if w.score_only or w.exact_query:  # the prompt's final selection
-            ring.final_scored = True
-            self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)
-            self.ring.prefetch_selection(ring, w.seq.page_table.slot_ids, w.seq.page_table.page_hashes, end)
-        elif w.score_tokens and w.seq.in_prefill:  # the next chunk's evidence
+        if w.score_only or w.exact_query or (w.score_tokens and w.seq.in_prefill):  # a prompt's selection
+            if w.score_only or w.exact_query:  # its final one (the next chunk's evidence otherwise)
+                ring.final_scored = True
             self.ring.select(ring, candidates, w.seq.request_id, self.stats.steps_total, end)
             self.ring.prefetch_selection(ring, w.seq.page_table.slot_ids, w.seq.page_table.page_hashes, end)
         elif w.score_tokens:  # decode: the scheduler scores only the steps that re-select

@@ -19,7 +19,7 @@ from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.ring.host_pages import KVStoreHostPages
 from services.engine.ring.local_ring import LocalRings, ring_span
-from services.engine.ring.ring import RingLimits
+from services.engine.ring.state import RingLimits
 from services.engine.step.model_runner import ModelRunner
 from services.engine.step.sampling import SamplingParams
 from services.engine.step.sequence import Chunk, Done, Event, Failed

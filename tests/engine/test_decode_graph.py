@@ -25,7 +25,7 @@ from services.engine.kv.attention import PAD_POS
 from services.engine.kv.kv_formats import parse_format
 from services.engine.kv.kv_pool import KVPool
 from services.engine.ring.local_ring import LocalRings, ring_span
-from services.engine.ring.ring import SeqRing
+from services.engine.ring.state import SeqRing
 from services.engine.ring.summaries import PageSummaries
 from services.engine.step.decode_graph import DecodeGraphs, batch_bucket, window_bucket
 from services.engine.step.model_runner import ModelRunner

@@ -178,7 +178,7 @@ def test_held_pages_read_byte_ranges_of_any_of_them_until_released(
     try:
         hashes, data = _put(client, 12, seed=7)
         held = host.hold(hashes[2:10], CUDA if arena else torch.device("cpu"))
-        assert len(held) == 8 and held.num_copied == (0 if arena else 8)
+        assert held.num_copied == (0 if arena else 8)
         assert bool(register_calls) == arena
         for part, order in (((100, 1100), [5, 0, 7]), ((0, PAGE), list(range(8))), ((PAGE - 48, PAGE), [3])):
             got = held.read(order, part, torch.device("cpu"))

@@ -26,7 +26,7 @@ from services.engine.kv.kv_formats import (  # noqa: E402
 )
 from services.engine.kv.kv_pool import KVPool  # noqa: E402
 from services.engine.kv.paged_attention import SeqSpan, StepAttention  # noqa: E402
-from services.engine.ring.ring import RingLimits  # noqa: E402
+from services.engine.ring.state import RingLimits  # noqa: E402
 from services.kvstore.client import KVStoreClient  # noqa: E402
 from tests.conftest import StartStore  # noqa: E402
 from tests.engine.helpers import (  # noqa: E402

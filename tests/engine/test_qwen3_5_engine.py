@@ -21,7 +21,7 @@ from services.engine.kv.write_through import WriteThrough
 from services.engine.models.loader import load_model
 from services.engine.models.qwen3_5 import Qwen3_5ForCausalLM
 from services.engine.ring.host_pages import KVStoreHostPages
-from services.engine.ring.ring import RingLimits
+from services.engine.ring.state import RingLimits
 from services.engine.step.model_runner import ModelRunner
 from services.kvstore.client import KVStoreClient
 from tests.conftest import StartStore, before_stores_stop

@@ -2,13 +2,11 @@
 
 - `exact` gives the same tokens as an unlimited pool (dense reference), through demotions and restores;
 - `sparse` reports itself and is flagged unverified; the bucket identity holds at every step;
-- selection: top pages plus seam neighbours, protect/skeleton excluded, audit records written;
 - two sequences share one pool, each within its budget.
 """
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -17,7 +15,8 @@ import torch
 from services.common.protos import engine_pb2 as pb
 from services.common.tokenizer import Tokenizer
 from services.engine.kv.slots import SlotAllocator
-from services.engine.ring.ring import RingManager, SeqRing
+from services.engine.ring.ring import RingManager
+from services.engine.ring.state import SeqRing
 from services.engine.ring.summaries import PageSummaries
 from services.engine.server import EngineServicer
 from services.engine.step.sequence import NOT_RESIDENT, Done, PageTable
@@ -153,30 +152,6 @@ def test_two_sequences_share_one_pool(model, smol_tokenizer: Tokenizer, store_ad
     for p, s in zip(prompts, seqs, strict=True):
         assert drain(events_of(s))[0] == reference_greedy(model, p, 10)
     assert engine.scheduler.num_preemptions == 0
-
-
-def test_selection_takes_top_pages_and_their_neighbours(tmp_path) -> None:
-    limits = ring_limits(budget_pages=12, evidence_pages=5, audit_dir=str(tmp_path))
-    manager = RingManager(limits, SlotAllocator(4), pool=None, host=None)  # type: ignore[arg-type]
-    ring = SeqRing(summaries=PageSummaries(1, 20, 1, 4, torch.device("cpu")), policy="sparse", query_start=70)
-    ring.skeleton = {17}
-    scores = torch.zeros(20)
-    scores[[9, 0, 17, 3]] = torch.tensor([5.0, 4.0, 3.0, 2.0])
-    manager.add_scores(ring, scores, num_query_tokens=4)
-    manager.select(ring, num_candidate_pages=18, request_id="audit/me", step=7)
-    # 9 then its neighbours 10, 8; 0 is protect, 17 is skeleton: skipped; then 3 and 4
-    assert ring.evidence == {9, 10, 8, 3, 4}
-    record = json.loads((tmp_path / "audit_me.jsonl").read_text().splitlines()[0])
-    assert record["evidence"] == [3, 4, 8, 9, 10] and record["top"][0] == [9, 5.0] and record["step"] == 7
-
-
-def test_negative_control_keeps_no_evidence() -> None:
-    limits = ring_limits(budget_pages=12, retrieval=False)
-    manager = RingManager(limits, SlotAllocator(4), pool=None, host=None)  # type: ignore[arg-type]
-    ring = SeqRing(summaries=PageSummaries(1, 20, 1, 4, torch.device("cpu")), policy="sparse", query_start=0)
-    manager.add_scores(ring, torch.arange(20.0), num_query_tokens=1)
-    manager.select(ring, num_candidate_pages=20, request_id="r", step=0)
-    assert ring.evidence == set()
 
 
 @pytest.fixture(scope="module")

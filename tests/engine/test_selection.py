@@ -1,14 +1,18 @@
-"""Page selection of issue 25: per-head votes (summaries.page_votes), recent pages out of the competition,
-and decode re-selections that keep the prompt's best pages (anchor_pages)."""
+"""Page selection: top pages plus seam neighbours (protect and skeleton excluded, audit records written), the
+negative control, issue 25's per-head votes (summaries.page_votes), recent pages out of the competition, decode
+re-selections that keep the prompt's best pages (anchor_pages), and exact attention's page masses."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 from services.engine.kv.slots import SlotAllocator
-from services.engine.ring.ring import RingManager, SeqRing
+from services.engine.ring.ring import RingManager
 from services.engine.ring.selection import taking_turns
+from services.engine.ring.state import SeqRing
 from services.engine.ring.summaries import PageSummaries, page_scores, page_votes, warm_page_scores
 from tests.engine.helpers import ring_limits
 
@@ -396,3 +400,27 @@ def test_grouped_attention_lse_is_softmax_attention_and_its_logsumexp() -> None:
     assert torch.equal(out[:, 3], torch.zeros(2, 8)) and torch.isneginf(lse[:, 3]).all()
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], want_lse[finite], atol=1e-6)
+
+
+def test_selection_takes_top_pages_and_their_neighbours(tmp_path) -> None:
+    limits = ring_limits(budget_pages=12, evidence_pages=5, audit_dir=str(tmp_path))
+    manager = RingManager(limits, SlotAllocator(4), pool=None, host=None)  # type: ignore[arg-type]
+    ring = SeqRing(summaries=PageSummaries(1, 20, 1, 4, torch.device("cpu")), policy="sparse", query_start=70)
+    ring.skeleton = {17}
+    scores = torch.zeros(20)
+    scores[[9, 0, 17, 3]] = torch.tensor([5.0, 4.0, 3.0, 2.0])
+    manager.add_scores(ring, scores, num_query_tokens=4)
+    manager.select(ring, num_candidate_pages=18, request_id="audit/me", step=7)
+    # 9 then its neighbours 10, 8; 0 is protect, 17 is skeleton: skipped; then 3 and 4
+    assert ring.evidence == {9, 10, 8, 3, 4}
+    record = json.loads((tmp_path / "audit_me.jsonl").read_text().splitlines()[0])
+    assert record["evidence"] == [3, 4, 8, 9, 10] and record["top"][0] == [9, 5.0] and record["step"] == 7
+
+
+def test_negative_control_keeps_no_evidence() -> None:
+    limits = ring_limits(budget_pages=12, retrieval=False)
+    manager = RingManager(limits, SlotAllocator(4), pool=None, host=None)  # type: ignore[arg-type]
+    ring = SeqRing(summaries=PageSummaries(1, 20, 1, 4, torch.device("cpu")), policy="sparse", query_start=0)
+    manager.add_scores(ring, torch.arange(20.0), num_query_tokens=1)
+    manager.select(ring, num_candidate_pages=20, request_id="r", step=0)
+    assert ring.evidence == set()

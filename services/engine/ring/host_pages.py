@@ -125,11 +125,7 @@ class HeldPages:
                 packed[k * page_nbytes : (k + 1) * page_nbytes] = np.frombuffer(batch[i], dtype=np.uint8)  # type: ignore[arg-type]
             self._sources.append((own, [k * page_nbytes for k in range(len(copied))], copied))
         self.num_copied = len(copied)
-        self._count = len(batch)
         self._released = False
-
-    def __len__(self) -> int:
-        return self._count
 
     def read(self, indices: list[int], part: Part, device: torch.device) -> torch.Tensor:
         """Bytes [lo, hi) = `part` of the pages at these batch indices -> uint8 [len(indices), hi - lo] on `device`,

@@ -60,7 +60,8 @@ from services.engine.kv.recurrent_state import RecurrentStates
 from services.engine.kv.slots import SlotAllocator
 from services.engine.ring.buckets import BucketPlan
 from services.engine.ring.host_pages import HostPages, PagesLostError
-from services.engine.ring.ring import RingExhaustedError, RingManager, SeqRing
+from services.engine.ring.ring import RingExhaustedError, RingManager
+from services.engine.ring.state import SeqRing
 from services.engine.step.prefix_cache import PrefixCache
 from services.engine.step.sequence import NOT_RESIDENT, PageTable, SeqStatus, Sequence
 from services.engine.step.work import Switch, Work

@@ -15,7 +15,7 @@ from services.engine.step.detokenizer import Detokenizer
 from services.engine.step.sampling import Sampled, SamplingParams
 
 if TYPE_CHECKING:
-    from services.engine.ring.ring import SeqRing
+    from services.engine.ring.state import SeqRing
     from services.engine.step.grammar import GrammarMatcher
 
 
