@@ -79,12 +79,16 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
         pool.page_nbytes // config.page_size, len(model_config.kv_layers), model_config.num_layers,
     )  # fmt: skip
     config.check_host_capacity(pool.page_nbytes)
+    if config.restore_method == "triton" and device.type != "cuda":
+        raise ConfigError(f"restore_method 'triton' reads host pages in a CUDA kernel; this engine is on {device}")
     write_through = _write_through(config)
     host = None
     if write_through is not None:  # the ring's host pages; without a ring, prefixes evicted from the device
         from services.engine.ring.host_pages import KVStoreHostPages
 
-        host = KVStoreHostPages(_store_client(config), write_through, pool.page_nbytes, config.replica_name)
+        host = KVStoreHostPages(
+            _store_client(config), write_through, pool.page_nbytes, config.replica_name, config.restore_method
+        )
         host.prepare(device)  # same-host arenas registered as pinned memory now, not inside a first restore
     if config.ring_enabled:
         assert host is not None  # check_host_capacity refuses a ring without a kvstore

@@ -11,6 +11,7 @@ import torch
 
 from services.common import auth
 from services.common.model_files import DEFAULT_MODEL
+from services.engine.kernels.restore import METHODS as RESTORE_METHODS
 from services.engine.kv.kv_formats import KVFormatError, KVSpec, parse_spec
 from services.engine.ring.summaries import HEAD_FUSIONS
 
@@ -47,6 +48,10 @@ class EngineConfig:
     replica_id: str = ""
     num_threads: int = 0  # torch CPU threads; 0: torch's default
     host_kv_mib: int = 1024  # the kvstore's budget, for the start-up capacity guard
+    # how host pages reach the device (kernels/restore.py): "copies" (a cudaMemcpyAsync per run of consecutive pages)
+    # or "triton" (one gather launch a batch reading the registered arena in place; a held exact chunk's layer is
+    # one launch instead of a copy per page)
+    restore_method: str = "copies"
     # -- the ring (active for a sequence whose pages outgrow ring_budget) --
     prefill_policy: str = "sparse"  # default for over-budget prompts: sparse or exact
     ring_budget: int = 0  # resident tokens one sequence may hold; 0: the whole pool
@@ -124,6 +129,8 @@ class EngineConfig:
             raise ConfigError(f"ring_head_fusion must be one of {HEAD_FUSIONS}, got {self.ring_head_fusion!r}")
         if not 0.0 <= self.ring_score_from < 1.0:
             raise ConfigError(f"ring_score_from must be in [0, 1), got {self.ring_score_from}")
+        if self.restore_method not in RESTORE_METHODS:
+            raise ConfigError(f"restore_method must be one of {RESTORE_METHODS}, got {self.restore_method!r}")
         if self.ring_prefetch_steps < 0:
             raise ConfigError(f"ring_prefetch_steps must be >= 0, got {self.ring_prefetch_steps}")
         if self.ring_budget_pages > self.num_slots:
@@ -294,6 +301,7 @@ class EngineConfig:
         p.add_argument("--replica-id", default=env("KVMEM_ENGINE_REPLICA_ID", ""))
         p.add_argument("--num-threads", type=int, default=int(env("KVMEM_NUM_THREADS", "0")))
         p.add_argument("--host-kv-mib", type=int, default=int(env("KVMEM_HOST_KV_MIB", "1024")))
+        p.add_argument("--restore-method", choices=RESTORE_METHODS, default=env("KVMEM_RESTORE_METHOD", "copies"))
         p.add_argument("--prefill-policy", default=env("KVMEM_PREFILL_POLICY", "sparse"))
         p.add_argument("--ring-budget", type=int, default=int(env("KVMEM_RING_BUDGET", "0")))
         p.add_argument("--protect-tokens", type=int, default=int(env("KVMEM_PROTECT_TOKENS", "128")))
@@ -408,6 +416,7 @@ class EngineConfig:
             internal_secret=auth.secret_from_env(),
             num_threads=a.num_threads,
             host_kv_mib=a.host_kv_mib,
+            restore_method=a.restore_method,
             prefill_policy=a.prefill_policy,
             ring_budget=a.ring_budget,
             protect_tokens=a.protect_tokens,

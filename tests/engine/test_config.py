@@ -40,6 +40,7 @@ def test_ring_window_sizes_follow_the_pool() -> None:
         (dict(retrieval_share=1.5), r"retrieval_share must be in \[0, 1\], got 1.5"),
         (dict(kernels="cuda"), "kernels 'cuda' not in auto, triton, cupy, torch"),
         (dict(ring_prefetch_steps=-1), "ring_prefetch_steps must be >= 0, got -1"),
+        (dict(restore_method="dma"), r"restore_method must be one of \('copies', 'triton', 'reference'\), got 'dma'"),
         (dict(decode_burst=-1), r"decode_burst must be in \[0, page_size 64\], got -1"),
         (dict(decode_burst=65), r"decode_burst must be in \[0, page_size 64\], got 65"),
         (dict(dtype="int4"), "dtype 'int4' not in auto"),
@@ -67,10 +68,11 @@ def test_settings_come_from_flags_and_environment(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("KVMEM_KV_CAPACITY", "2048")
     monkeypatch.setenv("KVMEM_CUDA_GRAPHS", "0")
     monkeypatch.setenv("KVMEM_DECODE_BURST", "4")
+    monkeypatch.setenv("KVMEM_RESTORE_METHOD", "triton")
     cfg = EngineConfig.from_args(["--max-context", "16384", "--kernels", "torch", "--kv-format", "fp8,global=bf16"])
     assert (cfg.kv_capacity, cfg.max_context, cfg.cuda_graphs, cfg.kernels) == (2048, 16384, False, "torch")
     assert cfg.decode_burst == 4 and EngineConfig.from_args(["--decode-burst", "1"]).decode_burst == 1
     auto = EngineConfig()  # bursts where they pay: on CUDA
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert (auto.burst_for(cuda), auto.burst_for(cpu), cfg.burst_for(cpu)) == (8, 1, 4)
-    assert cfg.kv_format == "fp8,global=bf16"
+    assert cfg.kv_format == "fp8,global=bf16" and cfg.restore_method == "triton"
