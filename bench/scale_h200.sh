@@ -21,6 +21,9 @@
 #          (SCALE_AB_ORDER="1 0": the other order)
 #   ringprof the ring's timelines (bench/profile_decode.py --mode gaps): SCALE_PROF_BATCH (default 4) sessions of
 #          SCALE_RING_LEN from submission (prefill included, device only), then 32 sessions' decode window
+#   pdlab  a dense decode window at batch 32 x SCALE_PDL_LEN (default 4096: the ring's read set) in fp8, profiled
+#          (bench/profile_decode.py --mode gaps --dense) with programmatic dependent launch off and on (KVMEM_PDL=0,
+#          then 1; SCALE_AB_ORDER="1 0": the other order): the step's kernels without the ring's host work
 #   logits issue 26 item 5: the logits rows of SCALE_LOGIT_SHAPES (default qwen3_8b gemma3_12b) against transformers
 #          at 2K and 32K, each shape's random model written to /dev/shm and removed after
 # The random 8B model is written once to /tmp/m8b (in the background while tests/attn run) and kept: a second call
@@ -47,7 +50,7 @@ cd "$REPO" || exit 1
 rm -rf services/_gen && cp -r "$GEN" services/_gen
 { nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv; free -g; df -h /dev/shm /tmp; } >>"$LOG" 2>&1
 MPID=""
-if { has main || has ring || has ringab || has ringprof; } && [ ! -f /tmp/m8b/.done ]; then
+if { has main || has ring || has ringab || has ringprof || has pdlab; } && [ ! -f /tmp/m8b/.done ]; then
   python3 - >"$OUT/model.txt" 2>&1 <<'PY' &
 import os, time
 from pathlib import Path
@@ -115,6 +118,15 @@ if has ringprof; then
       --context "${SCALE_RING_LEN:-12288}" --budget 4096 --kv-format fp8 --token-kib 70 --chunk 8192 $opts 2>&1 \
       | grep -v "^WARNING" > "$OUT/ring_profile_$name.txt"
     grep -v "^  " "$OUT/ring_profile_$name.txt" | head -4 | tee -a "$LOG"
+  done
+fi
+if has pdlab; then
+  for v in ${SCALE_AB_ORDER:-0 1}; do
+    log "dense decode profile, KVMEM_PDL=$v"
+    KVMEM_PDL=$v KVMEM_FP8_ATTENTION=1 timeout 150 python3 bench/profile_decode.py --mode gaps --dense --model-dir /tmp/m8b \
+      --context "${SCALE_PDL_LEN:-4096}" --kv-format fp8 --batch 32 --new-tokens 96 --chunk 8192 2>&1 \
+      | grep -v "^WARNING\|UserWarning\|_warn_once" > "$OUT/dense_profile_pdl$v.txt"
+    grep -v "^  " "$OUT/dense_profile_pdl$v.txt" | head -3 | tee -a "$LOG"
   done
 fi
 if has logits; then
