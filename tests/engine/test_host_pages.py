@@ -194,3 +194,49 @@ def test_held_pages_read_byte_ranges_of_any_of_them_until_released(
             held.read([0], (0, 16), torch.device("cpu"))
     finally:
         host.close()
+
+
+def test_a_page_on_its_way_to_the_store_is_read_and_pinned_after_its_write(start_store: StartStore) -> None:
+    """A page demoted while its write-through is held up: `wait(queued_ok=True)` lets it go at once (the plain
+    wait does not), a read of it waits for the write and gets its bytes, and its pin reaches the store after the
+    put; a page whose write fails settles too (a read then finds it lost)."""
+    import threading
+    import time
+
+    store = start_store(host_kv_mib=8)
+    client = KVStoreClient(store.address)
+    release = threading.Event()
+    events: list[str] = []
+    put_pages, pin = client.put_pages, client.pin
+
+    def held_put(pages):  # type: ignore[no-untyped-def]
+        release.wait(timeout=30)
+        events.append("put")
+        return put_pages(pages)
+
+    client.put_pages = held_put  # type: ignore[method-assign]
+    client.pin = lambda owner, hashes: events.append("pin") or pin(owner, hashes)  # type: ignore[method-assign]
+    write_through = WriteThrough(client, "fp32", 8)
+    host = KVStoreHostPages(client, write_through, PAGE, owner_id="engine-a")
+    page = torch.from_numpy(np.random.default_rng(3).integers(0, 255, PAGE, dtype=np.uint8))
+    h = b"\x07" * 16
+    write_through.submit(h, page, 4)
+    assert not host.wait([h], 0.05) and host.wait([h], 0.05, queued_ok=True)
+    host.pin([h])
+    got: list[torch.Tensor] = []
+    reader = threading.Thread(target=lambda: got.extend(host.fetch([h])))
+    reader.start()
+    time.sleep(0.2)
+    assert not got and reader.is_alive()  # the read waits for the write
+    release.set()
+    reader.join(timeout=10)
+    assert got and torch.equal(got[0], page)
+    host.close()
+    assert events == ["put", "pin"], events
+
+    failing = WriteThrough(client, "fp32", 8)
+    client.put_pages = lambda pages: (_ for _ in ()).throw(OSError("store gone"))  # type: ignore[method-assign]
+    lost = b"\x08" * 16
+    failing.submit(lost, page, 4)
+    assert failing.wait_settled([lost], 10.0) and not failing.is_written(lost) and failing.num_failed == 1
+    failing.close()

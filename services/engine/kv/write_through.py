@@ -62,6 +62,7 @@ class WriteThrough:
         except queue.Full:
             with self._written_cond:
                 self._queued.discard(page_hash)
+                self._written_cond.notify_all()
             self.num_dropped += 1
             logger.error("write-through queue full for %.0f s: page %s dropped", timeout_s, page_hash.hex())
 
@@ -83,11 +84,24 @@ class WriteThrough:
     def is_written(self, page_hash: bytes) -> bool:
         return page_hash in self._written
 
-    def wait_written(self, page_hashes: list[bytes], timeout_s: float) -> bool:
-        """Block until every page has been written (or found present) in the store; False on timeout."""
+    def wait_written(self, page_hashes: list[bytes], timeout_s: float, queued_ok: bool = False) -> bool:
+        """Block until every page has been written (or found present) in the store, or with `queued_ok` is
+        written or queued (its bytes handed over, on their way to the store); False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._written_cond:
-            while not all(h in self._written for h in page_hashes):
+            while not all(h in self._written or (queued_ok and h in self._queued) for h in page_hashes):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._written_cond.wait(left)
+        return True
+
+    def wait_settled(self, page_hashes: list[bytes], timeout_s: float) -> bool:
+        """Block until none of these pages is queued (each written, or its write failed or dropped): a read of
+        the store after it finds every page that was on its way; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._written_cond:
+            while any(h in self._queued for h in page_hashes):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -149,3 +163,4 @@ class WriteThrough:
         finally:
             with self._written_cond:
                 self._queued.difference_update(hashes)
+                self._written_cond.notify_all()

@@ -16,7 +16,8 @@ tensor on `device`:
 `parts` (KVPool.slot_parts, local_parts) fetches only those bytes of each page: a restore into slots
 moves the paged layers, not the sliding layers whose rows live in local rings.
 Pins (a demoted page's host copy kept from eviction) and unpins go to the store off the step's path,
-in order, on the same thread that releases fetched batches.
+in order, on the same thread that releases fetched batches. A page may be demoted while its write-through is
+still under way (its bytes are out of the pool already): its pin, and any read of it, wait for that write.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from services.kvstore.cluster import KVStoreCluster
 
 logger = logging.getLogger(__name__)
+SETTLE_TIMEOUT_S = 30.0  # the longest a read or a pin waits for pages still being written through
 
 
 class PagesLostError(RuntimeError):
@@ -77,8 +79,9 @@ class HostPages(Protocol):
         each straight to the device that asks (HeldPages), until released; PagesLostError when one is gone."""
         ...
 
-    def wait(self, page_hashes: list[bytes], timeout_s: float) -> bool:
-        """Block until these pages have a host copy; False on timeout."""
+    def wait(self, page_hashes: list[bytes], timeout_s: float, queued_ok: bool = False) -> bool:
+        """Block until these pages have a host copy, or with `queued_ok` have one or are on their way to the store
+        (their bytes copied out of the pool already: a read waits for them); False on timeout."""
         ...
 
     def pin(self, page_hashes: list[bytes]) -> None:
@@ -320,8 +323,8 @@ class KVStoreHostPages:
     def has(self, page_hash: bytes) -> bool:
         return self._write_through.is_written(page_hash)
 
-    def wait(self, page_hashes: list[bytes], timeout_s: float) -> bool:
-        return self._write_through.wait_written(page_hashes, timeout_s)
+    def wait(self, page_hashes: list[bytes], timeout_s: float, queued_ok: bool = False) -> bool:
+        return self._write_through.wait_written(page_hashes, timeout_s, queued_ok)
 
     def leading_present(self, page_hashes: list[bytes]) -> int:
         """How many leading pages of a hash chain the store holds (they count as written through)."""
@@ -342,6 +345,7 @@ class KVStoreHostPages:
     def fetch_blob(self, key: bytes, nbytes: int) -> torch.Tensor | None:
         """One stored object that is not a page (a recurrent-state snapshot, recurrent_state.py) as uint8
         [nbytes] on the CPU; None when it is gone or of another size."""
+        self._write_through.wait_settled([key], SETTLE_TIMEOUT_S)
         try:
             batch = self._client.get_pages([key])
         except PageNotFoundError:
@@ -408,12 +412,17 @@ class KVStoreHostPages:
         """Pin these host copies for this engine, off the caller's path (in order with unpin). A failed pin
         is logged: the page may then be evicted, and a restore that misses it recomputes it."""
         if self._owner and page_hashes:
-            self._background(self._pins, self._client.pin, list(page_hashes))
+            self._background(self._pin_written, list(page_hashes))
 
     def unpin(self, page_hashes: list[bytes]) -> None:
         """Drop this engine's pins (off the caller's path; a failed unpin is logged: pins lapse by themselves)."""
         if self._owner and page_hashes:
             self._background(self._pins, self._client.unpin, list(page_hashes))
+
+    def _pin_written(self, page_hashes: list[bytes]) -> None:
+        """Pin once the pages still on their way to the store (demoted before their write-through) are there."""
+        self._write_through.wait_settled(page_hashes, SETTLE_TIMEOUT_S)
+        self._pins(self._client.pin, page_hashes)
 
     def _pins(self, call: Callable[[str, list[bytes]], object], page_hashes: list[bytes]) -> None:
         """client.pin or client.unpin for this engine, on the release thread; a failure is logged."""
@@ -444,7 +453,9 @@ class KVStoreHostPages:
     # ---- reads ------------------------------------------------------------------------------------
 
     def _get(self, page_hashes: list[bytes]) -> PageBatch:
-        """The batch (views pinned until released); PagesLostError for missing or wrong-sized pages."""
+        """The batch (views pinned until released); PagesLostError for missing or wrong-sized pages. Pages still on
+        their way to the store (demoted before their write-through finished: ring.demote) are waited for first."""
+        self._write_through.wait_settled(page_hashes, SETTLE_TIMEOUT_S)
         try:
             batch = self._client.get_pages(page_hashes)
         except PageNotFoundError as exc:
