@@ -304,3 +304,135 @@ def test_lse_merge_matches_its_reference(where: str, t: int, n: int, heads: int,
     got = pat.lse_merge(own, l_own, past, l_past, n)
     assert got.shape == (n, heads, d) and got.is_contiguous() and got.dtype == dtype
     assert _rel(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize(
+    "where,n_past,n,heads,d,fp8",
+    [
+        ("cpu", 37, 20, (4, 2), 32, False),
+        ("cpu", 21, 33, (2, 1), 32, True),
+        pytest.param("cuda", 4096, 8064, (32, 8), 128, False, marks=pytest.mark.gpu),
+        pytest.param("cuda", 4096, 8064, (32, 8), 128, True, marks=pytest.mark.gpu),
+    ],
+)
+def test_attention_over_keys_in_parts_merges_as_the_torch_reference(
+    where: str, n_past: int, n: int, heads: tuple[int, int], d: int, fp8: bool
+) -> None:
+    """The exact policy's attention through the kernel: a chunk over its resident rows (causal, `state` written),
+    then two batches of earlier keys from other stores (every key seen, `accumulate`), one of them of a length
+    that is no multiple of a tile: the output and log-sum-exp of exact_attention's torch grouped_attention_lse
+    and merge_partials over the same keys (each part's own stored format, dequantised)."""
+    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kv.kv_formats import parse_format
+    from services.engine.ring.exact_attention import grouped_attention_lse, merge_partials, rows_to_heads
+
+    dev = device_or_skip(where)
+    scale = d**-0.5
+    q, k_store, v_store, rows = _pool(n_past, n, heads, d, torch.bfloat16, dev, seed=n)
+    hosts = [
+        _pool(0, length, heads, d, torch.bfloat16, dev, seed=length)[1:] for length in (40, 27 if d == 32 else 2000)
+    ]
+    fmt = parse_format("fp8")
+    stored = (lambda x: fmt.quantize(x)) if fp8 else (lambda x: x)
+    plain = (lambda x: fmt.dequantize(x, q.dtype)) if fp8 else (lambda x: x)
+    cfg = (16, 16, 4, 1) if pat.INTERPRETED else None
+    out = torch.empty(q.shape, dtype=torch.float32, device=dev)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
+    pat.prefill_attention(q, stored(k_store), stored(v_store), rows, scale, cfg=cfg, fp8=fp8, state=(out, lse))
+    t = rows.shape[0]
+    allowed = position_mask(torch.arange(t - n, t, device=dev), torch.arange(t, device=dev))
+    mask = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf")).repeat(heads[0] // heads[1], 1)
+    k_res, v_res = (plain(stored(x)).index_select(0, rows).transpose(0, 1) for x in (k_store, v_store))
+    want, want_lse = grouped_attention_lse(q.float(), k_res.float(), v_res.float(), mask, scale)
+    for k_h, v_h, rows_h in hosts:
+        keys = rows_h[: rows_h.shape[0]]
+        pat.prefill_attention(q, stored(k_h), stored(v_h), keys, scale, cfg=cfg, fp8=fp8, causal=False,
+                              state=(out, lse), accumulate=True)  # fmt: skip
+        kh, vh = (plain(stored(x)).index_select(0, keys).transpose(0, 1).float() for x in (k_h, v_h))
+        want, want_lse = merge_partials(want, want_lse, *grouped_attention_lse(q.float(), kh, vh, None, scale))
+    got_lse = lse.view(n, heads[1], heads[0] // heads[1]).permute(1, 2, 0).reshape(heads[1], -1)  # grouped rows
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert _rel(out, rows_to_heads(want, n, heads[0])) < 1e-2
+    assert (got_lse - want_lse).abs().max().item() < 2e-2
+
+
+class _Scoring:
+    """A stand-in for PageSummaries where the exact path reads it: every layer scores, no summaries to update."""
+
+    def scores_layer(self, layer_idx: int) -> bool:
+        return True
+
+    def update_from_pool(self, *args: object) -> None:
+        pass
+
+
+class _Held:
+    """HeldPages' read over page bytes already on the device: a layer's bytes of some of them, in order."""
+
+    def __init__(self, pages: list[torch.Tensor]) -> None:
+        self.pages = pages
+
+    def read(self, indices: list[int], part: tuple[int, int], device: torch.device) -> torch.Tensor:
+        return torch.stack([self.pages[i][part[0] : part[1]] for i in indices]).to(device)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("kv", ["fp16", "fp8"])
+@pytest.mark.parametrize("held", [False, True], ids=["on-device", "held"])
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_exact_chunk_through_the_kernel_matches_the_torch_path(
+    kv: str, held: bool, where: str, triton_tier: None, fp8_in_place: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exact chunk (the ring's last prompt chunk) whose context has host pages: through the paged kernel (the
+    resident rows in place, then each staging batch of host pages as stored, merged in the kernel) the torch
+    path's output (`masked`: gathered rows, grouped_attention_lse, merge_partials) and the same page masses of
+    the scoring tokens; the host pages on the device or held (read a layer at a time), fp16 or fp8 pages."""
+    from services.engine import kernels
+    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kv.kv_formats import parse_format
+    from services.engine.kv.kv_pool import KVPool
+    from services.engine.kv.paged_attention import SeqSpan, StepAttention
+
+    dev = device_or_skip(where)
+    if dev.type == "cuda":
+        monkeypatch.setattr(kernels, "_active", kernels.select_tier(dev, "triton"))
+    page, hq, hkv, d = 8, 4, 2, 32
+    pool = KVPool(1, 32, page, hkv, d, torch.float16, dev, [parse_format(kv)])
+    g = torch.Generator().manual_seed(7)
+    past, new = 45, 20  # pages 0..8; the chunk starts inside page 5
+    slot_of = torch.tensor([3, 9, 1, 12, 20, 6, 15, 7, 22])  # logical page -> slot
+    pos = torch.arange(past + new)
+    all_rows = (slot_of[pos // page] * page + pos % page).to(dev)
+    pool.write(0, all_rows, *(torch.randn(past + new, hkv, d, generator=g).half().to(dev) for _ in range(2)))
+    host_ids = [1, 2, 4]  # their slots' bytes are the host copies; they are not among the read rows
+    host = list(pool.read_pages([int(slot_of[p]) for p in host_ids]))
+    seen = torch.tensor([t for t in range(past + new) if t // page not in host_ids])
+    q = (2 * torch.randn(new, hq, d, generator=g)).half().to(dev)
+    calls = []
+    real = pat.prefill_attention
+    monkeypatch.setattr(
+        pat, "prefill_attention", lambda *a, **kw: calls.append(kw.get("causal", True)) or real(*a, **kw)
+    )
+
+    def run(mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", mode)
+        span = SeqSpan(
+            past, new, all_rows[past:], all_rows[seen.to(dev)], seen.to(dev), summaries=_Scoring(),  # type: ignore[arg-type]
+            touched_pages=torch.zeros(0), touched_rows=torch.zeros(0), touched_valid=torch.zeros(0),
+            score_tokens=3, score_pages=6, score_by_attention=True, host_page_ids=host_ids,
+            host_pages=[] if held else host, host_held=_Held(host) if held else None,  # type: ignore[arg-type]
+        )  # fmt: skip
+        out = StepAttention(pool, [span], hq // hkv, torch.float16, staging_pages=2).attend(
+            0, q, q[:, :hkv], q[:, :hkv], d**-0.5
+        )
+        assert span.scores is not None
+        return out, span.scores
+
+    want, want_mass = run("masked")
+    assert calls == []
+    got, mass = run("triton")
+    assert calls == [True, False, False]  # the resident rows, then two staging batches (2 + 1 host pages)
+    assert not got.isnan().any()
+    assert _rel(got, want) < (2e-3 if kv == "fp16" else 1e-2)
+    assert torch.allclose(mass, want_mass, atol=1e-3), (mass - want_mass).abs().max()

@@ -28,6 +28,7 @@ from services.engine.kernels import attention_tiles as tiles
 from services.engine.kv.attention import grouped_sdpa, lse_merge_torch, position_mask
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # the kernel's copy (a jitted function reads constexpr globals only)
 _PLAIN = (torch.bfloat16, torch.float16)
 
 
@@ -108,8 +109,9 @@ def _prefill_kernel(
     v_ptr,
     rows_ptr,  # [T] int64
     out_ptr,  # [n, Hq, D]
+    lse_ptr,  # [n, Hq] float32 (STATE only)
     n_q,
-    past,  # T - n: the position of query row 0
+    past,  # CAUSAL: T - n, the position of query row 0; else T - 1, the last key every query sees
     scale_log2,
     stride_qn,
     stride_qh,
@@ -125,6 +127,8 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     FP8: tl.constexpr,  # uint8 fp8 rows (scale + e4m3fn codes): q in bf16 against the codes
+    CAUSAL: tl.constexpr = True,  # False: every query sees all T keys
+    STATE: tl.constexpr = 0,  # 0: out only; 1: out (fp32) and its log-sum-exp; 2: both read first and merged into
 ):
     mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the last (longest) row blocks first: a shorter tail
     h = tl.program_id(1)
@@ -137,12 +141,24 @@ def _prefill_kernel(
         q = q.to(tl.float32)
     elif FP8:
         q = q.to(tl.bfloat16)
-    q_pos = past + m  # [BLOCK_M]
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    first_pos = past + mb * BLOCK_M  # the block's first query sees keys 0..first_pos
-    last_pos = tl.minimum(past + (mb + 1) * BLOCK_M, past + n_q) - 1
+    out_at = out_ptr + m[:, None] * stride_on + h * stride_oh + d[None, :]
+    if STATE == 2:  # the attention so far (normalised) and its log-sum-exp: exp2(s - m) sums to 1 at m = lse
+        lse0 = tl.load(lse_ptr + m * tl.num_programs(1) + h, mask=m_ok, other=float("-inf"))
+        m_i = lse0 * _LOG2E
+        l_i = tl.where(lse0 == float("-inf"), 0.0, 1.0)
+        acc = tl.load(out_at, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:
+        q_pos = past + m  # [BLOCK_M]
+        first_pos = past + mb * BLOCK_M  # the block's first query sees keys 0..first_pos
+        last_pos = tl.minimum(past + (mb + 1) * BLOCK_M, past + n_q) - 1
+    else:  # every row sees keys 0..past
+        q_pos = past + 0 * m
+        first_pos = past
+        last_pos = past
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # tiles before it are visible to every row
     for start in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _tile(q, q_pos, start, last_pos, rows_ptr, k_ptr, v_ptr, kv, stride_kr, stride_kh,
@@ -153,8 +169,10 @@ def _prefill_kernel(
                               stride_vr, stride_vh, d, m_i, l_i, acc, scale_log2,
                               BLOCK_N, True, DOT_FP32, FP8)  # fmt: skip
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + m[:, None] * stride_on + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None])  # fmt: skip
+    tl.store(out_at, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+    if STATE != 0:  # natural log; -inf for a row that saw no key
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))) / _LOG2E)
+        tl.store(lse_ptr + m * tl.num_programs(1) + h, lse, mask=m_ok)
 
 
 # the interpreter multiplies bf16 operands as raw bits (decode_attention_triton.py): fp32 dots there
@@ -169,23 +187,42 @@ def prefill_attention(
     scale: float,
     cfg: tuple[int, int, int, int] | None = None,
     fp8: bool = False,
+    causal: bool = True,
+    state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """`prefill_attention_reference` in one launch -> [n, Hq, D] in q's dtype; `cfg` overrides `config`; `fp8`:
-    the stores are uint8 fp8 rows (the reference over their dequantised rows)."""
+    the stores are uint8 fp8 rows (the reference over their dequantised rows).
+
+    `causal` False: every query attends all T = len(rows) keys (keys earlier than every query: the exact policy's
+    host pages). `state` (out float32 [n, Hq, D], lse float32 [n, Hq], contiguous): the attention is written there
+    with its log-sum-exp (natural log, -inf where a row saw no key) and returned; with `accumulate` they hold the
+    attention over other keys so far and are merged with these keys' in place (the online softmax starts from
+    them): attention over keys that arrive in parts, in one pass each (ring/exact_attention.py's torch
+    grouped_attention_lse + merge_partials is the reference)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_store.shape[1]
     if not supported(q, k_store, fp8) or v_store.shape != k_store.shape or num_heads % num_kv_heads:
         raise ValueError(f"prefill attention kernel: q {tuple(q.shape)} {q.dtype}, pool {tuple(k_store.shape)}")
-    assert rows.dim() == 1 and rows.shape[0] >= n and rows.dtype == torch.int64, (rows.shape, rows.dtype)
+    assert rows.dim() == 1 and rows.dtype == torch.int64, (rows.shape, rows.dtype)
+    assert rows.shape[0] >= (n if causal else 1), (rows.shape, n, causal)
     block_m, block_n, warps, stages = cfg or config(head_dim)
-    out = torch.empty_like(q)
+    if state is not None:
+        out, lse = state
+        assert out.shape == q.shape and out.dtype == torch.float32 and out.is_contiguous(), (out.shape, out.dtype)
+        assert lse.shape == q.shape[:2] and lse.dtype == torch.float32 and lse.is_contiguous(), (lse.shape, lse.dtype)
+    else:
+        assert not accumulate, "accumulate needs a state"
+        out = torch.empty_like(q)
+        lse = out  # never read
     rows = rows.contiguous()
     _prefill_kernel[(triton.cdiv(n, block_m), num_heads)](
-        q, k_store, v_store, rows, out, n, rows.shape[0] - n, scale * LOG2E,
+        q, k_store, v_store, rows, out, lse, n, rows.shape[0] - n if causal else rows.shape[0] - 1, scale * LOG2E,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
         out.stride(0), out.stride(1),
         G=num_heads // num_kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=INTERPRETED,
-        FP8=fp8, num_warps=warps, num_stages=stages,
+        FP8=fp8, CAUSAL=causal, STATE=0 if state is None else 2 if accumulate else 1, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return out
 

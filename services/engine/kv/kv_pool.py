@@ -449,9 +449,13 @@ class KVPool:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer of pages held as bytes (uint8 [page_nbytes] each, on any device): only that
         layer's bytes of each travel to `device`, where they are decoded: [P * page_size, Hkv, D] each."""
+        return self.layer_kv(self.pages_layer_bytes(pages, layer, device), layer, dtype)
+
+    def pages_layer_bytes(self, pages: Sequence[torch.Tensor], layer: int, device: torch.device) -> torch.Tensor:
+        """One layer's bytes of pages held as bytes (uint8 [page_nbytes] each, on any device) on `device`:
+        uint8 [P, layer bytes] (layer_part's range of each)."""
         lo, hi = self.layer_part(layer)
-        data = torch.stack([p.reshape(-1)[lo:hi] for p in pages]).to(device, non_blocking=True)  # [P, layer bytes]
-        return self.layer_kv(data, layer, dtype)
+        return torch.stack([p.reshape(-1)[lo:hi] for p in pages]).to(device, non_blocking=True)
 
     def layer_part(self, layer: int) -> tuple[int, int]:
         """Bytes [lo, hi) of a page (KVPool.read_page's layout) that hold this layer's K and V."""
@@ -471,6 +475,13 @@ class KVPool:
         k_bytes, v_bytes = self._layer_bytes(data, (0, hi - lo))
         k_rows, v_rows = self._rows_of(layer, k_bytes), self._rows_of(layer, v_bytes)
         return _keys(fmt, lambda dt: fmt.dequantize(k_rows, dt), dtype), fmt.dequantize(v_rows, dtype)
+
+    def layer_rows(self, data: torch.Tensor, layer: int) -> torch.Tensor:
+        """One layer's bytes of P pages, uint8 [P, layer bytes] (contiguous), as that layer's stored rows
+        [2 * P * page_size, Hkv, W] (a view): each page's page_size K rows, then its V rows. An attention kernel
+        that reads the layer in place reads them the same way (K row b * 2 * page_size + t, its V row page_size
+        further)."""
+        return self._rows_of(layer, data)
 
     def _layer_ranges(self, layers: Iterable[int]) -> dict[int, tuple[int, int]]:
         """Byte range of each layer's K and V in pages that hold these layers, in layer order (every layer:

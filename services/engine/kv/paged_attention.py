@@ -140,6 +140,7 @@ class StepAttention:
         if paged and self.kernel is None:
             self.mode = "flash"  # not the Triton tier (prompt chunks still through cuDNN)
         self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}  # (span, window, local) -> mask
+        self._staged: dict[int, torch.Tensor] = {}  # a staging batch's K rows by its page count (_staged_rows)
         # the step's single-token spans (decode rows beside prompt chunks) in one launch of the flash-decoding
         # kernel reading the pool in place, instead of a gather and an SDPA call each, a layer (every mode but
         # the masked reference)
@@ -281,6 +282,10 @@ class StepAttention:
             stores, is_fp8 = (plain, False) if plain is not None else (fp8, True)
             if stores is not None and self.kernel.supported(q_s, stores[0], is_fp8):
                 return self.kernel.prefill_attention(q_s, *stores, span.read_rows, scale, fp8=is_fp8)  # type: ignore[no-any-return]
+        if span.has_host_pages and own is None and window is None:
+            out = self._exact_kernel(layer_idx, span, q_s, scale)
+            if out is not None:
+                return out
         k_s, v_s = self.pool.gather(layer_idx, span.read_rows, q_s.dtype)
         if own is not None:
             k_s, v_s = torch.cat((k_s, own[0].to(k_s.dtype))), torch.cat((v_s, own[1].to(v_s.dtype)))
@@ -372,10 +377,7 @@ class StepAttention:
         scoring = scoring and span.summaries is not None and span.summaries.scores_layer(layer_idx)
         mass_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         if scoring:
-            key_pos = span.key_pos if span.key_pos is not None else torch.arange(k_s.shape[1], device=q_pos.device)
-            allowed = position_mask(q_pos[-span.score_tokens :], key_pos, window).repeat(self.group, 1)
-            resident_mask = torch.zeros(allowed.shape, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
-            mass_parts.append((k_s, key_pos, resident_mask))
+            mass_parts.append((k_s, *self._resident_scoring(span, k_s.shape[1], window)))
         for i in range(0, len(order), self.staging_pages):
             batch = order[i : i + self.staging_pages]
             # staging: [Hkv, B * page, D] of this layer, moved to the pool's device
@@ -394,21 +396,91 @@ class StepAttention:
                     :, -span.score_tokens :].reshape(self.group * span.score_tokens, -1)  # fmt: skip
                 mass_parts.append((k_h, key_pos, score_mask))
         if scoring:
-            assert span.summaries is not None
-            # per head: [Hq, Np] mean over the scoring tokens; layers stacked (RingManager fuses the heads)
-            mass = page_mass(q_s[-span.score_tokens :], mass_parts, scale, span.score_pages, size).mean(dim=0)
-            span.scores = mass if span.scores is None else torch.cat((span.scores, mass))
+            self._page_mass(span, q_s, mass_parts, scale)
         return rows_to_heads(out, q_s.shape[0], q_s.shape[1])
+
+    def _resident_scoring(
+        self, span: SeqSpan, num_rows: int, window: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The resident rows' key positions and the scoring tokens' additive mask over them [G * Tq, T]."""
+        dev = self.pool.device
+        key_pos = span.key_pos if span.key_pos is not None else torch.arange(num_rows, device=dev)
+        q_pos = span.num_past + torch.arange(span.num_new - span.score_tokens, span.num_new, device=dev)
+        allowed = position_mask(q_pos, key_pos, window).repeat(self.group, 1)
+        return key_pos, torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))
+
+    def _page_mass(
+        self,
+        span: SeqSpan,
+        q_s: torch.Tensor,
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        scale: float,
+    ) -> None:
+        """The scoring tokens' attention mass on each page, per head [Hq, Np] (their mean), stacked over layers in
+        span.scores (RingManager fuses the heads)."""
+        mass = page_mass(q_s[-span.score_tokens :], parts, scale, span.score_pages, self.pool.page_size).mean(dim=0)
+        span.scores = mass if span.scores is None else torch.cat((span.scores, mass))
+
+    def _exact_kernel(self, layer_idx: int, span: SeqSpan, q_s: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """`_exact` through the paged prefill kernel (a global layer): the resident rows read in place (causal by
+        index), then each staging batch of host pages read where its bytes landed, as stored (every key seen), each
+        merged into the kernel's output and log-sum-exp as it comes: no [Hkv, G * n, T] float32 scores and no
+        merge passes (those were most of an 8B exact chunk's kernel time: bench/RESULTS.md round 11). The scoring
+        tokens' page mass as `_exact`. None where the kernel does not take the layer (the torch path then)."""
+        if self.kernel is None or not span.causal_rows:
+            return None
+        plain, fp8 = self.pool.plain_kv(layer_idx), self.pool.fp8_kv(layer_idx)
+        stores, is_fp8 = (plain, False) if plain is not None else (fp8, True)
+        if stores is None or not self.kernel.supported(q_s, stores[0], is_fp8):
+            return None
+        out = torch.empty(q_s.shape, dtype=torch.float32, device=q_s.device)
+        lse = torch.empty(q_s.shape[:2], dtype=torch.float32, device=q_s.device)
+        self.kernel.prefill_attention(q_s, *stores, span.read_rows, scale, fp8=is_fp8, state=(out, lse))
+        size = self.pool.page_size
+        ids = span.host_page_ids
+        scoring = span.score_by_attention and span.score_tokens > 0 and span.score_pages > 0
+        scoring = scoring and span.summaries is not None and span.summaries.scores_layer(layer_idx)
+        mass_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        if scoring:
+            k_s = self.pool.gather_keys(layer_idx, span.read_rows, q_s.dtype).transpose(0, 1)
+            mass_parts.append((k_s, *self._resident_scoring(span, k_s.shape[1])))
+        offsets = torch.arange(size, device=self.pool.device)
+        for i in range(0, len(ids), self.staging_pages):
+            batch = list(range(i, min(i + self.staging_pages, len(ids))))
+            data = self._host_bytes(span, batch, layer_idx)
+            rows = self.pool.layer_rows(data, layer_idx)  # each page's K rows, then its V rows
+            k_rows, v_rows = rows[:-size], rows[size:]  # V row r of the batch = K row r + page_size
+            self.kernel.prefill_attention(q_s, k_rows, v_rows, self._staged_rows(len(batch)), scale, fp8=is_fp8,
+                                          causal=False, state=(out, lse), accumulate=True)  # fmt: skip
+            if scoring:
+                k_h = self.pool.layer_kv(data, layer_idx, q_s.dtype)[0].transpose(0, 1)
+                mass_parts.append((k_h, torch.cat([ids[j] * size + offsets for j in batch]), None))
+        if scoring:
+            self._page_mass(span, q_s, mass_parts, scale)
+        return out.to(q_s.dtype)
+
+    def _staged_rows(self, num_pages: int) -> torch.Tensor:
+        """The K rows of a staging batch of pages in `layer_rows`'s order: b * 2 * page_size + t, in page order."""
+        rows = self._staged.get(num_pages)
+        if rows is None:
+            size = self.pool.page_size
+            rows = (torch.arange(num_pages)[:, None] * 2 * size + torch.arange(size)).reshape(-1)
+            rows = self._staged[num_pages] = rows.to(self.pool.device)
+        return rows
+
+    def _host_bytes(self, span: SeqSpan, batch: list[int], layer_idx: int) -> torch.Tensor:
+        """One layer's bytes of these host pages (indices into span.host_page_ids) on the pool's device: uint8
+        [B, layer bytes]."""
+        if span.host_held is not None:
+            return span.host_held.read(batch, self.pool.layer_part(layer_idx), self.pool.device)
+        return self.pool.pages_layer_bytes([span.host_pages[j] for j in batch], layer_idx, self.pool.device)
 
     def _host_kv(
         self, span: SeqSpan, batch: list[int], layer_idx: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V of these host pages (indices into span.host_page_ids) on the pool's device:
         [B * page_size, Hkv, D] each."""
-        if span.host_held is not None:
-            data = span.host_held.read(batch, self.pool.layer_part(layer_idx), self.pool.device)
-            return self.pool.layer_kv(data, layer_idx, dtype)
-        return self.pool.pages_kv([span.host_pages[j] for j in batch], layer_idx, dtype, self.pool.device)
+        return self.pool.layer_kv(self._host_bytes(span, batch, layer_idx), layer_idx, dtype)
 
 
 def _row_mask(
