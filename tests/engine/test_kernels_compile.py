@@ -46,17 +46,22 @@ def _pipelined_word_loads(ptx: str) -> None:
     assert sizes.count("0x4") <= 8, f"{sizes.count('0x4')} 4-byte copies (the scales take a few)"
 
 
-def prefill_ptx(fp8: bool = True) -> str:
+def prefill_ptx(fp8: bool = True, causal: bool = True, state: int = 0) -> str:
     """The prefill kernel over fp8 rows (else bf16 rows), compiled for sm_90 as the engine launches it at the 8B
-    shape -> PTX."""
+    shape -> PTX; `causal` False and `state` 1 or 2: the exact policy's parts (a float32 output and its
+    log-sum-exp written, or read and merged into)."""
     from services.engine.kernels import prefill_attention_triton as pat
 
     ints = ["n_q", "past"] + [f"stride_{s}" for s in ("qn", "qh", "kr", "kh", "vr", "vh", "on", "oh")]
     store = "*u8" if fp8 else "*bf16"
-    types = dict(q_ptr="*bf16", k_ptr=store, v_ptr=store, rows_ptr="*i64", out_ptr="*bf16", scale_log2="fp32")
+    out = "*fp32" if state else "*bf16"
+    types = dict(q_ptr="*bf16", k_ptr=store, v_ptr=store, rows_ptr="*i64", out_ptr=out, lse_ptr=out,
+                 scale_log2="fp32")  # fmt: skip
     types.update({name: "i32" for name in ints})
     block_m, block_n, warps, stages = pat.config(128)
-    constexprs: dict[str, object] = dict(G=4, D=128, BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=False, FP8=fp8)
+    constexprs: dict[str, object] = dict(
+        G=4, D=128, BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=False, FP8=fp8, CAUSAL=causal, STATE=state
+    )
     # at the 8B shape: q/out strides 4096 / 128, pool rows 8 x 144 = 1152 bytes apart, heads 144
     div16 = ("q_ptr", "k_ptr", "v_ptr", "rows_ptr", "out_ptr", "stride_qn", "stride_qh", "stride_kr", "stride_vr",
              "stride_kh", "stride_vh",
@@ -91,6 +96,10 @@ def compile_fp8_attention() -> None:
     ptx = prefill_ptx()
     assert "e4m3" in ptx
     _pipelined_word_loads(ptx)
+    for causal, state in ((True, 1), (False, 2)):  # an exact chunk's resident rows, then its host pages as stored
+        ptx = prefill_ptx(causal=causal, state=state)
+        assert "e4m3" in ptx
+        _pipelined_word_loads(ptx)
     for f16 in (False, True):  # KVMEM_FP8_DOT=bf16, and the default fp16 operands
         ptx = split_ptx(f16)
         assert "e4m3" in ptx

@@ -423,7 +423,7 @@ def test_exact_chunk_through_the_kernel_matches_the_torch_path(
             score_tokens=3, score_pages=6, score_by_attention=True, host_page_ids=host_ids,
             host_pages=[] if held else host, host_held=_Held(host) if held else None,  # type: ignore[arg-type]
         )  # fmt: skip
-        out = StepAttention(pool, [span], hq // hkv, torch.float16, staging_pages=2).attend(
+        out = StepAttention(pool, [span], hq // hkv, torch.float16, staging_pages=2, kernel_staging_pages=2).attend(
             0, q, q[:, :hkv], q[:, :hkv], d**-0.5
         )
         assert span.scores is not None

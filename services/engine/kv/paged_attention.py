@@ -118,13 +118,23 @@ class StepAttention:
     """
 
     def __init__(
-        self, pool: KVPool, spans: list[SeqSpan], group: int, dtype: torch.dtype, staging_pages: int = 32
+        self,
+        pool: KVPool,
+        spans: list[SeqSpan],
+        group: int,
+        dtype: torch.dtype,
+        staging_pages: int = 32,
+        kernel_staging_pages: int = 128,
     ) -> None:
         self.pool = pool
         self.spans = spans
         self.group = group
         self.dtype = dtype
+        # host pages a staging batch of the exact policy: the torch path's [Hkv, G * n, T] float32 scores bound it; the
+        # kernel's bound is only the batch's bytes (a layer of 128 fp8 pages of the 8B shape: 19 MB), and each batch
+        # reads and writes its float32 output state once (128 MB for 8K rows of 32 heads)
         self.staging_pages = staging_pages
+        self.kernel_staging_pages = kernel_staging_pages
         self.write_rows = torch.cat([s.write_rows for s in spans])  # [N], the step's flattened order
         # the step's rows that are written (all but a question replay's), when some are not
         self.written: torch.Tensor | None = None
@@ -445,8 +455,8 @@ class StepAttention:
             k_s = self.pool.gather_keys(layer_idx, span.read_rows, q_s.dtype).transpose(0, 1)
             mass_parts.append((k_s, *self._resident_scoring(span, k_s.shape[1])))
         offsets = torch.arange(size, device=self.pool.device)
-        for i in range(0, len(ids), self.staging_pages):
-            batch = list(range(i, min(i + self.staging_pages, len(ids))))
+        for i in range(0, len(ids), self.kernel_staging_pages):
+            batch = list(range(i, min(i + self.kernel_staging_pages, len(ids))))
             data = self._host_bytes(span, batch, layer_idx)
             rows = self.pool.layer_rows(data, layer_idx)  # each page's K rows, then its V rows
             k_rows, v_rows = rows[:-size], rows[size:]  # V row r of the batch = K row r + page_size
