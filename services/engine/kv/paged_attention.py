@@ -435,7 +435,8 @@ class StepAttention:
         """`_exact` through the paged prefill kernel (a global layer): the resident rows read in place (causal by
         index), then each staging batch of host pages read where its bytes landed, as stored (every key seen), each
         merged into the kernel's output and log-sum-exp as it comes: no [Hkv, G * n, T] float32 scores and no
-        merge passes (those were most of an 8B exact chunk's kernel time: bench/RESULTS.md round 11). The scoring
+        merge passes (torch's elementwise and reduction kernels were 0.92 s of the 2.63 s of kernels of a 4 x 12K ring
+        prefill at the 8B shape: bench/RESULTS.md round 11). The scoring
         tokens' page mass as `_exact`. None where the kernel does not take the layer (the torch path then)."""
         if self.kernel is None or not span.causal_rows:
             return None
@@ -472,10 +473,10 @@ class StepAttention:
     def _staged_rows(self, num_pages: int) -> torch.Tensor:
         """The K rows of a staging batch of pages in `layer_rows`'s order: b * 2 * page_size + t, in page order."""
         rows = self._staged.get(num_pages)
-        if rows is None:
-            size = self.pool.page_size
-            rows = (torch.arange(num_pages)[:, None] * 2 * size + torch.arange(size)).reshape(-1)
-            rows = self._staged[num_pages] = rows.to(self.pool.device)
+        if rows is None:  # made on the device (a pageable copy there would wait for the stream)
+            size, dev = self.pool.page_size, self.pool.device
+            rows = torch.arange(num_pages, device=dev)[:, None] * (2 * size) + torch.arange(size, device=dev)
+            rows = self._staged[num_pages] = rows.reshape(-1)
         return rows
 
     def _host_bytes(self, span: SeqSpan, batch: list[int], layer_idx: int) -> torch.Tensor:
