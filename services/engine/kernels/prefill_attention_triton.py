@@ -12,6 +12,11 @@ position t (StepAttention's SeqSpan.read_rows: the page table expanded), so noth
     first: a shorter tail). The tile step (K/V rows read in place, online softmax) is
     kernels/attention_tiles.py's, shared with the decode kernel.
 
+The exact policy's attention over keys that arrive in parts (a chunk's resident rows, then staging batches of
+host pages: kv/paged_attention.StepAttention._exact_kernel) runs the same kernel with CAUSAL False (every query
+sees all T keys) and a STATE: a float32 output and its log-sum-exp written, or read first and merged into (the
+online softmax starts from them), so no part's scores are ever materialised.
+
 Query head h reads KV head h // G (transformers' repeat_kv order); the G programs of one KV head run side by
 side, so their K/V tiles come from L2 after the first. The torch reference is `prefill_attention_reference`
 (grouped_sdpa with the causal mask over the gathered rows); `supported` says which layers take the kernel.
