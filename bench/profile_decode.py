@@ -568,6 +568,7 @@ def main() -> int:
                     max_context=max_context, kv_capacity=a.batch * (a.budget + a.headroom) + 4 * 64,
                     ring_budget=a.budget, max_running=max(16, a.batch), redis_url=url, host_kv_mib=host_mib,
                     kv_format=a.kv_format, restore_method=os.environ.get("KVMEM_RESTORE_METHOD", "copies"),
+                    held_restore_method=os.environ.get("KVMEM_HELD_RESTORE_METHOD", "triton"),
                 )  # fmt: skip
         cfg = EngineConfig(model=model, device="cuda", prefill_chunk=a.chunk, **kw)  # type: ignore[arg-type]
         engine, info = build_engine(cfg, start=False)

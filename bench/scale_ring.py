@@ -95,12 +95,14 @@ def ring_rows(run: Run, model_dir: Path) -> None:
             ring_budget=budget, prefill_chunk=a.prefill_chunk, max_running=n, redis_url=url, host_kv_mib=host_mib,
             ring_switch_in_burst=os.environ.get("KVMEM_RING_SWITCH_IN_BURST", "1") != "0",
             restore_method=os.environ.get("KVMEM_RESTORE_METHOD", "copies"),
+            held_restore_method=os.environ.get("KVMEM_HELD_RESTORE_METHOD", "triton"),
         )  # fmt: skip
         with built(run, model_dir, **config) as engine:
             _sessions(run, engine, "ring", gen_prompts, row, [budget] * n)
             cuts = engine.scheduler.burst_cuts  # what ended the decode bursts (scheduler.py), all sessions' run
             row.update(ring_headroom=a.ring_headroom, switch_in_burst=engine.limits.ring.switch_in_burst,
                        burst_cuts=dict(cuts), restore_method=config["restore_method"],
+                       held_restore_method=config["held_restore_method"],
                        stack_copies=engine.pool.stack_copies)  # fmt: skip
             if long_prompt:
                 _long(run, engine, "ring", long_prompt, long_row, budget)

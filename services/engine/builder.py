@@ -87,8 +87,9 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
         from services.engine.ring.host_pages import KVStoreHostPages
 
         host = KVStoreHostPages(
-            _store_client(config), write_through, pool.page_nbytes, config.replica_name, config.restore_method
-        )
+            _store_client(config), write_through, pool.page_nbytes, config.replica_name, config.restore_method,
+            config.held_restore_method,
+        )  # fmt: skip
         host.prepare(device)  # same-host arenas registered as pinned memory now, not inside a first restore
     if config.ring_enabled:
         assert host is not None  # check_host_capacity refuses a ring without a kvstore

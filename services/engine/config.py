@@ -52,6 +52,9 @@ class EngineConfig:
     # or "triton" (one gather launch a batch reading the registered arena in place; a held exact chunk's layer is
     # one launch instead of a copy per page)
     restore_method: str = "copies"
+    # a held read's (the exact chunk's host pages, a layer's bytes of each at a time) on CUDA: one gather launch instead
+    # of a copy a page (ring/host_pages.KVStoreHostPages); off CUDA held reads copy
+    held_restore_method: str = "triton"
     # -- the ring (active for a sequence whose pages outgrow ring_budget) --
     prefill_policy: str = "sparse"  # default for over-budget prompts: sparse or exact
     ring_budget: int = 0  # resident tokens one sequence may hold; 0: the whole pool
@@ -129,8 +132,9 @@ class EngineConfig:
             raise ConfigError(f"ring_head_fusion must be one of {HEAD_FUSIONS}, got {self.ring_head_fusion!r}")
         if not 0.0 <= self.ring_score_from < 1.0:
             raise ConfigError(f"ring_score_from must be in [0, 1), got {self.ring_score_from}")
-        if self.restore_method not in RESTORE_METHODS:
-            raise ConfigError(f"restore_method must be one of {RESTORE_METHODS}, got {self.restore_method!r}")
+        for name in ("restore_method", "held_restore_method"):
+            if getattr(self, name) not in RESTORE_METHODS:
+                raise ConfigError(f"{name} must be one of {RESTORE_METHODS}, got {getattr(self, name)!r}")
         if self.ring_prefetch_steps < 0:
             raise ConfigError(f"ring_prefetch_steps must be >= 0, got {self.ring_prefetch_steps}")
         if self.ring_budget_pages > self.num_slots:
@@ -302,6 +306,9 @@ class EngineConfig:
         p.add_argument("--num-threads", type=int, default=int(env("KVMEM_NUM_THREADS", "0")))
         p.add_argument("--host-kv-mib", type=int, default=int(env("KVMEM_HOST_KV_MIB", "1024")))
         p.add_argument("--restore-method", choices=RESTORE_METHODS, default=env("KVMEM_RESTORE_METHOD", "copies"))
+        p.add_argument(
+            "--held-restore-method", choices=RESTORE_METHODS, default=env("KVMEM_HELD_RESTORE_METHOD", "triton")
+        )
         p.add_argument("--prefill-policy", default=env("KVMEM_PREFILL_POLICY", "sparse"))
         p.add_argument("--ring-budget", type=int, default=int(env("KVMEM_RING_BUDGET", "0")))
         p.add_argument("--protect-tokens", type=int, default=int(env("KVMEM_PROTECT_TOKENS", "128")))
@@ -417,6 +424,7 @@ class EngineConfig:
             num_threads=a.num_threads,
             host_kv_mib=a.host_kv_mib,
             restore_method=a.restore_method,
+            held_restore_method=a.held_restore_method,
             prefill_policy=a.prefill_policy,
             ring_budget=a.ring_budget,
             protect_tokens=a.protect_tokens,

@@ -41,6 +41,7 @@ def test_ring_window_sizes_follow_the_pool() -> None:
         (dict(kernels="cuda"), "kernels 'cuda' not in auto, triton, cupy, torch"),
         (dict(ring_prefetch_steps=-1), "ring_prefetch_steps must be >= 0, got -1"),
         (dict(restore_method="dma"), r"restore_method must be one of \('copies', 'triton', 'reference'\), got 'dma'"),
+        (dict(held_restore_method="x"), r"held_restore_method must be one of \('copies', 'triton', 'reference'\)"),
         (dict(decode_burst=-1), r"decode_burst must be in \[0, page_size 64\], got -1"),
         (dict(decode_burst=65), r"decode_burst must be in \[0, page_size 64\], got 65"),
         (dict(dtype="int4"), "dtype 'int4' not in auto"),

@@ -167,11 +167,13 @@ def test_same_host_arenas_maps_the_local_arena_and_keeps_no_reference(start_stor
 
 @pytest.mark.parametrize("arena", [True, False], ids=["from-the-arena", "copied-at-hold"])
 def test_held_pages_read_byte_ranges_of_any_of_them_until_released(
-    start_store: StartStore, register_calls: list[tuple[str, int]], arena: bool
+    start_store: StartStore, register_calls: list[tuple[str, int]], arena: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """hold: the pages stay pinned in the store while reads copy byte ranges (a layer's) of any of them, in the
     order asked, from the registered arena (a CUDA engine; registration mocked, the copies to CPU tensors here) or
-    from one copy taken at hold (a CPU engine); release drops the pins once the reads are done."""
+    from one copy taken at hold (a CPU engine); release drops the pins once the reads are done. A CUDA engine's
+    reads go through the triton gather (interpreted here) until a range it cannot take (bytes not 16-byte
+    aligned), then by copies (logged); a CPU engine's copy."""
     store = start_store(host_kv_mib=8)
     client = KVStoreClient(store.address)  # same host: get_pages answers views into the mapped arena
     host = KVStoreHostPages(client, WriteThrough(client, "fp32", 8), PAGE, "held-test")
@@ -180,12 +182,15 @@ def test_held_pages_read_byte_ranges_of_any_of_them_until_released(
         held = host.hold(hashes[2:10], CUDA if arena else torch.device("cpu"))
         assert held.num_copied == (0 if arena else 8)
         assert bool(register_calls) == arena
-        for part, order in (((100, 1100), [5, 0, 7]), ((0, PAGE), list(range(8))), ((PAGE - 48, PAGE), [3])):
+        assert held._method == ("triton" if arena else "copies")
+        for part, order in (((0, PAGE), list(range(8))), ((100, 1100), [5, 0, 7]), ((PAGE - 48, PAGE), [3])):
             got = held.read(order, part, torch.device("cpu"))
             assert got.shape == (len(order), part[1] - part[0])
             assert [got[k].numpy().tobytes() for k in range(len(order))] == [
                 data[2 + i][part[0] : part[1]] for i in order
             ]
+        assert held._method == "copies"  # after the unaligned range
+        assert ("held reads by copies instead of triton" in caplog.text) == arena
         assert client.info().num_pinned_pages == 8  # held: the store keeps them
         held.release()
         host.settle()

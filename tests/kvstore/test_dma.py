@@ -207,7 +207,7 @@ def test_fetch_to_cuda_is_byte_identical_to_the_cpu_read(
     writer = KVStoreClient(store.address)
     hashes, data = _put(writer, 40, SMOLLM2_PAGE, seed=2)
     client = KVStoreClient(store.address, shared_memory=shared)
-    host = KVStoreHostPages(client, WriteThrough(writer, "bf16", 8), SMOLLM2_PAGE, "dma-test", restore_method=method)
+    host = KVStoreHostPages(client, WriteThrough(writer, "bf16", 8), SMOLLM2_PAGE, "dma-test", method, method)
     try:
         order = list(range(8, 40)) + [3, 1, 7, 0]  # a coalesced run, then single pages out of order
         pages = host.fetch_to([hashes[i] for i in order], torch.device("cuda"))

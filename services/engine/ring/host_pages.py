@@ -140,8 +140,20 @@ class HeldPages:
             for src, offsets, rows in self._sources:
                 picked = [(off, where[i]) for off, i in zip(offsets, rows, strict=True) if i in where]
                 if picked:
-                    restore_pages(src, [o for o, _ in picked], out, [r for _, r in picked], self._method, (part,))
+                    self._restore(src, [o for o, _ in picked], out, [r for _, r in picked], part)
         return out
+
+    def _restore(self, src: torch.Tensor, offsets: list[int], out: torch.Tensor, rows: list[int], part: Part) -> None:
+        """One source's share of a read by this batch's method; pages the triton gather cannot take (bytes not
+        16-byte aligned: kernels/restore.py) by copies from then on (logged once)."""
+        try:
+            restore_pages(src, offsets, out, rows, self._method, (part,))
+        except RestoreError as exc:
+            if self._method == "copies":
+                raise
+            logger.warning("held reads by copies instead of %s: %s", self._method, exc)
+            self._method = "copies"
+            restore_pages(src, offsets, out, rows, self._method, (part,))
 
     def release(self) -> None:
         """Drop the pins once the copies queued so far are done (on CUDA an event on the current stream, waited
@@ -272,7 +284,10 @@ class KVStoreHostPages:
 
     Pages a running sequence relies on are pinned under the engine's owner id (the store never
     evicts a pinned page; pins lapse if the engine dies). `restore_method` picks the kernels/restore.py
-    method for device restores ("copies" or "triton").
+    method for device restores ("copies" or "triton"), `held_method` the one of held reads on CUDA: a layer's
+    bytes of many pages, one unit a page (no run coalesces), which `copies` moves as one cudaMemcpyAsync each (an
+    H100's 4 x 12K ring prefill at the 8B shape: 16,880 copies, 135 ms of copying and 323 ms of gaps between them)
+    and `triton` in one gather launch a read (an H200's: 548 launches, 86 ms; bench/RESULTS.md round 11).
     """
 
     def __init__(
@@ -282,12 +297,14 @@ class KVStoreHostPages:
         page_nbytes: int,
         owner_id: str = "",
         restore_method: str = "copies",
+        held_method: str = "triton",
     ) -> None:
         self._client = client
         self._write_through = write_through
         self._page_nbytes = page_nbytes  # KVPool.page_nbytes: pages travel as bytes in their stored format
         self._owner = owner_id
         self._method = restore_method
+        self._held_method = held_method
         self._staging: torch.Tensor | None = None  # pinned uint8 [>= P * page_nbytes]: streamed pages
         self.num_fetched = 0
         self.fetched_bytes = 0
@@ -377,9 +394,10 @@ class KVStoreHostPages:
         PagesLostError when any is gone. Release it once its reads are queued."""
         with self._fetch_lock:  # in turn with fetch_to (the prefetcher's thread): the store reads and the counts
             batch = self._get(page_hashes)
-            try:
+            cuda = torch.device(device).type == "cuda"
+            try:  # off CUDA a held read copies (the triton gather is a CUDA kernel)
                 held = HeldPages(
-                    batch, self._page_nbytes, self._method, self._background, torch.device(device).type == "cuda"
+                    batch, self._page_nbytes, self._held_method if cuda else "copies", self._background, cuda
                 )
             except BaseException:
                 batch.release()
