@@ -167,13 +167,18 @@ def test_same_host_arenas_maps_the_local_arena_and_keeps_no_reference(start_stor
 
 @pytest.mark.parametrize("arena", [True, False], ids=["from-the-arena", "copied-at-hold"])
 def test_held_pages_read_byte_ranges_of_any_of_them_until_released(
-    start_store: StartStore, register_calls: list[tuple[str, int]], arena: bool, caplog: pytest.LogCaptureFixture
+    start_store: StartStore,
+    register_calls: list[tuple[str, int]],
+    arena: bool,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """hold: the pages stay pinned in the store while reads copy byte ranges (a layer's) of any of them, in the
     order asked, from the registered arena (a CUDA engine; registration mocked, the copies to CPU tensors here) or
     from one copy taken at hold (a CPU engine); release drops the pins once the reads are done. A CUDA engine's
     reads go through the triton gather (interpreted here) until a range it cannot take (bytes not 16-byte
     aligned), then by copies (logged); a CPU engine's copy."""
+    monkeypatch.setattr(host_pages, "_held_fallback_logged", [])  # the fallback's warning: once a process
     store = start_store(host_kv_mib=8)
     client = KVStoreClient(store.address)  # same host: get_pages answers views into the mapped arena
     host = KVStoreHostPages(client, WriteThrough(client, "fp32", 8), PAGE, "held-test")

@@ -94,43 +94,6 @@ def test_exact_policy_matches_the_unlimited_pool(
     assert bool(holds) == held and all(n > 0 for n in holds)
 
 
-def test_pages_leave_the_pool_while_their_write_through_is_under_way(
-    model, smol_tokenizer: Tokenizer, store_address: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A slow writer (every put 20 ms late): chunks demote pages whose bytes are still queued for the store, the
-    reads of those pages (the exact chunks' host pages) wait for their writes, and the tokens are the dense
-    reference's."""
-    import time
-
-    engine = make_engine(model, smol_tokenizer, num_slots=8, ring=ring_limits(budget_pages=8), ring_chunk=8,
-                         store_address=store_address, default_policy="exact")  # fmt: skip
-    write_through, host = engine.write_through, engine.ring.host
-    client = write_through._client
-    put_pages = client.put_pages
-
-    def late_put(pages):  # type: ignore[no-untyped-def]
-        time.sleep(0.02)
-        return put_pages(pages)
-
-    monkeypatch.setattr(client, "put_pages", late_put)
-    in_flight: list[int] = []
-    wait = host.wait
-
-    def counting_wait(hashes, timeout_s, queued_ok=False):  # type: ignore[no-untyped-def]
-        ok = wait(hashes, timeout_s, queued_ok)
-        in_flight.append(sum(not write_through.is_written(h) for h in hashes))  # still unwritten as demote goes on
-        return ok
-
-    monkeypatch.setattr(host, "wait", counting_wait)
-    prompt = _prompt(70, 5)
-    seq = engine.submit("late-writes", prompt, greedy(12))
-    _run_checking_buckets(engine, [seq])
-    tokens, done = drain(events_of(seq))
-    assert isinstance(done, Done) and tokens == reference_greedy(model, prompt, 12)
-    assert sum(in_flight) > 0, in_flight  # some demotions did not wait for the store
-    assert engine.ring.num_demotions > 10 and write_through.num_failed == 0
-
-
 def test_sparse_policy_is_flagged_unverified(model, smol_tokenizer: Tokenizer, store_address: str) -> None:
     engine = make_engine(model, smol_tokenizer, num_slots=8, ring=ring_limits(budget_pages=8), ring_chunk=8,
                          store_address=store_address)  # fmt: skip

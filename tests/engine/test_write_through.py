@@ -8,9 +8,20 @@ import torch
 
 from services.common.pagehash import chain_hashes
 from services.engine.kv.write_through import WriteThrough
+from services.engine.step.sequence import Done
 from services.kvstore.client import KVStoreClient, PageNotFoundError
 from tests.conftest import StartStore
-from tests.engine.helpers import greedy, make_engine, run_until_done, tiny_model
+from tests.engine.helpers import (
+    drain,
+    events_of,
+    greedy,
+    make_engine,
+    random_prompt,
+    reference_greedy,
+    ring_limits,
+    run_until_done,
+    tiny_model,
+)
 
 VOCAB = 49152
 
@@ -101,3 +112,41 @@ def test_pages_completed_in_one_step_are_read_out_of_the_pool_together(start_sto
                 )
     assert engine.write_through.num_written == 9 and engine.write_through.num_failed == 0
     engine.write_through.close()
+
+
+def test_pages_leave_the_pool_while_their_write_through_is_under_way(
+    smol_tokenizer, store_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow writer (every put 20 ms late): chunks demote pages whose bytes are still queued for the store, the
+    reads of those pages (the exact chunks' host pages) wait for their writes, and the tokens are the dense
+    reference's."""
+    import time
+
+    model = tiny_model(VOCAB, seed=11)
+    engine = make_engine(model, smol_tokenizer, num_slots=8, ring=ring_limits(budget_pages=8), ring_chunk=8,
+                         store_address=store_address, default_policy="exact")  # fmt: skip
+    write_through, host = engine.write_through, engine.ring.host
+    client = write_through._client
+    put_pages = client.put_pages
+
+    def late_put(pages):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        return put_pages(pages)
+
+    monkeypatch.setattr(client, "put_pages", late_put)
+    in_flight: list[int] = []
+    wait = host.wait
+
+    def counting_wait(hashes, timeout_s, queued_ok=False):  # type: ignore[no-untyped-def]
+        ok = wait(hashes, timeout_s, queued_ok)
+        in_flight.append(sum(not write_through.is_written(h) for h in hashes))  # still unwritten as demote goes on
+        return ok
+
+    monkeypatch.setattr(host, "wait", counting_wait)
+    prompt = random_prompt(70, 5, VOCAB)
+    seq = engine.submit("late-writes", prompt, greedy(12))
+    run_until_done(engine, [seq])
+    tokens, done = drain(events_of(seq))
+    assert isinstance(done, Done) and tokens == reference_greedy(model, prompt, 12)
+    assert sum(in_flight) > 0, in_flight  # some demotions did not wait for the store
+    assert engine.ring.num_demotions > 10 and write_through.num_failed == 0

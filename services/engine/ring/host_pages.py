@@ -145,13 +145,16 @@ class HeldPages:
 
     def _restore(self, src: torch.Tensor, offsets: list[int], out: torch.Tensor, rows: list[int], part: Part) -> None:
         """One source's share of a read by this batch's method; pages the triton gather cannot take (bytes not
-        16-byte aligned: kernels/restore.py) by copies from then on (logged once)."""
+        16-byte aligned: kernels/restore.py) by copies from then on (logged once a process: a pool's layout
+        is the same every step)."""
         try:
             restore_pages(src, offsets, out, rows, self._method, (part,))
         except RestoreError as exc:
             if self._method == "copies":
                 raise
-            logger.warning("held reads by copies instead of %s: %s", self._method, exc)
+            if not _held_fallback_logged:
+                _held_fallback_logged.append(True)
+                logger.warning("held reads by copies instead of %s: %s", self._method, exc)
             self._method = "copies"
             restore_pages(src, offsets, out, rows, self._method, (part,))
 
@@ -169,6 +172,7 @@ class HeldPages:
 
 
 Source = tuple[torch.Tensor, list[int], list[int]]  # a uint8 host tensor, pages' byte offsets in it, their indices
+_held_fallback_logged: list[bool] = []  # HeldPages._restore's warning, once a process
 
 
 def _arena_sources(batch: PageBatch, pinned: PinnedArenas) -> tuple[dict[int, Source], list[int]]:

@@ -157,10 +157,10 @@ class RingManager:
             for layer in self.pool.paged_layers:
                 if held is not None:
                     data = held.read(list(range(count)), self.pool.layer_part(layer), device)
-                    keys, _ = self.pool.layer_kv(data, layer, torch.float32)
                 else:
                     assert pages is not None
-                    keys, _ = self.pool.pages_kv(list(pages), layer, torch.float32, device)
+                    data = self.pool.pages_layer_bytes(list(pages), layer, device)
+                keys, _ = self.pool.layer_kv(data, layer, torch.float32)
                 ring.summaries.update(layer, ids, keys.view(count, size, *keys.shape[1:]), valid)
         finally:
             if held is not None:
