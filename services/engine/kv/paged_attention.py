@@ -383,8 +383,7 @@ class StepAttention:
             order = [j for j in order if ids[j] * size + size - 1 > span.num_past - window]
         q_pos = span.num_past + torch.arange(span.num_new, device=self.pool.device)
         offsets = torch.arange(size, device=self.pool.device)
-        scoring = span.score_by_attention and span.score_tokens > 0 and span.score_pages > 0
-        scoring = scoring and span.summaries is not None and span.summaries.scores_layer(layer_idx)
+        scoring = _scores_by_attention(span, layer_idx)
         mass_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         if scoring:
             mass_parts.append((k_s, *self._resident_scoring(span, k_s.shape[1], window)))
@@ -449,8 +448,7 @@ class StepAttention:
         self.kernel.prefill_attention(q_s, *stores, span.read_rows, scale, fp8=is_fp8, state=(out, lse))
         size = self.pool.page_size
         ids = span.host_page_ids
-        scoring = span.score_by_attention and span.score_tokens > 0 and span.score_pages > 0
-        scoring = scoring and span.summaries is not None and span.summaries.scores_layer(layer_idx)
+        scoring = _scores_by_attention(span, layer_idx)
         mass_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         if scoring:
             k_s = self.pool.gather_keys(layer_idx, span.read_rows, q_s.dtype).transpose(0, 1)
@@ -512,3 +510,9 @@ def _row_mask(
     q_pos = span.num_past + torch.arange(span.num_new, device=device)
     allowed = position_mask(q_pos, k_pos, window).repeat(group, 1)
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def _scores_by_attention(span: SeqSpan, layer_idx: int) -> bool:
+    """Whether this layer of an exact span scores pages by its scoring tokens' real attention mass (page_mass)."""
+    scoring = span.score_by_attention and span.score_tokens > 0 and span.score_pages > 0
+    return scoring and span.summaries is not None and span.summaries.scores_layer(layer_idx)
