@@ -7,7 +7,7 @@
 #          test_kernels_compile
 #   kernels bench/scale_kernels.py --only $SCALE_KERNELS (default fp8,swiglu: the fp8 attention kernels in place
 #          against bf16, SwiGLU; also linear, residual, prefill_gemm, attention, head, pages: the pool's page moves
-#          and fp8 K/V writes both ways)
+#          and fp8 K/V writes both ways); SCALE_KERNEL_ARGS: more options (--sweep: the fp8 decode variants)
 # KVMEM_STACK_COPIES=1 / KVMEM_FP8_KV_ONE_LAUNCH=1 in the environment switch those two paths on for main and ring.
 #   attn   bench/scale.py --only-attn: the prefill attention variants alone (cuDNN, FlashAttention-2, Triton paged;
 #          chunks of 2K and 8K after a 32K prefix, an 8K and a 32K prompt whole); no model needed
@@ -76,7 +76,7 @@ if has tests; then
 fi
 if has kernels; then
   log "kernel tables (${SCALE_KERNELS:-fp8,swiglu})"
-  timeout 180 python3 bench/scale_kernels.py --only "${SCALE_KERNELS:-fp8,swiglu}" 2>&1 | tee "$OUT/kernels.txt" | tee -a "$LOG"
+  timeout 240 python3 bench/scale_kernels.py --only "${SCALE_KERNELS:-fp8,swiglu}" ${SCALE_KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.txt" | tee -a "$LOG"
 fi
 if has attn; then
   log "prefill attention variants"
