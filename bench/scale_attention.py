@@ -69,6 +69,7 @@ def _attention_case(run: Run, n: int, total: int) -> dict[str, Any]:
             q, k_pool, v_pool, pool_rows, scale, cfg=cfg
         )
     fns["gather_kv"] = lambda: (k_pool.index_select(0, pool_rows), v_pool.index_select(0, pool_rows))
+    fns.update(_fa4_variants(q, k, v, scale, k_pool, v_pool, pool_rows, res))
     for name, fn in fns.items():
         try:
             out = fn()
@@ -126,4 +127,45 @@ def _cudnn_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
         fns["cudnn_split_gqa"] = lambda: split(True)
         fns["cudnn_split_rep"] = lambda: split(False)
+    return fns
+
+
+def _fa4_variants(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    pool_rows: torch.Tensor,
+    res: dict[str, Any],
+) -> dict:
+    """FlashAttention-4's CuTe DSL forward (`flash_attn.cute`, the flash-attn-4 wheel; its SM90 kernel on a
+    Hopper) where it is installed: the chunk over contiguous K/V [1, T, Hkv, D] (causal aligned bottom-right, so
+    a chunk after a prefix is one call), and over the pool's pages through a page table (pages of 64 rows, the
+    pool's; the kernel needs whole key tiles a page, so it may refuse them). Absent: the reason in `res`."""
+    try:
+        from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func
+    except Exception as exc:  # noqa: BLE001 -- a bench row records why a variant did not run
+        res["fa4_not_run"] = repr(exc)[:200]
+        return {}
+    qb = q[None]  # [1, n, Hq, D]
+    kc, vc = k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()  # [1, T, Hkv, D]
+    fns = {"fa4": lambda: flash_attn_func(qb, kc, vc, softmax_scale=scale, causal=True)[0][0]}
+    total = k.shape[1]
+    for page in (64, 128):
+        if pool_rows.shape[0] % page or k_pool.shape[0] % page:
+            continue
+        # the pool's rows in pages: the prompt's keys in scattered whole pages (a permutation of page ids)
+        n_pages = k_pool.shape[0] // page
+        order = torch.randperm(n_pages, device=q.device)[: total // page]
+        rows = (order[:, None] * page + torch.arange(page, device=q.device)).reshape(-1)
+        kp, vp = k_pool.clone(), v_pool.clone()
+        kp[rows], vp[rows] = k.transpose(0, 1), v.transpose(0, 1)
+        kp4, vp4 = kp.view(n_pages, page, *kp.shape[1:]), vp.view(n_pages, page, *vp.shape[1:])
+        table = order.to(torch.int32)[None]
+        used = torch.tensor([total], dtype=torch.int32, device=q.device)
+        fns[f"fa4_paged{page}"] = lambda kp4=kp4, vp4=vp4, table=table, used=used: flash_attn_varlen_func(
+            qb, kp4, vp4, page_table=table, seqused_k=used, softmax_scale=scale, causal=True
+        )[0][0]
     return fns

