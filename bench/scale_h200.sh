@@ -92,7 +92,7 @@ if has kernels; then
 fi
 if has attn; then
   log "prefill attention variants"
-  timeout 240 python3 bench/scale.py --only-attn ${SCALE_ATTN_ARGS---attn-flex} --shape "$SHAPE" --device "$DEVICE" 2>&1 \
+  timeout 420 python3 bench/scale.py --only-attn ${SCALE_ATTN_ARGS---attn-flex} --shape "$SHAPE" --device "$DEVICE" 2>&1 \
     | grep --line-buffered -v "^ \|^{\|^}" | tee "$OUT/attention.txt" | tee -a "$LOG"
 fi
 [ -n "$MPID" ] && { wait "$MPID"; grep -v "Writing model" "$OUT/model.txt" | tee -a "$LOG"; }
