@@ -224,35 +224,47 @@ def test_prompt_sdpa_pads_to_its_bucket_and_matches_plain_attention(
     assert got.shape == q.shape
     assert _rel(got, _plain(q, k_store, v_store, rows, 0.25)) < 1e-5
     assert not attention.prompt_sdpa_fits(q)  # the CPU never takes it in the engine
+    # `fa4` asks for FlashAttention-4, a CUDA kernel: on the CPU the same torch path
+    assert torch.equal(attention.prompt_sdpa(q, k_all[n_past:], v_all[n_past:], 0.25, past, "fa4"), got)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cudnn", "fa4"])
 @pytest.mark.parametrize("n_past,n", [(0, 8192), (0, 8000), (0, 1500), (24_576, 8064), (3072, 1024)])
-def test_prompt_sdpa_cudnn_matches_reference_cuda(n_past: int, n: int) -> None:
-    """cuDNN's fused attention over a prompt chunk at the 8B head shape (a bucket exactly, padded, after a past)."""
+def test_prompt_sdpa_matches_reference_cuda(n_past: int, n: int, impl: str) -> None:
+    """cuDNN's fused attention (and FlashAttention-4's, where installed) over a prompt chunk at the 8B head shape
+    (a bucket exactly, padded, after a past)."""
     from services.engine.kernels.prefill_attention_triton import prefill_attention_reference
+    from services.engine.kv import attention
     from services.engine.kv.attention import prompt_sdpa, prompt_sdpa_fits
 
     dev = device_or_skip("cuda")
+    if impl == "fa4" and attention.flash_attn4() is None:
+        pytest.skip("flash-attn-4 is not installed")
     q, k_store, v_store, rows = _pool(n_past, n, (32, 8), 128, torch.bfloat16, dev, seed=n)
     assert prompt_sdpa_fits(q, n_past) and not prompt_sdpa_fits(q, n_past + 64)
     k_all, v_all = k_store[rows], v_store[rows]
     past = (k_all[:n_past], v_all[:n_past]) if n_past else None
-    got = prompt_sdpa(q, k_all[n_past:], v_all[n_past:], 128**-0.5, past)
+    got = prompt_sdpa(q, k_all[n_past:], v_all[n_past:], 128**-0.5, past, impl)
+    assert not attention._FA4_REFUSED  # FlashAttention-4 ran (a refusal falls back to cuDNN)
     assert not got.isnan().any()
     assert _rel(got, prefill_attention_reference(q, k_store, v_store, rows, 128**-0.5)) < 1e-2
 
 
 @pytest.mark.gpu
-def test_step_attention_cudnn_mode_takes_whole_prompts_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`cudnn` (the CUDA default): a fresh prompt of >= one bucket goes through prompt_sdpa, a chunk after a past
-    of whole buckets too (1024 here), one after another past (512) through the paged kernel; all match the
-    masked path."""
+@pytest.mark.parametrize("mode", ["cudnn", "fa4"])
+def test_step_attention_cudnn_mode_takes_whole_prompts_only(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cudnn` (the CUDA default; `fa4` alike): a fresh prompt of >= one bucket goes through prompt_sdpa, a chunk
+    after a past of whole buckets too (1024 here), one after another past (512) through the paged kernel; all
+    match the masked path."""
+    from services.engine.kv import attention
     from services.engine.kv import paged_attention as pa
     from services.engine.kv.kv_formats import parse_format
     from services.engine.kv.kv_pool import KVPool
 
     dev = device_or_skip("cuda")
+    if mode == "fa4" and attention.flash_attn4() is None:
+        pytest.skip("flash-attn-4 is not installed")
     page, hq, hkv, d = 64, 32, 8, 128
     pool = KVPool(1, 80, page, hkv, d, torch.bfloat16, dev, [parse_format("bf16")])
     g = torch.Generator().manual_seed(3)
@@ -275,11 +287,12 @@ def test_step_attention_cudnn_mode_takes_whole_prompts_only(monkeypatch: pytest.
     real = pa.prompt_sdpa
     monkeypatch.setattr(pa, "prompt_sdpa", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     outs = {}
-    for m in ("masked", "cudnn"):
+    for m in ("masked", mode):
         monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", m)
         outs[m] = pa.StepAttention(pool, spans, hq // hkv, torch.bfloat16).attend(0, q, k, v, d**-0.5)
     assert calls == [1100, 1030]
-    assert _rel(outs["cudnn"], outs["masked"]) < 1e-2
+    assert not attention._FA4_REFUSED
+    assert _rel(outs[mode], outs["masked"]) < 1e-2
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

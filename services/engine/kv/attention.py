@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +213,7 @@ PROMPT_BUCKET = 1024  # prompt_sdpa pads a chunk (and wants a past) to a multipl
 
 
 _PROMPT_REFUSED: set[tuple[torch.dtype, int]] = set()  # (dtype, head_dim) cuDNN would not run in this process
+_FA4_REFUSED: set[tuple[torch.dtype, int]] = set()  # (dtype, head_dim) FlashAttention-4 would not run
 
 
 def prompt_sdpa_fits(q: Tensor, past: int = 0) -> bool:
@@ -234,10 +237,28 @@ def prompt_sdpa_refused(q: Tensor, exc: Exception) -> None:
     )
 
 
-def prompt_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, past: tuple[Tensor, Tensor] | None = None) -> Tensor:
+@functools.cache
+def flash_attn4() -> Callable[..., Any] | None:
+    """FlashAttention-4's forward (`flash_attn.cute.interface.flash_attn_func`: the flash-attn-4 wheel, CuTe DSL
+    kernels for SM90 and SM100, compiled at first use) where it is installed and imports, else None (logged once).
+    It takes a chunk after a past in one call (causal aligned bottom-right) and K/V heads shared natively."""
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except Exception as exc:  # noqa: BLE001 -- an optional dependency: any import failure means "not here"
+        logger.warning("FlashAttention-4 (flash-attn-4) is not usable here (%s): prompt chunks through cuDNN", exc)
+        return None
+    return flash_attn_func  # type: ignore[no-any-return]
+
+
+def prompt_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, past: tuple[Tensor, Tensor] | None = None, impl: str = "cudnn"
+) -> Tensor:
     """Causal GQA attention of a prompt chunk over its own keys and, with `past`, every key before it:
     q [n, Hq, D]; k, v [n, Hkv, D] (the step's rows as computed); past (k, v) [P, Hkv, D] the keys before the
     chunk (P a multiple of PROMPT_BUCKET, prompt_sdpa_fits) -> [n, Hq, D], query i seeing keys 0..P + i.
+
+    `impl` "fa4" (the `fa4` prefill mode) on CUDA where flash_attn4 is usable: FlashAttention-4 over the past and the
+    chunk's rows concatenated, one call (no padding, no merge); else, and by default, cuDNN as below.
 
     On CUDA it is cuDNN's fused attention (K/V heads shared natively): at the 8B shape on the H200 600
     TFLOP/s on a whole 32K prompt and 530-555 on 8K, against 410-420 / 375 for the Triton paged kernel and 345 /
@@ -249,6 +270,14 @@ def prompt_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, past: tuple[Tenso
     class pays its plan once per process. Elsewhere the same function in float32 torch (the reference the
     GPU tests compare with)."""
     n, num_heads, _ = q.shape
+    fa4 = flash_attn4() if impl == "fa4" and q.is_cuda and (q.dtype, q.shape[-1]) not in _FA4_REFUSED else None
+    if fa4 is not None:
+        kk, vv = (k, v) if past is None else (torch.cat((past[0], k)), torch.cat((past[1], v)))
+        try:
+            return fa4(q[None], kk[None], vv[None], softmax_scale=scale, causal=True)[0][0]  # type: ignore[no-any-return]
+        except Exception as exc:  # noqa: BLE001 -- its checks raise AssertionError too: cuDNN from now on
+            _FA4_REFUSED.add((q.dtype, q.shape[-1]))
+            logger.warning("FlashAttention-4 refused %s, head_dim %d (%s): cuDNN instead", q.dtype, q.shape[-1], exc)
     assert n >= PROMPT_BUCKET or not q.is_cuda, "a short chunk takes the paged kernel (prompt_sdpa_fits)"
     padded = -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
     if padded != n:  # rows [n, padded) zero

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-PREFILL_MODES = ("cudnn", "triton", "flash", "masked")
+PREFILL_MODES = ("cudnn", "fa4", "triton", "flash", "masked")
 
 
 def prefill_mode() -> str:
@@ -49,7 +49,8 @@ def prefill_mode() -> str:
     `triton` kernels/prefill_attention_triton.py over the pool in place (plain-format layers on the Triton
     tier; else flash: 412 vs 343 TFLOP/s on the H200 at the 8B shape, bench/RESULTS.md); `flash` causal_sdpa
     over the gathered rows (torch's FlashAttention-2, no mask tensor, the masked tiles skipped); `masked`
-    grouped_sdpa over a [G * n, T] additive mask (the memory-efficient kernel: the path before).
+    grouped_sdpa over a [G * n, T] additive mask (the memory-efficient kernel: the path before); `fa4` as `cudnn`
+    with FlashAttention-4 in cuDNN's place where the flash-attn-4 wheel is installed (attention.flash_attn4).
     KVMEM_PREFILL_ATTENTION picks one (A/B runs, bench/scale.py); the CPU takes `masked` (its speed) unless
     the variable is set."""
     mode = os.environ.get("KVMEM_PREFILL_ATTENTION", "cudnn")
@@ -144,9 +145,10 @@ class StepAttention:
             self.written = device_index(kept, pool.device)
         explicit = "KVMEM_PREFILL_ATTENTION" in os.environ  # the CPU takes another mode only when asked (tests)
         self.mode = prefill_mode() if pool.device.type == "cuda" or explicit else "masked"
-        paged = self.mode in ("cudnn", "triton")
+        paged = self.mode in ("cudnn", "fa4", "triton")
         self.kernel = triton_module("prefill_attention_triton", pool.device) if paged else None
-        self.prompt_kernel = self.mode == "cudnn"  # chunks over a bucketed past through cuDNN, the rest as `triton`
+        # chunks over a bucketed past through cuDNN (or FlashAttention-4), the rest as `triton`
+        self.prompt_kernel = self.mode in ("cudnn", "fa4")
         if paged and self.kernel is None:
             self.mode = "flash"  # not the Triton tier (prompt chunks still through cuDNN)
         self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}  # (span, window, local) -> mask
@@ -267,7 +269,7 @@ class StepAttention:
         if num_past_rows:
             past = self.pool.gather(layer_idx, span.read_rows[:num_past_rows], q_s.dtype)
         try:
-            return prompt_sdpa(q_s, k_s, v_s, scale, past)
+            return prompt_sdpa(q_s, k_s, v_s, scale, past, self.mode)
         except RuntimeError as exc:
             prompt_sdpa_refused(q_s, exc)
             return None
