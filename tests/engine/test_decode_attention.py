@@ -258,6 +258,10 @@ def test_split_rows_is_a_function_of_the_shapes() -> None:
     assert [split_rows(8, 1, w) for w in (2048, 8192, 65536)] == [64, 256, 512]
     assert split_rows(64, 4, 4096) == 512  # a large batch: few long splits
     assert split_rows(64, 4, 576) == 288 and split_rows(64, 4, 448) == 448  # even splits; one split
+    # fp8 rows past SHORT_WIDTH: 128-row steps, splits of up to 1,024 rows
+    assert split_rows(32, 8, 4096, fp8=True) == 1024 and split_rows(1, 8, 32768, fp8=True) == 1024
+    assert split_rows(1, 8, 4096, fp8=True) == 128 and split_rows(2, 2, 1216, fp8=True) == 128
+    assert split_rows(8, 1, 1024, fp8=True) == split_rows(8, 1, 1024)  # a short window as plain rows
 
 
 def test_wrapper_refuses_bad_shapes() -> None:

@@ -53,8 +53,9 @@ def _fp16_weight_tolerance(v: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize(
-    ("batch", "heads", "width", "dtype"), [(2, (4, 1), 256, torch.float32), (1, (8, 2), 1024, torch.bfloat16)]
-)  # noqa: E501
+    ("batch", "heads", "width", "dtype"),
+    [(2, (4, 1), 256, torch.float32), (1, (8, 2), 1024, torch.bfloat16), (2, (4, 1), 1216, torch.float32)],
+)  # 1216 rows: past SHORT_WIDTH, the 128-row steps (FP8_BLOCK_ROWS), the last one half masked
 def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
     where: str, batch: int, heads: tuple[int, int], width: int, dtype: torch.dtype, fp8_dot: str
 ) -> None:

@@ -69,7 +69,7 @@ def prefill_ptx(fp8: bool = True, causal: bool = True, state: int = 0) -> str:
     return str(_compile(pat._prefill_kernel, types, constexprs, div16, num_warps=warps, num_stages=stages).asm["ptx"])
 
 
-def split_ptx(f16: bool, fp8: bool = True) -> str:
+def split_ptx(f16: bool, fp8: bool = True, block_n: int = 64) -> str:
     """The decode split kernel over fp8 rows (`f16`: the fp16 dots, the default; else KVMEM_FP8_DOT=bf16's), or
     with fp8 False over bf16 rows, compiled for sm_90 as the engine launches it at the 8B shape -> PTX."""
     from services.engine.kernels import decode_attention_triton as dat
@@ -84,7 +84,7 @@ def split_ptx(f16: bool, fp8: bool = True) -> str:
     div16 = (*ptrs, "width", "rows_per_split", "stride_qb", "stride_qh", "stride_kr", "stride_vr", "stride_kh",
              "stride_vh", "stride_ob",
              "stride_oh")  # fmt: skip
-    constexprs = dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, HAS_WINDOW=False, RING=False, DIRECT=False,
+    constexprs = dict(G=4, BLOCK_G=16, D=128, BLOCK_N=block_n, HAS_WINDOW=False, RING=False, DIRECT=False,
                       DOT_FP32=False, INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, KEEP_AT=True, PDL=True,
                       SORTED=True, FP8=fp8, FP8_F16=f16 and fp8)  # fmt: skip
     options = dict(num_warps=dat.NUM_WARPS, num_stages=dat.STAGES_BY_HEAD_DIM[128])  # the launch's at D 128
@@ -100,8 +100,9 @@ def compile_fp8_attention() -> None:
         ptx = prefill_ptx(causal=causal, state=state)
         assert "e4m3" in ptx
         _pipelined_word_loads(ptx)
-    for f16 in (False, True):  # KVMEM_FP8_DOT=bf16, and the default fp16 operands
-        ptx = split_ptx(f16)
+    # KVMEM_FP8_DOT=bf16, the default fp16 operands, and those in the 128-row steps of windows past SHORT_WIDTH
+    for f16, block_n in ((False, 64), (True, 64), (True, 128)):
+        ptx = split_ptx(f16, block_n=block_n)
         assert "e4m3" in ptx
         _pipelined_word_loads(ptx)
         if f16:

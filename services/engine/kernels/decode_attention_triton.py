@@ -49,6 +49,12 @@ logger = logging.getLogger(__name__)
 PAGE_ROWS = 64  # W is a whole number of pages
 MIN_BLOCK_G = 16  # tl.dot needs M >= 16: the G query heads of a KV head are padded to this
 MAX_SPLIT_ROWS = 512  # rows of one split program at most
+# fp8 rows past SHORT_WIDTH: 128-row loop steps in splits of up to 1,024 rows. The split loop is bound by its steps'
+# latency, not by their bytes (an fp8 step moves half a bf16 one's): on an H100 at the 8B shape, 32 x 4K rows 143.3
+# us against 184.5 in 64-row steps of 512-row splits (bf16 rows 195.2), 1 x 32K 41.7 against 65.0 (bf16 55.9)
+# (bench/scale_kernels.py --only fp8 --sweep, bench/RESULTS.md round 12)
+FP8_BLOCK_ROWS = 128
+FP8_MAX_SPLIT_ROWS = 1024
 TARGET_PROGRAMS = 256  # split until B * Hkv * S reaches this (about two programs per SM of an H200)
 MERGE_BLOCK_S = 16  # partials per iteration of the merge kernel
 SHORT_WIDTH = 1024  # windows up to this many rows are read in blocks of 32 rows, longer ones of 64
@@ -92,22 +98,25 @@ def supported(k_store: torch.Tensor, fp8: bool = False) -> bool:
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
-def block_rows(width: int) -> int:
-    """Rows per loop step of a split (BLOCK_N). A split's steps run one after another, each a chain of
-    dependent loads (positions and rows, then K and V); the merge pays per split. Measured on the H200
-    (B 1, Gemma's 4 x 256 heads, 18 layers, bench/RESULTS.md): a 512-row window is fastest in 16 splits
-    of one 32-row step (6.5 us a layer vs 8.6 in 8 splits of two), a 2K-4K window in 64-row steps
-    (fewer partials to merge; 9.8 and 13.3 us vs 11.0 and 14.3 in 32-row steps). 64 rows of D 256 spill
-    some registers on sm_90 at 4 warps and still win there."""
-    return 32 if width <= SHORT_WIDTH else 64
+def block_rows(width: int, fp8: bool = False) -> int:
+    """Rows per loop step of a split (BLOCK_N); fp8 rows of a window past SHORT_WIDTH: FP8_BLOCK_ROWS. A split's
+    steps run one after another, each a chain of dependent loads (positions and rows, then K and V); the merge
+    pays per split. Measured on the H200 (B 1, Gemma's 4 x 256 heads, 18 layers, bench/RESULTS.md): a 512-row
+    window is fastest in 16 splits of one 32-row step (6.5 us a layer vs 8.6 in 8 splits of two), a 2K-4K window
+    in 64-row steps (fewer partials to merge; 9.8 and 13.3 us vs 11.0 and 14.3 in 32-row steps). 64 rows of D 256
+    spill some registers on sm_90 at 4 warps and still win there."""
+    if width <= SHORT_WIDTH:
+        return 32
+    return FP8_BLOCK_ROWS if fp8 else 64
 
 
-def split_rows(batch: int, num_kv_heads: int, width: int) -> int:
-    """Rows per split program (whole loop steps): splits of at most MAX_SPLIT_ROWS, halved until the grid
-    has TARGET_PROGRAMS programs (a small batch spreads a long window over the device) or they are one
-    step, then evened out over the W rows. A function of the shapes only."""
-    step = block_rows(width)
-    rows = MAX_SPLIT_ROWS
+def split_rows(batch: int, num_kv_heads: int, width: int, fp8: bool = False) -> int:
+    """Rows per split program (whole loop steps): splits of at most MAX_SPLIT_ROWS (FP8_MAX_SPLIT_ROWS for the
+    128-row steps of fp8 rows), halved until the grid has TARGET_PROGRAMS programs (a small batch spreads a long
+    window over the device) or they are one step, then evened out over the W rows. A function of the shapes
+    only."""
+    step = block_rows(width, fp8)
+    rows = FP8_MAX_SPLIT_ROWS if step == FP8_BLOCK_ROWS else MAX_SPLIT_ROWS
     while rows > step and batch * num_kv_heads * triton.cdiv(width, rows) < TARGET_PROGRAMS:
         rows //= 2
     return triton.cdiv(triton.cdiv(width, triton.cdiv(width, rows)), step) * step
@@ -510,8 +519,8 @@ def _attend(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    per_split = split_rows(batch, num_kv_heads, width)
-    block_n = block_rows(width)
+    per_split = split_rows(batch, num_kv_heads, width, fp8)
+    block_n = block_rows(width, fp8)
     num_splits = triton.cdiv(width, per_split)
     direct = num_splits == 1
     if direct:  # the split kernel writes `out`; the scratch pointers are never read
