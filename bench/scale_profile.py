@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 # kernel name patterns -> the phase they belong to (first match wins); the rest is "other"
 PHASES = (
+    ("prefill attention", r"flash_attncute"),  # FlashAttention-4's CuTe DSL kernels (their names say cutlass too)
     ("gemm (cuBLAS)", r"nvjet|gemm|cutlass|xmma|cublas"),
     ("projection (Triton, decode rows)", r"_linear_kernel"),
     ("prefill attention", r"_prefill_kernel|flash_fwd|fmha|attention|sdpa|fprop"),
