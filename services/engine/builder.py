@@ -16,6 +16,7 @@ from services.engine.engine import Engine, EngineLimits
 from services.engine.kernels import select_tier, use_tier
 from services.engine.kv.kv_formats import KVFormatError
 from services.engine.kv.kv_pool import KVPool
+from services.engine.kv.paged_attention import warm_prompt_attention
 from services.engine.kv.recurrent_state import RecurrentStates
 from services.engine.kv.write_through import WriteThrough
 from services.engine.models.config import ModelConfig
@@ -91,6 +92,7 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
             config.held_restore_method,
         )  # fmt: skip
         host.prepare(device)  # same-host arenas registered as pinned memory now, not inside a first restore
+    heads = (model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
     if config.ring_enabled:
         assert host is not None  # check_host_capacity refuses a ring without a kvstore
         logger.info(
@@ -100,8 +102,8 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
             config.evidence_pages, config.ring_chunk, config.prefill_policy, "on" if config.retrieval else "OFF",
         )  # fmt: skip
         max_pages = -(-max_context // config.page_size)
-        heads = (model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
         warm_page_scores(device, *heads, max_pages, (torch.float32, config.torch_dtype))
+    warm_prompt_attention(device, *heads, config.torch_dtype)
     limits = EngineLimits(
         max_context=max_context,
         page_size=config.page_size,

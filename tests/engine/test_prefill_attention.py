@@ -449,3 +449,25 @@ def test_exact_chunk_through_the_kernel_matches_the_torch_path(
     assert not got.isnan().any()
     assert _rel(got, want) < (2e-3 if kv == "fp16" else 1e-2)
     assert torch.allclose(mass, want_mass, atol=1e-3), (mass - want_mass).abs().max()
+
+
+@pytest.mark.gpu
+def test_fa4_mode_compiles_its_prompt_kernels_at_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fa4`: the engine build runs FlashAttention-4 on a fresh chunk and on one after a past (its CuTe DSL kernels
+    compile at first use, seconds each), so no request pays for it; a refusal is remembered (cuDNN from then on)."""
+    from services.engine.kv import attention
+    from services.engine.kv import paged_attention as pa
+
+    dev = device_or_skip("cuda")
+    if attention.flash_attn4() is None:
+        pytest.skip("flash-attn-4 is not installed")
+    calls: list[int] = []
+    real = attention.flash_attn4()
+    monkeypatch.setattr(attention, "flash_attn4", lambda: lambda *a, **k: calls.append(a[1].shape[1]) or real(*a, **k))
+    monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", "fa4")
+    pa.warm_prompt_attention(dev, 32, 8, 128, torch.bfloat16)
+    assert calls == [attention.PROMPT_BUCKET, 16 * attention.PROMPT_BUCKET]  # keys: the chunk's, past + chunk's
+    assert not attention._FA4_REFUSED
+    monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", "cudnn")
+    pa.warm_prompt_attention(dev, 32, 8, 128, torch.bfloat16)  # other modes compile nothing here
+    assert len(calls) == 2

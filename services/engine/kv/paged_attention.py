@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ import torch
 from services.engine.kernels import triton_module
 from services.engine.kv.attention import (
     PAD_POS,
+    PROMPT_BUCKET,
     causal_sdpa,
     grouped_sdpa,
     position_mask,
@@ -57,6 +59,24 @@ def prefill_mode() -> str:
     if mode not in PREFILL_MODES:
         raise ValueError(f"KVMEM_PREFILL_ATTENTION={mode!r} not in {', '.join(PREFILL_MODES)}")
     return mode
+
+
+def warm_prompt_attention(
+    device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Compile, at engine build, what the `fa4` prefill mode compiles at first use (FlashAttention-4's CuTe DSL
+    kernels, seconds each, for the configurations a fresh chunk and a chunk after a past select), so that no
+    request pays it; nothing in the other modes or off CUDA."""
+    if device.type != "cuda" or prefill_mode() != "fa4" or dtype not in (torch.bfloat16, torch.float16):
+        return
+    t0 = time.perf_counter()
+    for n, past in ((PROMPT_BUCKET, 0), (8 * PROMPT_BUCKET, 8 * PROMPT_BUCKET)):
+        q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+        k = torch.zeros(n, num_kv_heads, head_dim, dtype=dtype, device=device)
+        kv_past = (torch.zeros(past, num_kv_heads, head_dim, dtype=dtype, device=device),) * 2 if past else None
+        prompt_sdpa(q, k, k, head_dim**-0.5, kv_past, "fa4")  # type: ignore[arg-type]
+    torch.cuda.synchronize(device)
+    logger.info("prompt attention (fa4) warmed in %.1f s", time.perf_counter() - t0)
 
 
 @dataclass
