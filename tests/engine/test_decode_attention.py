@@ -264,6 +264,23 @@ def test_split_rows_is_a_function_of_the_shapes() -> None:
     assert split_rows(8, 1, 1024, fp8=True) == split_rows(8, 1, 1024)  # a short window as plain rows
 
 
+def test_fp8_block_rows_switch_restores_the_old_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVMEM_FP8_BLOCK_ROWS=64 (A/B runs): fp8 rows split as plain ones, the layout before the 128-row steps."""
+    from services.engine.kernels import decode_attention_triton as dat
+
+    dat.fp8_block_rows.cache_clear()
+    monkeypatch.setenv("KVMEM_FP8_BLOCK_ROWS", "64")
+    try:
+        assert dat.block_rows(4096, fp8=True) == 64
+        assert dat.split_rows(32, 8, 4096, fp8=True) == dat.split_rows(32, 8, 4096) == 512
+        monkeypatch.setenv("KVMEM_FP8_BLOCK_ROWS", "96")
+        dat.fp8_block_rows.cache_clear()
+        with pytest.raises(ValueError):
+            dat.block_rows(4096, fp8=True)
+    finally:
+        dat.fp8_block_rows.cache_clear()
+
+
 def test_wrapper_refuses_bad_shapes() -> None:
     from services.engine.kernels.decode_attention_triton import decode_attention, supported
 

@@ -107,7 +107,17 @@ def block_rows(width: int, fp8: bool = False) -> int:
     spill some registers on sm_90 at 4 warps and still win there."""
     if width <= SHORT_WIDTH:
         return 32
-    return FP8_BLOCK_ROWS if fp8 else 64
+    return fp8_block_rows() if fp8 else 64
+
+
+@functools.cache
+def fp8_block_rows() -> int:
+    """FP8_BLOCK_ROWS, or 64 (the steps, and the 512-row splits, before it) with KVMEM_FP8_BLOCK_ROWS=64: an A/B
+    switch for the engine's rows. Decided once."""
+    rows = int(os.environ.get("KVMEM_FP8_BLOCK_ROWS", FP8_BLOCK_ROWS))
+    if rows not in (64, FP8_BLOCK_ROWS):
+        raise ValueError(f"KVMEM_FP8_BLOCK_ROWS={rows}: 64 or {FP8_BLOCK_ROWS}")
+    return rows
 
 
 def split_rows(batch: int, num_kv_heads: int, width: int, fp8: bool = False) -> int:
