@@ -258,21 +258,24 @@ def test_split_rows_is_a_function_of_the_shapes() -> None:
     assert [split_rows(8, 1, w) for w in (2048, 8192, 65536)] == [64, 256, 512]
     assert split_rows(64, 4, 4096) == 512  # a large batch: few long splits
     assert split_rows(64, 4, 576) == 288 and split_rows(64, 4, 448) == 448  # even splits; one split
-    # fp8 rows past SHORT_WIDTH: 128-row steps, splits of up to 1,024 rows
-    assert split_rows(32, 8, 4096, fp8=True) == 1024 and split_rows(1, 8, 32768, fp8=True) == 1024
-    assert split_rows(1, 8, 4096, fp8=True) == 128 and split_rows(2, 2, 1216, fp8=True) == 128
-    assert split_rows(8, 1, 1024, fp8=True) == split_rows(8, 1, 1024)  # a short window as plain rows
 
 
-def test_fp8_block_rows_switch_restores_the_old_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVMEM_FP8_BLOCK_ROWS=64 (A/B runs): fp8 rows split as plain ones, the layout before the 128-row steps."""
+def test_fp8_block_rows_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 rows split as plain ones by default; KVMEM_FP8_BLOCK_ROWS=128: 128-row steps past SHORT_WIDTH, splits of
+    up to 1,024 rows (a short window still as plain rows); anything else is refused."""
     from services.engine.kernels import decode_attention_triton as dat
 
     dat.fp8_block_rows.cache_clear()
-    monkeypatch.setenv("KVMEM_FP8_BLOCK_ROWS", "64")
+    monkeypatch.delenv("KVMEM_FP8_BLOCK_ROWS", raising=False)
     try:
         assert dat.block_rows(4096, fp8=True) == 64
         assert dat.split_rows(32, 8, 4096, fp8=True) == dat.split_rows(32, 8, 4096) == 512
+        monkeypatch.setenv("KVMEM_FP8_BLOCK_ROWS", "128")
+        dat.fp8_block_rows.cache_clear()
+        split_rows = dat.split_rows
+        assert split_rows(32, 8, 4096, fp8=True) == 1024 and split_rows(1, 8, 32768, fp8=True) == 1024
+        assert split_rows(1, 8, 4096, fp8=True) == 128 and split_rows(2, 2, 1216, fp8=True) == 128
+        assert split_rows(8, 1, 1024, fp8=True) == split_rows(8, 1, 1024)  # a short window as plain rows
         monkeypatch.setenv("KVMEM_FP8_BLOCK_ROWS", "96")
         dat.fp8_block_rows.cache_clear()
         with pytest.raises(ValueError):

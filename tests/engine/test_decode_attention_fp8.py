@@ -56,8 +56,16 @@ def _fp16_weight_tolerance(v: torch.Tensor) -> float:
     ("batch", "heads", "width", "dtype"),
     [(2, (4, 1), 256, torch.float32), (1, (8, 2), 1024, torch.bfloat16), (2, (4, 1), 1216, torch.float32)],
 )  # 1216 rows: past SHORT_WIDTH, the 128-row steps (FP8_BLOCK_ROWS), the last one half masked
+@pytest.mark.parametrize("block_rows", ["64", "128"])  # KVMEM_FP8_BLOCK_ROWS: the loop steps past SHORT_WIDTH
 def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
-    where: str, batch: int, heads: tuple[int, int], width: int, dtype: torch.dtype, fp8_dot: str
+    where: str,
+    batch: int,
+    heads: tuple[int, int],
+    width: int,
+    dtype: torch.dtype,
+    fp8_dot: str,
+    block_rows: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An fp8 pool layer (uint8 rows: fp32 scale + e4m3fn codes) read in place, the scales applied to the scores
     and the probabilities: the reference's output over the dequantised rows, split and merged or direct. bf16
@@ -71,7 +79,13 @@ def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
     k8, v8, deq = _fp8_stores(x)
     assert dat.supported(k8, fp8=True) and not dat.supported(k8)
     want = dat.decode_attention_reference(*deq)
-    got = dat.decode_attention(x.q, k8, v8, x.rows, x.key_pos, x.q_pos, x.scale, fp8=True)
+    monkeypatch.setenv("KVMEM_FP8_BLOCK_ROWS", block_rows)
+    dat.fp8_block_rows.cache_clear()
+    try:
+        assert dat.block_rows(width, fp8=True) == (int(block_rows) if width > dat.SHORT_WIDTH else 32)
+        got = dat.decode_attention(x.q, k8, v8, x.rows, x.key_pos, x.q_pos, x.scale, fp8=True)
+    finally:
+        dat.fp8_block_rows.cache_clear()
     assert got.dtype == dtype
     if dtype != torch.float32 or where != "cpu":
         tol = 2e-2  # a bf16 output, or tensor-core dots with bf16 probabilities

@@ -49,10 +49,11 @@ logger = logging.getLogger(__name__)
 PAGE_ROWS = 64  # W is a whole number of pages
 MIN_BLOCK_G = 16  # tl.dot needs M >= 16: the G query heads of a KV head are padded to this
 MAX_SPLIT_ROWS = 512  # rows of one split program at most
-# fp8 rows past SHORT_WIDTH: 128-row loop steps in splits of up to 1,024 rows. The split loop is bound by its steps'
-# latency, not by their bytes (an fp8 step moves half a bf16 one's): on an H100 at the 8B shape, 32 x 4K rows 143.3
-# us against 184.5 in 64-row steps of 512-row splits (bf16 rows 195.2), 1 x 32K 41.7 against 65.0 (bf16 55.9)
-# (bench/scale_kernels.py --only fp8 --sweep, bench/RESULTS.md round 12)
+# fp8 rows past SHORT_WIDTH with KVMEM_FP8_BLOCK_ROWS=128: 128-row loop steps in splits of up to 1,024 rows. The split
+# loop is bound by its steps' latency, not by their bytes (an fp8 step moves half a bf16 one's): on an H100 at the 8B
+# shape, 32 x 4K rows 143.3 us against 184.5 in 64-row steps of 512-row splits (bf16 rows 195.2), 1 x 32K 41.7
+# against 65.0 (bf16 55.9) (bench/scale_kernels.py --only fp8 --sweep, bench/RESULTS.md round 12). Opt-in until its
+# GPU tests have run (tests/engine/test_decode_attention_fp8.py takes both step sizes; the sweep timed it only)
 FP8_BLOCK_ROWS = 128
 FP8_MAX_SPLIT_ROWS = 1024
 TARGET_PROGRAMS = 256  # split until B * Hkv * S reaches this (about two programs per SM of an H200)
@@ -99,7 +100,7 @@ def supported(k_store: torch.Tensor, fp8: bool = False) -> bool:
 
 
 def block_rows(width: int, fp8: bool = False) -> int:
-    """Rows per loop step of a split (BLOCK_N); fp8 rows of a window past SHORT_WIDTH: FP8_BLOCK_ROWS. A split's
+    """Rows per loop step of a split (BLOCK_N); fp8 rows of a window past SHORT_WIDTH: `fp8_block_rows`. A split's
     steps run one after another, each a chain of dependent loads (positions and rows, then K and V); the merge
     pays per split. Measured on the H200 (B 1, Gemma's 4 x 256 heads, 18 layers, bench/RESULTS.md): a 512-row
     window is fastest in 16 splits of one 32-row step (6.5 us a layer vs 8.6 in 8 splits of two), a 2K-4K window
@@ -112,9 +113,9 @@ def block_rows(width: int, fp8: bool = False) -> int:
 
 @functools.cache
 def fp8_block_rows() -> int:
-    """FP8_BLOCK_ROWS, or 64 (the steps, and the 512-row splits, before it) with KVMEM_FP8_BLOCK_ROWS=64: an A/B
-    switch for the engine's rows. Decided once."""
-    rows = int(os.environ.get("KVMEM_FP8_BLOCK_ROWS", FP8_BLOCK_ROWS))
+    """Rows a loop step of fp8 rows past SHORT_WIDTH: 64 (in 512-row splits, as plain rows; the default) or, with
+    KVMEM_FP8_BLOCK_ROWS=128, FP8_BLOCK_ROWS (in splits of up to FP8_MAX_SPLIT_ROWS). Decided once."""
+    rows = int(os.environ.get("KVMEM_FP8_BLOCK_ROWS", 64))
     if rows not in (64, FP8_BLOCK_ROWS):
         raise ValueError(f"KVMEM_FP8_BLOCK_ROWS={rows}: 64 or {FP8_BLOCK_ROWS}")
     return rows
