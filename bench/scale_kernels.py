@@ -256,9 +256,16 @@ FP8_VARIANTS = (
 
 
 def _fp8_sweep(
-    q: torch.Tensor, k8s: list[torch.Tensor], v8s: list[torch.Tensor], reads: tuple[torch.Tensor, ...], d: int
+    q: torch.Tensor,
+    k8s: list[torch.Tensor],
+    v8s: list[torch.Tensor],
+    reads: tuple[torch.Tensor, ...],
+    d: int,
+    want: torch.Tensor,
 ) -> str:
-    """The fp16-dot fp8 decode at each FP8_VARIANTS entry (the module's settings patched, then restored)."""
+    """The fp16-dot fp8 decode at each FP8_VARIANTS entry (the module's settings patched, then restored): its time
+    and its output's relative difference from `want` (the default's output over the first layer: the same rows in
+    another order of sums, ~1e-3)."""
     real_rows, real_warps, real_stages = dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM
     real_split, real_fp8_split = dat.MAX_SPLIT_ROWS, dat.FP8_MAX_SPLIT_ROWS
     cells = []
@@ -269,7 +276,9 @@ def _fp8_sweep(
         name = f"{warps}w/{stages}s/{step or 'auto'}/{split}"
         try:
             with _fp8_dot("fp16"):
-                cells.append(f"{name}: {_decode_us(q, k8s, v8s, reads, True):6.1f} us")
+                got = dat.decode_attention(q, k8s[0], v8s[0], *reads, d**-0.5, sorted_keys=True, fp8=True).float()
+                rel = ((got - want).norm() / want.norm()).item()
+                cells.append(f"{name}: {_decode_us(q, k8s, v8s, reads, True):6.1f} us ({rel:.1e})")
         except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit is reported
             cells.append(f"{name}: {type(exc).__name__}")
         finally:
@@ -321,7 +330,7 @@ def fp8_table(
         cells.append(f"fp16 dots {speedup:.2f}x the bf16 ones, rel diff between them {between:.2e}")
         print(f"decode attention B={batch} rows {length}: " + " | ".join(cells), flush=True)
         if sweep:
-            print(f"  fp8 fp16 dots B={batch} rows {length}: " + _fp8_sweep(q, k8s, v8s, reads, d), flush=True)
+            print(f"  fp8 fp16 dots B={batch} rows {length}: " + _fp8_sweep(q, k8s, v8s, reads, d, new), flush=True)
         del ks, vs, k8s, v8s
         torch.cuda.empty_cache()
     n, past = chunk
