@@ -167,10 +167,11 @@ class StepAttention:
         self.mode = prefill_mode() if pool.device.type == "cuda" or explicit else "masked"
         paged = self.mode in ("cudnn", "fa4", "triton")
         self.kernel = triton_module("prefill_attention_triton", pool.device) if paged else None
-        # chunks over a bucketed past through cuDNN (or FlashAttention-4), the rest as `triton`
+        # chunks over a bucketed past through cuDNN (or FlashAttention-4: prompt_sdpa's impl), the rest as `triton`
         self.prompt_kernel = self.mode in ("cudnn", "fa4")
+        self.prompt_impl = "fa4" if self.mode == "fa4" else "cudnn"
         if paged and self.kernel is None:
-            self.mode = "flash"  # not the Triton tier (prompt chunks still through cuDNN)
+            self.mode = "flash"  # not the Triton tier (prompt chunks still through prompt_impl)
         self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}  # (span, window, local) -> mask
         self._staged: dict[int, torch.Tensor] = {}  # a staging batch's K rows by its page count (_staged_rows)
         # the step's single-token spans (decode rows beside prompt chunks) in one launch of the flash-decoding
@@ -289,7 +290,7 @@ class StepAttention:
         if num_past_rows:
             past = self.pool.gather(layer_idx, span.read_rows[:num_past_rows], q_s.dtype)
         try:
-            return prompt_sdpa(q_s, k_s, v_s, scale, past, self.mode)
+            return prompt_sdpa(q_s, k_s, v_s, scale, past, self.prompt_impl)
         except RuntimeError as exc:
             prompt_sdpa_refused(q_s, exc)
             return None
