@@ -152,7 +152,7 @@ def main() -> int:
     p.add_argument(
         "--prefill-modes",
         default="cudnn,triton",
-        help="KVMEM_PREFILL_ATTENTION values for the TTFT row; the first is the row's",
+        help="KVMEM_PREFILL_ATTENTION values for the TTFT row; the first is the row's and every other row's",
     )
     p.add_argument("--profile", action="store_true", help="kernel tables of one prefill and its decode (--out-dir)")
     p.add_argument("--profile-batch", type=int, default=0, help="kernel table of this decode batch (--out-dir)")

@@ -193,6 +193,9 @@ def engine_rows(run: Run, model_dir: Path, out_dir: Path | None) -> None:
     config = dict(
         max_context=max_context, kv_capacity=cap, prefill_chunk=a.prefill_chunk, max_running=max(64, run.conc)
     )
+    # the first --prefill-modes value is every row's mode, set before the build (which warms that mode's prompt
+    # kernels: paged_attention.warm_prompt_attention); the TTFT row goes through the others too, then back to it
+    os.environ["KVMEM_PREFILL_ATTENTION"] = a.prefill_modes.split(",")[0]
     with built(run, model_dir, **config) as engine:
         _engine_rows(run, engine, out_dir)
 
