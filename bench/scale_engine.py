@@ -263,6 +263,10 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
         row = run.row("concurrent")
         for chunk in [int(c) for c in a.concurrent_chunks.split(",")]:
             _chunked(engine, chunk)
+            # two untimed prompts of the row's length first, as the TTFT row warms its own: one-time costs of the
+            # prompt shapes (cuDNN plans, a FlashAttention-4 compile) stay out of the row, as a serving process pays
+            # them once; transformers' compiled generate is warmed before its timed run too
+            engine_requests(engine, prompts_of(run.gen, sh.vocab, 2, run.conc_len), 2, f"warm-conc-{chunk}")
             prompts = prompts_of(run.gen, sh.vocab, run.conc, run.conc_len)  # fresh: no prefix reuse
             warm = warm_graphs(run, engine, run.conc, [run.conc_len + 1, run.conc_len + a.new_tokens])
             caps = Captures(engine)
