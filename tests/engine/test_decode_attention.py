@@ -302,7 +302,7 @@ def test_wrapper_refuses_bad_shapes() -> None:
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_index_copy(where: str, dtype: torch.dtype) -> None:
-    from services.engine.kernels.decode_attention_triton import write_kv, write_kv_reference
+    from services.engine.kernels.kv_triton import write_kv, write_kv_reference
 
     device = device_or_skip(where)
     g = torch.Generator().manual_seed(2)

@@ -121,7 +121,7 @@ def test_qk_norm_rope_matches_norms_then_rope(
             exact = apply_rope(torch.cat((q32(q.float()), k32(k.float())), dim=1), cos.float(), sin.float())
         assert (got.float() - exact).abs().mean() <= (want.float() - exact).abs().mean() * 1.05
     # with a sink: the same output, and k and v written at the rows (write_kv_reference with them)
-    from services.engine.kernels.decode_attention_triton import write_kv_reference
+    from services.engine.kernels.kv_triton import write_kv_reference
 
     k_store = torch.randn(16, hkv, dim, device=device).to(dtype)
     v_store = torch.randn(16, hkv, dim, device=device).to(dtype)
@@ -148,7 +148,7 @@ def test_rope_alone_matches_apply_rope(
 
     if heads_per_program > 1:
         monkeypatch.setattr(norm_triton, "ROPE_HEADS_FROM", 1)
-    from services.engine.kernels.decode_attention_triton import write_kv_reference
+    from services.engine.kernels.kv_triton import write_kv_reference
 
     device = device_or_skip(where)
     torch.manual_seed(4)

@@ -17,12 +17,11 @@ With one split (S == 1) the split kernel normalises and writes the output itself
 (the block kernel's first phase merges them, kernels/block_triton.py).
 S and R depend on the shapes only (`split_rows`), so the launch has no host sync and no data-dependent
 branch and a CUDA graph captures it; W, R, S and the window are runtime ints (`do_not_specialize`),
-so a new window bucket compiles nothing. `write_kv` stores a step's new K and V rows in one launch.
+so a new window bucket compiles nothing.
 `decode_attention_ring` reads a sliding layer's local ring (local_ring.py): the W positions ending at
 the token, position p in row base + p % span, addressed by arithmetic (no index tensors).
 
-The torch references are `decode_attention_reference`, `decode_attention_ring_reference` and
-`write_kv_reference`. Shapes: q [B, Hq, D];
+The torch references are `decode_attention_reference` and `decode_attention_ring_reference`. Shapes: q [B, Hq, D];
 k_store, v_store [R, Hkv, D] (one layer of the pool, a plain float dtype); rows, key_pos [B, W] int64;
 q_pos [B] int64. bf16/fp16 dots run on tensor cores with fp32 accumulation (the probabilities are
 rounded to the V dtype for the second dot, as flash attention does); fp32 dots run in IEEE fp32.
@@ -182,14 +181,6 @@ def decode_attention_ring_reference(
     ending at the token, in rows ring_base [B] + p % span."""
     rows, key_pos = ring_read_set(ring_base, span, q_pos, width)
     return decode_attention_reference(q, k_store, v_store, rows, key_pos, q_pos, scale, window)
-
-
-def write_kv_reference(
-    k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """k_store[rows] = k and v_store[rows] = v (cast to the store dtype): rows [N]; k, v [N, Hkv, D]."""
-    k_store.index_copy_(0, rows, k.to(k_store.dtype))
-    v_store.index_copy_(0, rows, v.to(v_store.dtype))
 
 
 @dataclass(frozen=True)
@@ -387,34 +378,6 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # one compiled variant whatever a step's token count
-def _write_kv_kernel(
-    k_ptr, v_ptr, rows_ptr, k_store_ptr, v_store_ptr, num_tokens, stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_sr, stride_sh, stride_tr, stride_th, D: tl.constexpr, HD: tl.constexpr, HD_BLOCK: tl.constexpr,
-    BLOCK_T: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """One program per BLOCK_T tokens: their K and V rows (every KV head, HD = Hkv * D values a row) into the
-    two stores at rows[token]. (One program per token and head moved 512 bytes each: 0.4 TB/s on a prefill
-    chunk of 8K-16K tokens at the 8B shape.)"""
-    pdl.start(PDL)
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    j = tl.arange(0, HD_BLOCK)
-    j_ok = j < HD
-    h, d = j // D, j % D
-    row = tl.load(rows_ptr + t, mask=t_ok, other=0)
-    ok = t_ok[:, None] & j_ok[None, :]
-    k = tl.load(k_ptr + t[:, None] * stride_kn + (h * stride_kh + d)[None, :], mask=ok)
-    v = tl.load(v_ptr + t[:, None] * stride_vn + (h * stride_vh + d)[None, :], mask=ok)
-    k_dst = k_store_ptr + row[:, None] * stride_sr + (h * stride_sh + d)[None, :]
-    v_dst = v_store_ptr + row[:, None] * stride_tr + (h * stride_th + d)[None, :]
-    tl.store(k_dst, k.to(k_store_ptr.dtype.element_ty), mask=ok)
-    tl.store(v_dst, v.to(v_store_ptr.dtype.element_ty), mask=ok)
-
-
-WRITE_KV_TOKENS = 16  # tokens a write_kv program moves in a prompt chunk (16 x 1,024 values x 2 at the 8B shape)
-
-
 # -- wrappers ------------------------------------------------------------------------------------------
 
 # Triton 3.5's interpreter fails on a loop whose bound is a runtime int under numpy >= 2.4
@@ -580,25 +543,3 @@ def merge(p: Partials, out: torch.Tensor | None = None) -> torch.Tensor:
         INTERPRETED=INTERPRETED, SPLITS=num_splits if INTERPRETED else 0, num_warps=4, **pdl.launch_args(out.device),
     )  # fmt: skip
     return out
-
-
-def write_kv(
-    k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """`write_kv_reference` in one launch: rows [N] int64 (distinct); k, v [N, Hkv, D] (last dim
-    contiguous) written into k_store, v_store [R, Hkv, D] (plain float dtype), cast to the store dtype."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    assert supported(k_store) and v_store.dtype == k_store.dtype, (k_store.dtype, v_store.dtype)
-    assert k_store.shape[1:] == v_store.shape[1:] == (num_kv_heads, head_dim) and v.shape == k.shape
-    assert rows.shape == (num_tokens,) and rows.dtype == torch.int64, (rows.shape, rows.dtype)
-    assert k.stride(2) == v.stride(2) == k_store.stride(2) == v_store.stride(2) == 1
-    if num_tokens == 0:
-        return
-    hd = num_kv_heads * head_dim
-    block_t = WRITE_KV_TOKENS if num_tokens >= 64 * WRITE_KV_TOKENS and hd <= 2048 else 1  # decode rows: in parallel
-    _write_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
-        k, v, rows.contiguous(), k_store, v_store, num_tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1), D=head_dim, HD=hd,
-        HD_BLOCK=triton.next_power_of_2(hd), BLOCK_T=block_t, num_warps=4 if block_t * hd <= 8192 else 8,
-        **pdl.launch_args(k.device),
-    )  # fmt: skip

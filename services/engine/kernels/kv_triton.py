@@ -1,11 +1,13 @@
-"""Triton kernels of the quantised KV formats: fused quantise + scatter (write) and gather + dequantise.
+"""Triton kernels of a step's KV rows: plain rows written (`write_kv`), and the quantised formats' fused
+quantise + scatter (write) and gather + dequantise.
 
-One program per (token, KV head) row. The arithmetic is that of the torch reference in
-services/engine/kv/kv_formats.py (e4m3 by integer operations on the fp32 bits, E2M1 by thresholds,
-int8 rounding half away from zero), so both produce the same bytes; only fp32 division may round
-differently on a GPU (a rare one-code difference). The Hadamard rotation of `+h` formats stays in
-torch around these kernels (a [D, D] matmul). Shapes: store uint8 [R, Hkv, row_bytes], x [N, Hkv, D],
-rows int64 [N].
+`write_kv` stores a step's new K and V rows of a plain (float) layer in one launch; its torch reference is
+`write_kv_reference`. The quantised formats' kernels take one program per (token, KV head) row. Their
+arithmetic is that of the torch reference in services/engine/kv/kv_formats.py (e4m3 by integer operations on
+the fp32 bits, E2M1 by thresholds, int8 rounding half away from zero), so both produce the same bytes; only
+fp32 division may round differently on a GPU (a rare one-code difference). The Hadamard rotation of `+h`
+formats stays in torch around these kernels (a [D, D] matmul). Shapes: store uint8 [R, Hkv, row_bytes],
+x [N, Hkv, D], rows int64 [N].
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels import decode_attention_triton, pdl
 from services.engine.kv.kv_formats import NVFP4_GROUP, KVFormat, int8_group
 
 
@@ -291,3 +294,70 @@ def gather_dequantize(
     else:
         _nvfp4_read[(t * h,)](out, rows, u8, wide, h, head_dim, rb, fmt.scale_bytes(head_dim), NVFP4_GROUP)
     return out
+
+
+# -- plain rows ----------------------------------------------------------------------------------------
+
+
+def write_supported(k_store: torch.Tensor) -> bool:
+    """Whether `write_kv` takes this pool layer: the plain layers the decode kernel reads in place
+    (decode_attention_triton.supported)."""
+    return decode_attention_triton.supported(k_store)
+
+
+def write_kv_reference(
+    k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """k_store[rows] = k and v_store[rows] = v (cast to the store dtype): rows [N]; k, v [N, Hkv, D]."""
+    k_store.index_copy_(0, rows, k.to(k_store.dtype))
+    v_store.index_copy_(0, rows, v.to(v_store.dtype))
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # one compiled variant whatever a step's token count
+def _write_kv_kernel(
+    k_ptr, v_ptr, rows_ptr, k_store_ptr, v_store_ptr, num_tokens, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_sr, stride_sh, stride_tr, stride_th, D: tl.constexpr, HD: tl.constexpr, HD_BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One program per BLOCK_T tokens: their K and V rows (every KV head, HD = Hkv * D values a row) into the
+    two stores at rows[token]. (One program per token and head moved 512 bytes each: 0.4 TB/s on a prefill
+    chunk of 8K-16K tokens at the 8B shape.)"""
+    pdl.start(PDL)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < num_tokens
+    j = tl.arange(0, HD_BLOCK)
+    j_ok = j < HD
+    h, d = j // D, j % D
+    row = tl.load(rows_ptr + t, mask=t_ok, other=0)
+    ok = t_ok[:, None] & j_ok[None, :]
+    k = tl.load(k_ptr + t[:, None] * stride_kn + (h * stride_kh + d)[None, :], mask=ok)
+    v = tl.load(v_ptr + t[:, None] * stride_vn + (h * stride_vh + d)[None, :], mask=ok)
+    k_dst = k_store_ptr + row[:, None] * stride_sr + (h * stride_sh + d)[None, :]
+    v_dst = v_store_ptr + row[:, None] * stride_tr + (h * stride_th + d)[None, :]
+    tl.store(k_dst, k.to(k_store_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_dst, v.to(v_store_ptr.dtype.element_ty), mask=ok)
+
+
+WRITE_KV_TOKENS = 16  # tokens a write_kv program moves in a prompt chunk (16 x 1,024 values x 2 at the 8B shape)
+
+
+def write_kv(
+    k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """`write_kv_reference` in one launch: rows [N] int64 (distinct); k, v [N, Hkv, D] (last dim
+    contiguous) written into k_store, v_store [R, Hkv, D] (plain float dtype), cast to the store dtype."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert write_supported(k_store) and v_store.dtype == k_store.dtype, (k_store.dtype, v_store.dtype)
+    assert k_store.shape[1:] == v_store.shape[1:] == (num_kv_heads, head_dim) and v.shape == k.shape
+    assert rows.shape == (num_tokens,) and rows.dtype == torch.int64, (rows.shape, rows.dtype)
+    assert k.stride(2) == v.stride(2) == k_store.stride(2) == v_store.stride(2) == 1
+    if num_tokens == 0:
+        return
+    hd = num_kv_heads * head_dim
+    block_t = WRITE_KV_TOKENS if num_tokens >= 64 * WRITE_KV_TOKENS and hd <= 2048 else 1  # decode rows: in parallel
+    _write_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
+        k, v, rows.contiguous(), k_store, v_store, num_tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1), D=head_dim, HD=hd,
+        HD_BLOCK=triton.next_power_of_2(hd), BLOCK_T=block_t, num_warps=4 if block_t * hd <= 8192 else 8,
+        **pdl.launch_args(k.device),
+    )  # fmt: skip

@@ -205,8 +205,8 @@ class KVPool:
         """Store the K/V of new tokens: rows [N] pool rows; k, v [N, Hkv, D] in the compute dtype."""
         dtype = self._plain[layer]
         if dtype is not None:
-            kernels = triton_module("decode_attention_triton", self.device)
-            if kernels is not None and kernels.supported(self.k[layer]) and k.stride(2) == v.stride(2) == 1:
+            kernels = triton_module("kv_triton", self.device)
+            if kernels is not None and kernels.write_supported(self.k[layer]) and k.stride(2) == v.stride(2) == 1:
                 kernels.write_kv(self.k[layer], self.v[layer], rows, k, v)  # K and V in one launch
                 return
             self.k[layer].index_copy_(0, rows, k.to(dtype))
