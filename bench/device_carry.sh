@@ -171,6 +171,30 @@ print(_cache_dir(p))" | tail -1)
   cp "$TOKC/info.json" "$DIR/tok/info.json"
 fi
 
+# --- 6. FlashAttention-4's wheels (.wt/fa4: bench/scale_h200.sh's fa4 rows and KVMEM_PREFILL_ATTENTION=fa4) -------
+# small/ (flash-attn-4 and what it needs beyond the device's torch, ~15 MB) travels with whl/ and gen/; the 92 MB CuTe
+# DSL cu13 wheel in two pieces, p1/cu13part_aa and p2/cu13part_ab, one a call straight after (scale_h200.sh cats them)
+FA4=.wt/fa4
+FA4_WHEELS=(
+  flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1
+  quack-kernels==0.6.5 torch-c-dlpack-ext==0.1.5 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 einops==0.8.2
+)
+CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl CU13_MD5=b45c1bac0786a433970dc75163c36011
+if [ -f "$FA4/small/.pkgs" ] && [ "$(cat "$FA4/small/.pkgs")" = "${FA4_WHEELS[*]}" ] && [ -f "$FA4/p2/cu13part_ab" ]; then
+  log "fa4: present"
+else
+  rm -rf "$FA4" /tmp/fa4dl && mkdir -p "$FA4/small" "$FA4/p1" "$FA4/p2" /tmp/fa4dl
+  pdl() { "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_24_x86_64 --implementation cp --no-deps -d "$@"; }
+  pdl "$FA4/small" "${FA4_WHEELS[@]}"
+  pdl /tmp/fa4dl nvidia-cutlass-dsl-libs-cu13==4.8.1
+  got=$(md5sum "/tmp/fa4dl/$CU13" | cut -d' ' -f1); log "fa4: cu13 wheel md5 $got (want $CU13_MD5)"; [ "$got" = "$CU13_MD5" ]
+  split -b 47M "/tmp/fa4dl/$CU13" /tmp/fa4dl/cu13part_
+  mv /tmp/fa4dl/cu13part_aa "$FA4/p1/"; mv /tmp/fa4dl/cu13part_ab "$FA4/p2/"
+  [ ! -e /tmp/fa4dl/cu13part_ac ] || { log "fa4: more than two pieces"; exit 1; }
+  echo "${FA4_WHEELS[*]}" > "$FA4/small/.pkgs"
+fi
+
 # --- summary -----------------------------------------------------------------------------------------------------
 du -sh "$DIR"/* "$DIR"/g/* >&2
 TREE=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | awk '/total$/ {s += $1} END {print s}')
@@ -180,5 +204,6 @@ call() {  # MiB one call carries: the working tree and the folders named
 }
 log "per call, with the $((TREE / 1024)) KiB working tree (limit 64 MiB):"
 { call "$DIR/whl"; call "$DIR/p1"; call "$DIR/p2"; call "$DIR/p3" "$DIR/gen"
-  for i in 1 2 3 4 5; do call "$DIR/g/q$i"; done; call "$DIR/g/q6" "$DIR/gen" "$DIR/tok"; } >&2
+  for i in 1 2 3 4 5; do call "$DIR/g/q$i"; done; call "$DIR/g/q6" "$DIR/gen" "$DIR/tok"
+  call "$DIR/whl" "$DIR/gen" "$FA4/small"; call "$FA4/p1"; call "$FA4/p2"; } >&2
 log "done"
