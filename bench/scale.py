@@ -42,7 +42,8 @@ Rows (written to --out as {"date", "commit", "device", "rows": {NAME: {...}}}):
 Before each timed row the decode graphs it will replay are captured (scale_engine.warm_graphs: every batch bucket
 up to the row's batch at its window bucket, as the peer's compiled step is warmed first); the rows record
 captures_in_row (0 when the warm-up covered the row) and --no-warm-graphs restores capture at first use.
---prefill-modes runs the TTFT row once per KVMEM_PREFILL_ATTENTION value (triton, flash, masked).
+--prefill-modes runs the TTFT row once per prefill attention mode (EngineConfig.prefill_attention: cudnn, fa4,
+triton, flash, masked).
 --profile adds kernel tables by phase (bench/scale_profile.py). The pieces: scale_engine.py (the engine side),
 scale_peer.py (transformers), scale_ring.py, scale_attention.py, scale_profile.py, scale_model.py (shapes, the
 random model, the limits). A row that could not run records why ("not_run"), never a number it did not measure.
@@ -152,7 +153,7 @@ def main() -> int:
     p.add_argument(
         "--prefill-modes",
         default="cudnn,triton",
-        help="KVMEM_PREFILL_ATTENTION values for the TTFT row; the first is the row's and every other row's",
+        help="prefill attention modes for the TTFT row; the first is every engine's (EngineConfig.prefill_attention)",
     )
     p.add_argument("--profile", action="store_true", help="kernel tables of one prefill and its decode (--out-dir)")
     p.add_argument("--profile-batch", type=int, default=0, help="kernel table of this decode batch (--out-dir)")

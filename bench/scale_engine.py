@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import statistics
 import threading
 import time
@@ -162,6 +161,10 @@ def built(run: Run, model_dir: Path, **config: Any) -> Iterator[Any]:
     from services.engine.config import EngineConfig
 
     config.setdefault("decode_burst", run.a.decode_burst)  # 0: the device's default (8 on CUDA, 1 on the CPU)
+    # the first --prefill-modes value is every engine's mode (EngineConfig.prefill_attention), set before the build
+    # (which warms that mode's prompt kernels: paged_attention.warm_prompt_attention); the TTFT row goes through the
+    # others too (ModelRunner.prefill_attention), then back to it
+    config.setdefault("prefill_attention", run.a.prefill_modes.split(",")[0])
     cfg = EngineConfig(model=str(model_dir), device=str(run.device), max_waiting=256, **config)
     t0 = time.perf_counter()
     engine, _ = build_engine(cfg)
@@ -193,9 +196,6 @@ def engine_rows(run: Run, model_dir: Path, out_dir: Path | None) -> None:
     config = dict(
         max_context=max_context, kv_capacity=cap, prefill_chunk=a.prefill_chunk, max_running=max(64, run.conc)
     )
-    # the first --prefill-modes value is every row's mode, set before the build (which warms that mode's prompt
-    # kernels: paged_attention.warm_prompt_attention); the TTFT row goes through the others too, then back to it
-    os.environ["KVMEM_PREFILL_ATTENTION"] = a.prefill_modes.split(",")[0]
     with built(run, model_dir, **config) as engine:
         _engine_rows(run, engine, out_dir)
 
@@ -219,7 +219,7 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
         )
         ttft_row, dec_row = run.row("ttft"), run.row("decode")
         for mode in modes:
-            os.environ["KVMEM_PREFILL_ATTENTION"] = mode
+            engine.runner.prefill_attention = mode
             for chunk in chunks:
                 _chunked(engine, chunk)
                 # each (mode, chunk size) first untimed: cuDNN plans by shape, and the warm-up above ran at the
@@ -243,7 +243,7 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
                     ttft_row["engine_s"] = round(ttft, 4)
                     dec_row["engine_tok_s"] = round(dec, 2)
                     run.engine_tokens = res[0].tokens
-        os.environ["KVMEM_PREFILL_ATTENTION"] = modes[0]
+        engine.runner.prefill_attention = modes[0]
         _chunked(engine, chunks[0])
         ttft_row["limit_s"] = round(run.limit_prefill_s(a.ttft_len - a.new_tokens), 4)
         ttft_row["prompt_tokens"] = a.ttft_len - a.new_tokens

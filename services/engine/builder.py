@@ -103,7 +103,7 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
         )  # fmt: skip
         max_pages = -(-max_context // config.page_size)
         warm_page_scores(device, *heads, max_pages, (torch.float32, config.torch_dtype))
-    warm_prompt_attention(device, *heads, config.torch_dtype)
+    warm_prompt_attention(config.prefill_attention, device, *heads, config.torch_dtype)
     limits = EngineLimits(
         max_context=max_context,
         page_size=config.page_size,
@@ -123,7 +123,7 @@ def build_engine(config: EngineConfig, start: bool = True) -> tuple[Engine, Mode
     states = recurrent_states(model_config, config, device)
     runner = ModelRunner(
         model, pool, device, host, cuda_graphs=config.cuda_graphs,
-        max_batch=config.max_running, states=states,
+        max_batch=config.max_running, states=states, prefill_attention=config.prefill_attention,
     )  # fmt: skip
     engine = Engine(limits, runner, tokenizer, write_through)
     if start:

@@ -13,6 +13,7 @@ from services.common import auth
 from services.common.model_files import DEFAULT_MODEL
 from services.engine.kernels.restore import METHODS as RESTORE_METHODS
 from services.engine.kv.kv_formats import KVFormatError, KVSpec, parse_spec
+from services.engine.kv.paged_attention import PREFILL_MODES
 from services.engine.ring.summaries import HEAD_FUSIONS
 
 
@@ -55,6 +56,10 @@ class EngineConfig:
     # a held read's (the exact chunk's host pages, a layer's bytes of each at a time) on CUDA: one gather launch instead
     # of a copy a page (ring/host_pages.KVStoreHostPages); off CUDA held reads copy
     held_restore_method: str = "triton"
+    # how prompt chunks attend (kv/paged_attention.resolve_prefill_mode): "auto" (cuDNN's fused attention on CUDA,
+    # the masked SDPA path elsewhere), "fa4" (FlashAttention-4 where flash-attn-4 is installed), "triton", "flash",
+    # "masked", "cudnn"
+    prefill_attention: str = "auto"
     # -- the ring (active for a sequence whose pages outgrow ring_budget) --
     prefill_policy: str = "sparse"  # default for over-budget prompts: sparse or exact
     ring_budget: int = 0  # resident tokens one sequence may hold; 0: the whole pool
@@ -135,6 +140,8 @@ class EngineConfig:
         for name in ("restore_method", "held_restore_method"):
             if getattr(self, name) not in RESTORE_METHODS:
                 raise ConfigError(f"{name} must be one of {RESTORE_METHODS}, got {getattr(self, name)!r}")
+        if self.prefill_attention not in PREFILL_MODES:
+            raise ConfigError(f"prefill_attention must be one of {PREFILL_MODES}, got {self.prefill_attention!r}")
         if self.ring_prefetch_steps < 0:
             raise ConfigError(f"ring_prefetch_steps must be >= 0, got {self.ring_prefetch_steps}")
         if self.ring_budget_pages > self.num_slots:
@@ -309,6 +316,12 @@ class EngineConfig:
         p.add_argument(
             "--held-restore-method", choices=RESTORE_METHODS, default=env("KVMEM_HELD_RESTORE_METHOD", "triton")
         )
+        p.add_argument(
+            "--prefill-attention",
+            choices=PREFILL_MODES,
+            default=env("KVMEM_PREFILL_ATTENTION", "auto"),
+            help="how prompt chunks attend on CUDA: auto = cudnn; fa4 = FlashAttention-4 (flash-attn-4 installed)",
+        )
         p.add_argument("--prefill-policy", default=env("KVMEM_PREFILL_POLICY", "sparse"))
         p.add_argument("--ring-budget", type=int, default=int(env("KVMEM_RING_BUDGET", "0")))
         p.add_argument("--protect-tokens", type=int, default=int(env("KVMEM_PROTECT_TOKENS", "128")))
@@ -425,6 +438,7 @@ class EngineConfig:
             host_kv_mib=a.host_kv_mib,
             restore_method=a.restore_method,
             held_restore_method=a.held_restore_method,
+            prefill_attention=a.prefill_attention,
             prefill_policy=a.prefill_policy,
             ring_budget=a.ring_budget,
             protect_tokens=a.protect_tokens,

@@ -42,6 +42,7 @@ def test_ring_window_sizes_follow_the_pool() -> None:
         (dict(ring_prefetch_steps=-1), "ring_prefetch_steps must be >= 0, got -1"),
         (dict(restore_method="dma"), r"restore_method must be one of \('copies', 'triton', 'reference'\), got 'dma'"),
         (dict(held_restore_method="x"), r"held_restore_method must be one of \('copies', 'triton', 'reference'\)"),
+        (dict(prefill_attention="fa3"), r"prefill_attention must be one of \('auto', 'cudnn', 'fa4', .*got 'fa3'"),
         (dict(decode_burst=-1), r"decode_burst must be in \[0, page_size 64\], got -1"),
         (dict(decode_burst=65), r"decode_burst must be in \[0, page_size 64\], got 65"),
         (dict(dtype="int4"), "dtype 'int4' not in auto"),
@@ -70,6 +71,7 @@ def test_settings_come_from_flags_and_environment(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("KVMEM_CUDA_GRAPHS", "0")
     monkeypatch.setenv("KVMEM_DECODE_BURST", "4")
     monkeypatch.setenv("KVMEM_RESTORE_METHOD", "triton")
+    monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", "fa4")
     cfg = EngineConfig.from_args(["--max-context", "16384", "--kernels", "torch", "--kv-format", "fp8,global=bf16"])
     assert (cfg.kv_capacity, cfg.max_context, cfg.cuda_graphs, cfg.kernels) == (2048, 16384, False, "torch")
     assert cfg.decode_burst == 4 and EngineConfig.from_args(["--decode-burst", "1"]).decode_burst == 1
@@ -77,3 +79,5 @@ def test_settings_come_from_flags_and_environment(monkeypatch: pytest.MonkeyPatc
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert (auto.burst_for(cuda), auto.burst_for(cpu), cfg.burst_for(cpu)) == (8, 1, 4)
     assert cfg.kv_format == "fp8,global=bf16" and cfg.restore_method == "triton"
+    assert cfg.prefill_attention == "fa4" and EngineConfig().prefill_attention == "auto"
+    assert EngineConfig.from_args(["--prefill-attention", "triton"]).prefill_attention == "triton"

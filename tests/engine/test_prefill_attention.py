@@ -8,6 +8,7 @@ compiled, at Llama-3.1-8B's head shape.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ def test_step_attention_modes_match_masked(
 ) -> None:
     """One step packing three sequences' chunks (one with 21 earlier tokens on scattered pages, one fresh, one a
     ring's over a gapped read set) and two decode tokens (one over a gapped ring read set): each
-    KVMEM_PREFILL_ATTENTION mode gives the masked path's output, `triton` (and `cudnn`, for chunks under a
+    prefill attention mode gives the masked path's output, `triton` (and `cudnn`, for chunks under a
     bucket) really runs the kernel (interpreted here) on the three chunks, and every mode but the masked one runs
     both decode tokens through one flash-decoding launch;
     an fp8 pool layer too (read in place by the kernels, with fp8=True, under KVMEM_FP8_ATTENTION=1; gathered
@@ -173,8 +174,7 @@ def test_step_attention_modes_match_masked(
     )
     outs = {}
     for m in ("masked", mode):
-        monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", m)
-        outs[m] = StepAttention(pool, spans, hq // hkv, torch.float16).attend(0, q, k, v, d**-0.5)
+        outs[m] = StepAttention(pool, spans, hq // hkv, torch.float16, mode=m).attend(0, q, k, v, d**-0.5)
     paged = mode in ("cudnn", "triton")  # cudnn: short chunks (and every chunk on the CPU) as triton
     assert calls == ([(18, kv == "fp8"), (19, kv == "fp8"), (17, kv == "fp8")] if paged else [])
     assert decodes == [(2, kv == "fp8")]  # both decode tokens in one launch (not in the masked reference)
@@ -288,8 +288,7 @@ def test_step_attention_cudnn_mode_takes_whole_prompts_only(mode: str, monkeypat
     monkeypatch.setattr(pa, "prompt_sdpa", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     outs = {}
     for m in ("masked", mode):
-        monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", m)
-        outs[m] = pa.StepAttention(pool, spans, hq // hkv, torch.bfloat16).attend(0, q, k, v, d**-0.5)
+        outs[m] = pa.StepAttention(pool, spans, hq // hkv, torch.bfloat16, mode=m).attend(0, q, k, v, d**-0.5)
     assert calls == [1100, 1030]
     assert not attention._FA4_REFUSED
     assert _rel(outs[mode], outs["masked"]) < 1e-2
@@ -429,16 +428,15 @@ def test_exact_chunk_through_the_kernel_matches_the_torch_path(
     )
 
     def run(mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", mode)
         span = SeqSpan(
             past, new, all_rows[past:], all_rows[seen.to(dev)], seen.to(dev), summaries=_Scoring(),  # type: ignore[arg-type]
             touched_pages=torch.zeros(0), touched_rows=torch.zeros(0), touched_valid=torch.zeros(0),
             score_tokens=3, score_pages=6, score_by_attention=True, host_page_ids=host_ids,
             host_pages=[] if held else host, host_held=_Held(host) if held else None,  # type: ignore[arg-type]
         )  # fmt: skip
-        out = StepAttention(pool, [span], hq // hkv, torch.float16, staging_pages=2, kernel_staging_pages=2).attend(
-            0, q, q[:, :hkv], q[:, :hkv], d**-0.5
-        )
+        out = StepAttention(
+            pool, [span], hq // hkv, torch.float16, staging_pages=2, kernel_staging_pages=2, mode=mode
+        ).attend(0, q, q[:, :hkv], q[:, :hkv], d**-0.5)
         assert span.scores is not None
         return out, span.scores
 
@@ -464,10 +462,45 @@ def test_fa4_mode_compiles_its_prompt_kernels_at_build(monkeypatch: pytest.Monke
     calls: list[int] = []
     real = attention.flash_attn4()
     monkeypatch.setattr(attention, "flash_attn4", lambda: lambda *a, **k: calls.append(a[1].shape[1]) or real(*a, **k))
-    monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", "fa4")
-    pa.warm_prompt_attention(dev, 32, 8, 128, torch.bfloat16)
+    pa.warm_prompt_attention("fa4", dev, 32, 8, 128, torch.bfloat16)
     assert calls == [attention.PROMPT_BUCKET, 16 * attention.PROMPT_BUCKET]  # keys: the chunk's, past + chunk's
     assert not attention._FA4_REFUSED
-    monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", "cudnn")
-    pa.warm_prompt_attention(dev, 32, 8, 128, torch.bfloat16)  # other modes compile nothing here
+    pa.warm_prompt_attention("cudnn", dev, 32, 8, 128, torch.bfloat16)  # other modes compile nothing here
     assert len(calls) == 2
+
+
+def test_prefill_attention_config_reaches_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EngineConfig.prefill_attention is the mode of every step the built engine's runner attends with: an engine
+    built with `flash` (torch's causal SDPA over the gathered rows) answers a chunked prompt as the `auto` engine
+    (the masked path on the CPU) does, every step through the mode it was built with."""
+    from bench.scale_model import write_random_llama
+    from services.engine.builder import build_engine
+    from services.engine.config import EngineConfig
+    from services.engine.kv import paged_attention as pa
+    from tests.engine.helpers import greedy, run_until_done
+
+    write_random_llama(tmp_path, "tiny", torch.device("cpu"))
+    modes: list[str] = []
+    real = pa.StepAttention.__init__
+
+    def spy(self: pa.StepAttention, *a: object, **kw: object) -> None:
+        real(self, *a, **kw)  # type: ignore[arg-type]
+        modes.append(self.mode)
+
+    monkeypatch.setattr(pa.StepAttention, "__init__", spy)
+    prompt = torch.randint(0, 500, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = {}
+    for m in ("auto", "flash"):
+        cfg = EngineConfig(
+            model=str(tmp_path), device="cpu", dtype="fp32", max_context=512, kv_capacity=512, prefill_chunk=64,
+            prefill_attention=m,
+        )  # fmt: skip
+        engine, _ = build_engine(cfg, start=False)
+        assert engine.runner.prefill_attention == m
+        modes.clear()
+        seq = engine.submit(f"r-{m}", prompt, greedy(4))
+        run_until_done(engine, [seq])
+        assert len(modes) >= 3 and set(modes) == {"masked" if m == "auto" else "flash"}  # 3 chunks, the decode
+        out[m] = seq.output_ids
+        engine.stop()
+    assert len(out["flash"]) == 4 and out["flash"] == out["auto"]

@@ -40,34 +40,36 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-PREFILL_MODES = ("cudnn", "fa4", "triton", "flash", "masked")
+PREFILL_MODES = ("auto", "cudnn", "fa4", "triton", "flash", "masked")
 
 
-def prefill_mode() -> str:
-    """How, on CUDA, a span of several new tokens over a gap-free read set (all its pages resident, a global
-    layer, no host pages) attends: `cudnn` (the default) a chunk of >= PROMPT_BUCKET tokens after a past of
-    whole buckets (none, or earlier chunks) through attention.prompt_sdpa (cuDNN's fused kernel: 600 vs 420
-    TFLOP/s on a whole 32K prompt at the 8B shape, 545 vs 416 on 8K after 24K), every other span as `triton`;
-    `triton` kernels/prefill_attention_triton.py over the pool in place (plain-format layers on the Triton
-    tier; else flash: 412 vs 343 TFLOP/s on the H200 at the 8B shape, bench/RESULTS.md); `flash` causal_sdpa
-    over the gathered rows (torch's FlashAttention-2, no mask tensor, the masked tiles skipped); `masked`
-    grouped_sdpa over a [G * n, T] additive mask (the memory-efficient kernel: the path before); `fa4` as `cudnn`
-    with FlashAttention-4 in cuDNN's place where the flash-attn-4 wheel is installed (attention.flash_attn4).
-    KVMEM_PREFILL_ATTENTION picks one (A/B runs, bench/scale.py); the CPU takes `masked` (its speed) unless
-    the variable is set."""
-    mode = os.environ.get("KVMEM_PREFILL_ATTENTION", "cudnn")
+def resolve_prefill_mode(mode: str, device: torch.device) -> str:
+    """How a span of several new tokens over a gap-free read set (all its pages resident, a global layer, no host
+    pages) attends (EngineConfig.prefill_attention): `auto` is `cudnn` on CUDA and `masked` elsewhere (the CPU's
+    speed); any other mode is taken as given on either device (tests run the kernels interpreted on the CPU).
+    `cudnn` a chunk of >= PROMPT_BUCKET tokens after a past of whole buckets (none, or earlier chunks) through
+    attention.prompt_sdpa (cuDNN's fused kernel: 600 vs 420 TFLOP/s on a whole 32K prompt at the 8B shape, 545
+    vs 416 on 8K after 24K), every other span as `triton`; `triton` kernels/prefill_attention_triton.py over the
+    pool in place (plain-format layers on the Triton tier; else flash: 412 vs 343 TFLOP/s on the H200 at the 8B
+    shape, bench/RESULTS.md); `flash` causal_sdpa over the gathered rows (torch's FlashAttention-2, no mask
+    tensor, the masked tiles skipped); `masked` grouped_sdpa over a [G * n, T] additive mask (the
+    memory-efficient kernel: the path before); `fa4` as `cudnn` with FlashAttention-4 in cuDNN's place where the
+    flash-attn-4 wheel is installed (attention.flash_attn4; a shape it refuses goes to cuDNN)."""
     if mode not in PREFILL_MODES:
-        raise ValueError(f"KVMEM_PREFILL_ATTENTION={mode!r} not in {', '.join(PREFILL_MODES)}")
+        raise ValueError(f"prefill attention {mode!r} not in {', '.join(PREFILL_MODES)}")
+    if mode == "auto":
+        return "cudnn" if device.type == "cuda" else "masked"
     return mode
 
 
 def warm_prompt_attention(
-    device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    mode: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
     """Compile, at engine build, what the `fa4` prefill mode compiles at first use (FlashAttention-4's CuTe DSL
     kernels, seconds each, for the configurations a fresh chunk and a chunk after a past select), so that no
     request pays it; nothing in the other modes or off CUDA."""
-    if device.type != "cuda" or prefill_mode() != "fa4" or dtype not in (torch.bfloat16, torch.float16):
+    fa4 = resolve_prefill_mode(mode, device) == "fa4"
+    if device.type != "cuda" or not fa4 or dtype not in (torch.bfloat16, torch.float16):
         return
     t0 = time.perf_counter()
     for n, past in ((PROMPT_BUCKET, 0), (8 * PROMPT_BUCKET, 8 * PROMPT_BUCKET)):
@@ -146,6 +148,7 @@ class StepAttention:
         dtype: torch.dtype,
         staging_pages: int = 32,
         kernel_staging_pages: int = 128,
+        mode: str = "auto",
     ) -> None:
         self.pool = pool
         self.spans = spans
@@ -163,8 +166,7 @@ class StepAttention:
             starts = itertools.accumulate((s.num_new for s in spans), initial=0)
             kept = [i for a, s in zip(starts, spans, strict=False) if not s.own_kv for i in range(a, a + s.num_new)]
             self.written = device_index(kept, pool.device)
-        explicit = "KVMEM_PREFILL_ATTENTION" in os.environ  # the CPU takes another mode only when asked (tests)
-        self.mode = prefill_mode() if pool.device.type == "cuda" or explicit else "masked"
+        self.mode = resolve_prefill_mode(mode, pool.device)  # EngineConfig.prefill_attention
         paged = self.mode in ("cudnn", "fa4", "triton")
         self.kernel = triton_module("prefill_attention_triton", pool.device) if paged else None
         # chunks over a bucketed past through cuDNN (or FlashAttention-4: prompt_sdpa's impl), the rest as `triton`
@@ -305,7 +307,7 @@ class StepAttention:
         window: int | None,
         own: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One sequence's attention over its read rows -> [n, Hq, D] (the `prefill_mode` paths for a causal
+        """One sequence's attention over its read rows -> [n, Hq, D] (the `resolve_prefill_mode` paths for a causal
         span: its new rows last, every earlier row seen by all of them, gaps or not; the masked path for windows,
         question replays and single tokens; `exact` host pages); `own`: an own_kv span's K/V, [n, Hkv, D] each,
         attended after the read rows."""

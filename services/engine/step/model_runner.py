@@ -48,12 +48,14 @@ class ModelRunner:
         cuda_graphs: bool = True,
         max_batch: int = 16,
         states: RecurrentStates | None = None,
+        prefill_attention: str = "auto",
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.host = host
         self.states = states  # the linear-attention layers' per-sequence states (qwen3_5), else None
+        self.prefill_attention = prefill_attention  # StepAttention's mode (EngineConfig.prefill_attention)
         self.decode = DecodeGraphs(model, pool, device, max_batch, cuda_graphs, states) if decode_runner else None
 
     def accepts_burst(self, works: list[Work]) -> bool:
@@ -126,7 +128,10 @@ class ModelRunner:
         ids = device_index(token_ids, self.device)
         pos = device_index(positions, self.device)
         cfg = self.model.config
-        attn = StepAttention(self.pool, spans, cfg.num_heads // cfg.num_kv_heads, self.model.embed_tokens.weight.dtype)
+        attn = StepAttention(
+            self.pool, spans, cfg.num_heads // cfg.num_kv_heads, self.model.embed_tokens.weight.dtype,
+            mode=self.prefill_attention,
+        )  # fmt: skip
         if self.states is not None:  # each sequence's slot; a scoring pass reads its state, keeps nothing
             batch = self.states.batch(
                 [w.seq.state_slot for w in works], [w.num_new for w in works], [w.start == 0 for w in works],
