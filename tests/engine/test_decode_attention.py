@@ -261,17 +261,18 @@ def test_split_rows_is_a_function_of_the_shapes() -> None:
 
 
 def test_fp8_block_rows_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8 rows split as plain ones by default; KVMEM_FP8_BLOCK_ROWS=128: 128-row steps past SHORT_WIDTH, splits of
-    up to 1,024 rows (a short window still as plain rows); anything else is refused."""
+    """fp8 rows past SHORT_WIDTH in 128-row steps, splits of up to 1,024 rows, by default (a short window still as
+    plain rows); KVMEM_FP8_BLOCK_ROWS=64: split as plain ones; anything else is refused."""
     from services.engine.kernels import decode_attention_triton as dat
 
     dat.fp8_block_rows.cache_clear()
-    monkeypatch.delenv("KVMEM_FP8_BLOCK_ROWS", raising=False)
+    monkeypatch.setenv("KVMEM_FP8_BLOCK_ROWS", "64")
     try:
         assert dat.block_rows(4096, fp8=True) == 64
         assert dat.split_rows(32, 8, 4096, fp8=True) == dat.split_rows(32, 8, 4096) == 512
-        monkeypatch.setenv("KVMEM_FP8_BLOCK_ROWS", "128")
+        monkeypatch.delenv("KVMEM_FP8_BLOCK_ROWS")
         dat.fp8_block_rows.cache_clear()
+        assert dat.block_rows(4096, fp8=True) == 128
         split_rows = dat.split_rows
         assert split_rows(32, 8, 4096, fp8=True) == 1024 and split_rows(1, 8, 32768, fp8=True) == 1024
         assert split_rows(1, 8, 4096, fp8=True) == 128 and split_rows(2, 2, 1216, fp8=True) == 128

@@ -48,11 +48,12 @@ logger = logging.getLogger(__name__)
 PAGE_ROWS = 64  # W is a whole number of pages
 MIN_BLOCK_G = 16  # tl.dot needs M >= 16: the G query heads of a KV head are padded to this
 MAX_SPLIT_ROWS = 512  # rows of one split program at most
-# fp8 rows past SHORT_WIDTH with KVMEM_FP8_BLOCK_ROWS=128: 128-row loop steps in splits of up to 1,024 rows. The split
-# loop is bound by its steps' latency, not by their bytes (an fp8 step moves half a bf16 one's): on an H100 at the 8B
-# shape, 32 x 4K rows 143.3 us against 184.5 in 64-row steps of 512-row splits (bf16 rows 195.2), 1 x 32K 41.7
-# against 65.0 (bf16 55.9) (bench/scale_kernels.py --only fp8 --sweep, bench/RESULTS.md round 12). Opt-in until its
-# GPU tests have run (tests/engine/test_decode_attention_fp8.py takes both step sizes; the sweep timed it only)
+# fp8 rows past SHORT_WIDTH: 128-row loop steps in splits of up to 1,024 rows (the default since 2026-12-07;
+# KVMEM_FP8_BLOCK_ROWS=64: the 64-row steps of 512-row splits, as plain rows). The split loop is bound by its steps'
+# latency, not by their bytes (an fp8 step moves half a bf16 one's): on an H100 at the 8B shape, 32 x 4K rows 143.3
+# us against 184.5 in 64-row steps (bf16 rows 195.2), 1 x 32K 41.7 against 65.0 (bf16 55.9) (bench/scale_kernels.py
+# --only fp8 --sweep); the ring's 32 x 8K fp8 sessions decode 2,352.8-2,364.9 tok/s against 2,281.3-2,292.3 with 64-row
+# steps (one H100, both orders; its GPU tests pass: bench/RESULTS.md round 13)
 FP8_BLOCK_ROWS = 128
 FP8_MAX_SPLIT_ROWS = 1024
 TARGET_PROGRAMS = 256  # split until B * Hkv * S reaches this (about two programs per SM of an H200)
@@ -112,9 +113,9 @@ def block_rows(width: int, fp8: bool = False) -> int:
 
 @functools.cache
 def fp8_block_rows() -> int:
-    """Rows a loop step of fp8 rows past SHORT_WIDTH: 64 (in 512-row splits, as plain rows; the default) or, with
-    KVMEM_FP8_BLOCK_ROWS=128, FP8_BLOCK_ROWS (in splits of up to FP8_MAX_SPLIT_ROWS). Decided once."""
-    rows = int(os.environ.get("KVMEM_FP8_BLOCK_ROWS", 64))
+    """Rows a loop step of fp8 rows past SHORT_WIDTH: FP8_BLOCK_ROWS (in splits of up to FP8_MAX_SPLIT_ROWS; the
+    default) or, with KVMEM_FP8_BLOCK_ROWS=64, 64 (in 512-row splits, as plain rows: A/B runs). Decided once."""
+    rows = int(os.environ.get("KVMEM_FP8_BLOCK_ROWS", FP8_BLOCK_ROWS))
     if rows not in (64, FP8_BLOCK_ROWS):
         raise ValueError(f"KVMEM_FP8_BLOCK_ROWS={rows}: 64 or {FP8_BLOCK_ROWS}")
     return rows
