@@ -25,7 +25,8 @@ Rows (written to --out as {"date", "commit", "device", "rows": {NAME: {...}}}):
   <shape>_decode_<L>k        engine_tok_s, peer_tok_s, hbm_frac (of the bytes-per-step limit), weight_frac
                              (of the weight-only limit, the issue's "weight-bandwidth limit"), limit_tok_s
   <shape>_concurrent_<N>x<L>k  engine_wall_s, peer_wall_s, prefill_tok_s (engine: prompt tokens / time to the
-                             last first token), ttft_max_s, limit_prefill_s
+                             last first token), ttft_max_s, limit_prefill_s; --concurrent-kv fp8,...: the row
+                             again on an engine of each KV format, under row[format]
   <shape>_decode_batch       per batch B: aggregate decode tok/s of B sequences of --batch-len tokens, limit
   <shape>_128k               dense_ttft_s, dense_decode_tok_s (engine, bf16, everything in HBM); with --rows ring
                              also ring_* and dense_fp8_* (bench/scale_ring.py)
@@ -168,6 +169,12 @@ def main() -> int:
     p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--concurrent", default="32x8192", help="NxL: N prompts of L tokens submitted at once")
     p.add_argument("--concurrent-chunks", default="16384", help="token budgets per step for the concurrent row")
+    p.add_argument(
+        "--concurrent-kv",
+        default="auto",
+        help="KV page formats of the concurrent row (EngineConfig.kv_format; auto: the dense rows' engine, bf16 on "
+        "these shapes; others build an engine each); the first is the row's engine_wall_s, each under row[format]",
+    )
     p.add_argument("--batches", default="8,32,64", help="decode batch sizes ('' to skip)")
     p.add_argument("--batch-len", type=int, default=2048, help="prompt tokens of each batched-decode sequence")
     p.add_argument("--long-len", type=int, default=131_072, help="the long dense session (0: skip)")

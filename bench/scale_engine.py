@@ -198,6 +198,65 @@ def engine_rows(run: Run, model_dir: Path, out_dir: Path | None) -> None:
     )
     with built(run, model_dir, **config) as engine:
         _engine_rows(run, engine, out_dir)
+    if "concurrent" not in a.rows.split(","):
+        return
+    for kv in [k for k in a.concurrent_kv.split(",") if k != "auto"]:
+        # the concurrent row again over another KV page format (--concurrent-kv): an engine of its own, sized to
+        # the row (the dense engine above is the model's own format, bf16 on this shape)
+        conc_config = dict(
+            kv_format=kv,
+            max_context=run.conc_len + a.new_tokens,
+            kv_capacity=run.conc * (run.conc_len + a.new_tokens + 64),
+            prefill_chunk=a.prefill_chunk,
+            max_running=max(64, run.conc),
+        )
+        with built(run, model_dir, **conc_config) as engine:
+            engine_requests(engine, prompts_of(run.gen, run.shape.vocab, 1, 64), 4, "warm")
+            concurrent_row(run, engine, kv)
+
+
+def concurrent_row(run: Run, engine, kv: str) -> None:  # type: ignore[no-untyped-def]
+    """N prompts of L tokens submitted at once, once per --concurrent-chunks budget; the first --concurrent-kv
+    format's best wall is the row's engine_wall_s, every format's under row[kv] (kv: an EngineConfig.kv_format)."""
+    a, sh = run.a, run.shape
+    row = run.row("concurrent")
+    best: dict[str, Any] = {}
+    for chunk in [int(c) for c in a.concurrent_chunks.split(",")]:
+        _chunked(engine, chunk)
+        # two untimed prompts of the row's length first, as the TTFT row warms its own: one-time costs of the
+        # prompt shapes (cuDNN plans, a FlashAttention-4 compile) stay out of the row, as a serving process pays
+        # them once; transformers' compiled generate is warmed before its timed run too
+        engine_requests(engine, prompts_of(run.gen, sh.vocab, 2, run.conc_len), 2, f"warm-conc-{chunk}")
+        prompts = prompts_of(run.gen, sh.vocab, run.conc, run.conc_len)  # fresh: no prefix reuse
+        warm = warm_graphs(run, engine, run.conc, [run.conc_len + 1, run.conc_len + a.new_tokens])
+        caps = Captures(engine)
+        t0 = time.perf_counter()
+        res = engine_requests(engine, prompts, a.new_tokens, f"conc-{kv}-{chunk}")
+        wall = max(s.end for s in res) - t0
+        warm |= caps.since()
+        last_first = max(s.arrivals[0][0] for s in res) - t0
+        row[f"engine_wall_s_chunk{chunk}" + ("" if kv == "auto" else f"_{kv}")] = round(wall, 3)
+        print(
+            f"engine concurrent {run.conc}x{run.conc_len} kv {kv} chunk {chunk}: wall {wall:.2f} s, "
+            f"prefill {run.conc * run.conc_len / last_first:.0f} tok/s, ttft max {last_first:.2f} s; {warm}",
+            flush=True,
+        )
+        if not best or wall < best["engine_wall_s"]:
+            best = dict(
+                engine_wall_s=round(wall, 3),
+                prefill_tok_s=round(run.conc * run.conc_len / last_first),
+                ttft_max_s=round(last_first, 3),
+                ttft_mean_s=round(statistics.mean(s.ttft for s in res), 3),
+                decode_agg_tok_s=round(aggregate_decode(res), 1),
+                chunk=chunk,
+                kv_format=kv,
+                **warm,
+            )
+    row[kv] = best
+    if kv == a.concurrent_kv.split(",")[0]:
+        row.update(best)
+    row["limit_prefill_s"] = round(run.conc * run.limit_prefill_s(run.conc_len), 3)
+    run.save()
 
 
 def _chunked(engine, chunk: int) -> None:  # type: ignore[no-untyped-def]
@@ -259,41 +318,9 @@ def _engine_rows(run: Run, engine, out_dir: Path | None) -> None:  # type: ignor
             new_tokens=a.new_tokens,
         )
         run.save()
-    if "concurrent" in rows:
-        row = run.row("concurrent")
-        for chunk in [int(c) for c in a.concurrent_chunks.split(",")]:
-            _chunked(engine, chunk)
-            # two untimed prompts of the row's length first, as the TTFT row warms its own: one-time costs of the
-            # prompt shapes (cuDNN plans, a FlashAttention-4 compile) stay out of the row, as a serving process pays
-            # them once; transformers' compiled generate is warmed before its timed run too
-            engine_requests(engine, prompts_of(run.gen, sh.vocab, 2, run.conc_len), 2, f"warm-conc-{chunk}")
-            prompts = prompts_of(run.gen, sh.vocab, run.conc, run.conc_len)  # fresh: no prefix reuse
-            warm = warm_graphs(run, engine, run.conc, [run.conc_len + 1, run.conc_len + a.new_tokens])
-            caps = Captures(engine)
-            t0 = time.perf_counter()
-            res = engine_requests(engine, prompts, a.new_tokens, f"conc-{chunk}")
-            wall = max(s.end for s in res) - t0
-            warm |= caps.since()
-            last_first = max(s.arrivals[0][0] for s in res) - t0
-            row[f"engine_wall_s_chunk{chunk}"] = round(wall, 3)
-            print(
-                f"engine concurrent {run.conc}x{run.conc_len} chunk {chunk}: wall {wall:.2f} s, "
-                f"prefill {run.conc * run.conc_len / last_first:.0f} tok/s, ttft max {last_first:.2f} s; {warm}",
-                flush=True,
-            )
-            if "engine_wall_s" not in row or wall < row["engine_wall_s"]:
-                row.update(
-                    engine_wall_s=round(wall, 3),
-                    prefill_tok_s=round(run.conc * run.conc_len / last_first),
-                    ttft_max_s=round(last_first, 3),
-                    ttft_mean_s=round(statistics.mean(s.ttft for s in res), 3),
-                    decode_agg_tok_s=round(aggregate_decode(res), 1),
-                    chunk=chunk,
-                    **warm,
-                )
+    if "concurrent" in rows and "auto" in run.a.concurrent_kv.split(","):
+        concurrent_row(run, engine, "auto")
         _chunked(engine, chunks[0])
-        row["limit_prefill_s"] = round(run.conc * run.limit_prefill_s(run.conc_len), 3)
-        run.save()
     if "batch" in rows and a.batch_list:
         row = run.row("batch")
         for b in a.batch_list:
