@@ -244,9 +244,11 @@ def test_ring_selects_the_same_pages_with_the_triton_tier(
     calls = []
     real = triton_kernels.page_scores
     monkeypatch.setattr(triton_kernels, "page_scores", lambda *a: (calls.append(1), real(*a))[1])
-    model = tiny_model(49152, seed=11)
+    # a small vocabulary: the interpreted vocab head dominated the test's time (255 of 348 s at 49,152 rows), and
+    # the selection does not depend on it
+    model = tiny_model(2048, seed=11)
     rng = random.Random(5)
-    prompt = [rng.randrange(100, 49152) for _ in range(70)]
+    prompt = [rng.randrange(100, 2048) for _ in range(70)]
     tier("torch")  # each run its own store: the second must not reuse the first one's pages
     want_tokens, want = _selections(model, smol_tokenizer, start_store(host_kv_mib=32).address, tmp_path / "t", prompt)
     tier("triton")
