@@ -112,6 +112,7 @@ def recite() -> tasks.Case:
 RECITE_NEW = 200  # tokens of the copy asked for: its first sentences, across three or four of the passage's pages
 
 
+@pytest.mark.slow  # ~100 s on 2 cores (400 tokens decoded on the CPU); copy following's engine tests run by default
 def test_a_long_copy_reads_on_through_the_ring(ring_stack: Stack, recite: tasks.Case) -> None:
     """Copy following (the defaults): the ring's copy (`sparse`, the prompt's pages mostly on the host) finds as many
     of the passage's sentences as `exact` (every page attended), within one; before copy following it lost the copy
