@@ -173,6 +173,7 @@ def test_refuse_policy_answers_at_once(client: openai.OpenAI) -> None:
     assert "over-pool policy is 'refuse'" in r.choices[0].message.content
 
 
+@pytest.mark.slow  # three sparse prefills of 4-8K tokens (~57 s on 2 cores); test_planning.py checks the flag
 @pytest.mark.usefixtures("requires_ring")
 def test_the_same_prompts_under_sparse_are_flagged_unverified(client: openai.OpenAI) -> None:
     text, _, _ = log_document()
