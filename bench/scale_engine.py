@@ -198,6 +198,8 @@ def engine_rows(run: Run, model_dir: Path, out_dir: Path | None) -> None:
     )
     with built(run, model_dir, **config) as engine:
         _engine_rows(run, engine, out_dir)
+    del engine  # the name outlives the with: unbound, the engine's pool can be freed before the next one's
+    _free(run)
     if "concurrent" not in a.rows.split(","):
         return
     for kv in [k for k in a.concurrent_kv.split(",") if k != "auto"]:
@@ -213,6 +215,14 @@ def engine_rows(run: Run, model_dir: Path, out_dir: Path | None) -> None:
         with built(run, model_dir, **conc_config) as engine:
             engine_requests(engine, prompts_of(run.gen, run.shape.vocab, 1, 64), 4, "warm")
             concurrent_row(run, engine, kv)
+        del engine
+        _free(run)
+
+
+def _free(run: Run) -> None:
+    gc.collect()
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def concurrent_row(run: Run, engine, kv: str) -> None:  # type: ignore[no-untyped-def]
