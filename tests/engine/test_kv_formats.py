@@ -538,3 +538,24 @@ def test_pages_move_through_the_layer_stack_as_through_each_layer(
             assert torch.equal(fast.k[layer], slow.k[layer]) and torch.equal(fast.v[layer], slow.v[layer])
             assert torch.equal(fast.k[layer][:8], src.k[layer][32:40])  # slot 4's rows now in slot 0
             assert torch.equal(fast.v[layer][40:48], src.v[layer][8:16])  # slot 1's in slot 5
+
+
+@pytest.mark.parametrize(("env", "on"), [(None, True), ("1", True), ("0", False)])
+def test_fp8_layers_are_read_in_place_unless_switched_off(
+    env: str | None, on: bool, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """An fp8 layer's rows go to the attention kernels as stored (KVPool.fp8_kv) by default; KVMEM_FP8_ATTENTION=0
+    sends it through the gather + dequantise path (fp8_kv None); a bf16 layer is never an fp8 store."""
+    from services.engine.kv import kv_pool
+
+    if env is None:
+        monkeypatch.delenv("KVMEM_FP8_ATTENTION", raising=False)
+    else:
+        monkeypatch.setenv("KVMEM_FP8_ATTENTION", env)
+    kv_pool.fp8_in_place.cache_clear()
+    request.addfinalizer(kv_pool.fp8_in_place.cache_clear)
+    pool = KVPool(2, 4, 4, 2, 16, torch.bfloat16, torch.device("cpu"),
+                  formats=[parse_format("fp8"), parse_format("bf16")])  # fmt: skip
+    assert kv_pool.fp8_in_place() is on
+    assert (pool.fp8_kv(0) is not None) is on
+    assert pool.fp8_kv(1) is None

@@ -504,3 +504,23 @@ def test_prefill_attention_config_reaches_the_step(tmp_path: Path, monkeypatch: 
         out[m] = seq.output_ids
         engine.stop()
     assert len(out["flash"]) == 4 and out["flash"] == out["auto"]
+
+
+def test_auto_is_fa4_where_it_runs_cudnn_on_other_gpus_and_masked_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` resolves by what the device can run: FlashAttention-4 on a Hopper or datacenter Blackwell GPU with the
+    wheel importable, cuDNN on any other CUDA device, the masked path off CUDA; named modes are taken as given."""
+    from services.engine.kv import paged_attention as pa
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for capability, wheel, want in (((9, 0), True, "fa4"), ((10, 0), True, "fa4"), ((8, 0), True, "cudnn"),
+                                    ((12, 0), True, "cudnn"), ((9, 0), False, "cudnn")):  # fmt: skip
+        pa.fa4_usable.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        monkeypatch.setattr(pa, "flash_attn4", lambda w=wheel: (lambda *a, **k: None) if w else None)
+        assert pa.resolve_prefill_mode("auto", cuda) == want, (capability, wheel)
+        assert pa.resolve_prefill_mode("cudnn", cuda) == "cudnn"
+    pa.fa4_usable.cache_clear()
+    assert pa.resolve_prefill_mode("auto", cpu) == "masked"
+    assert pa.resolve_prefill_mode("fa4", cpu) == "fa4"  # taken as given (prompt_sdpa runs cuDNN's torch form there)
+    with pytest.raises(ValueError, match="prefill attention"):
+        pa.resolve_prefill_mode("fa3", cpu)

@@ -32,13 +32,13 @@ HOST_PAGES_ON_DEVICE = 256 << 20  # bytes of host pages fetched to the device at
 
 @functools.cache
 def fp8_in_place() -> bool:
-    """Whether the attention kernels read fp8 layers in place (`KVPool.fp8_kv`): only with KVMEM_FP8_ATTENTION=1.
-    Off by default: on the H200 (f3cc28f) they matched their references at the 8B shape but ran at a quarter of the
-    bf16 kernels' speed (decode 32 x 4K 553 us a layer against 146, prefill 92 TFLOP/s against 422): the codes
-    were loaded byte by byte. They now load as pipelined 4-byte words (tests/engine/test_kernels_compile.py reads
-    the PTX), not yet timed on a GPU; off, fp8 layers take the gather + dequantise path. Decided once."""
-    on = os.environ.get("KVMEM_FP8_ATTENTION", "0") == "1"
-    logger.info("fp8 KV read in place by the attention kernels: %s", "on" if on else "off (KVMEM_FP8_ATTENTION=1: on)")
+    """Whether the attention kernels read fp8 layers in place (`KVPool.fp8_kv`): yes unless KVMEM_FP8_ATTENTION=0
+    (then fp8 layers take the gather + dequantise path). On by default since round 14 (2026-12-07): the first
+    kernels loaded the codes byte by byte and ran at a quarter of bf16's speed; with 16-byte rows, fp16 dots and
+    128-row steps the decode kernel reads 32 x 4K fp8 rows in 143 us against 195 for bf16 rows (H100), and an fp8
+    dense engine's 32 x 8K + 128 row took 32.1 s gathered against 9.1 s in place (bench/RESULTS.md). Decided once."""
+    on = os.environ.get("KVMEM_FP8_ATTENTION", "1") != "0"
+    logger.info("fp8 KV read in place by the attention kernels: %s", "on" if on else "off (KVMEM_FP8_ATTENTION=0)")
     return on
 
 
@@ -257,7 +257,7 @@ class KVPool:
 
     def fp8_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's K and V rows (uint8 [R, Hkv, 16 + D]: an fp32 scale padded to 16 bytes, then D e4m3fn
-        codes) when stored in plain fp8 (no Hadamard keys) and `fp8_in_place` (KVMEM_FP8_ATTENTION=1), which the
+        codes) when stored in plain fp8 (no Hadamard keys) and `fp8_in_place` (unless KVMEM_FP8_ATTENTION=0), which the
         attention kernels then read in place; else None."""
         fmt = self.formats[layer]
         if fmt.base != "fp8" or fmt.hadamard or fmt.pad_bytes(self.head_dim) or not fp8_in_place():

@@ -9,6 +9,7 @@ asked for it, scores every earlier page against this step's queries (the ring's 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -23,6 +24,7 @@ from services.engine.kv.attention import (
     PAD_POS,
     PROMPT_BUCKET,
     causal_sdpa,
+    flash_attn4,
     grouped_sdpa,
     position_mask,
     prompt_sdpa,
@@ -45,8 +47,11 @@ PREFILL_MODES = ("auto", "cudnn", "fa4", "triton", "flash", "masked")
 
 def resolve_prefill_mode(mode: str, device: torch.device) -> str:
     """How a span of several new tokens over a gap-free read set (all its pages resident, a global layer, no host
-    pages) attends (EngineConfig.prefill_attention): `auto` is `cudnn` on CUDA and `masked` elsewhere (the CPU's
-    speed); any other mode is taken as given on either device (tests run the kernels interpreted on the CPU).
+    pages) attends (EngineConfig.prefill_attention): `auto` is `fa4` on a CUDA device FlashAttention-4 runs on
+    (fa4_usable), else `cudnn` on CUDA, and `masked` elsewhere (the CPU's speed); any other mode is taken as given
+    on either device (tests run the kernels interpreted on the CPU). `fa4` over `cudnn` at the 8B shape on an H100:
+    TTFT at 32K 1.167-1.172 s against 1.226-1.234 in one process, the attention alone 652-681 TFLOP/s against
+    543-591 (bench/RESULTS.md rounds 12 and 14).
     `cudnn` a chunk of >= PROMPT_BUCKET tokens after a past of whole buckets (none, or earlier chunks) through
     attention.prompt_sdpa (cuDNN's fused kernel: 600 vs 420 TFLOP/s on a whole 32K prompt at the 8B shape, 545
     vs 416 on 8K after 24K), every other span as `triton`; `triton` kernels/prefill_attention_triton.py over the
@@ -58,8 +63,18 @@ def resolve_prefill_mode(mode: str, device: torch.device) -> str:
     if mode not in PREFILL_MODES:
         raise ValueError(f"prefill attention {mode!r} not in {', '.join(PREFILL_MODES)}")
     if mode == "auto":
-        return "cudnn" if device.type == "cuda" else "masked"
+        return ("fa4" if fa4_usable(device) else "cudnn") if device.type == "cuda" else "masked"
     return mode
+
+
+@functools.cache
+def fa4_usable(device: torch.device) -> bool:
+    """Whether FlashAttention-4 runs on this device: a Hopper or datacenter Blackwell GPU (its SM90 and SM100
+    kernels) with the flash-attn-4 wheel importable (requirements-cuda.txt; attention.flash_attn4). Once a device."""
+    if device.type != "cuda":
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    return major in (9, 10) and flash_attn4() is not None
 
 
 def warm_prompt_attention(
