@@ -498,6 +498,34 @@ def test_cuda_triton_kernels_match_the_reference(name: str, head_dim: int) -> No
         use_tier(before)
 
 
+@pytest.mark.gpu
+def test_cuda_fp8_k_and_v_in_one_launch_write_the_two_launches_bytes() -> None:
+    """On the GPU (KVMEM_FP8_KV_ONE_LAUNCH=1's path): a decode step's K and V, strided views of its qkv rows, written
+    by quantize_scatter_kv into a pool's fp8 layers land as the two quantising launches write them."""
+    if not torch.cuda.is_available() or not HAS_TRITON:
+        pytest.skip("needs CUDA and triton")
+    dev = torch.device("cuda")
+    hq, h, d = 32, 8, 128
+    qkv = _rows(96, hq + 2 * h, d, seed=3).to(dev, torch.bfloat16)
+    k, v = qkv[:, hq : hq + h], qkv[:, hq + h :]
+    rows = torch.randperm(4096, device=dev)[:96]
+    before = active_tier()
+    try:
+        use_tier(KernelTier("triton", "cuda", (9, 0), True))
+        pools = [KVPool(2, 64, 64, h, d, torch.bfloat16, dev, [parse_format("fp8")] * 2) for _ in range(2)]
+        pools[0].fp8_kv_one_launch, pools[1].fp8_kv_one_launch = True, False
+        for pool in pools:
+            for layer in (0, 1):
+                pool.write(layer, rows, k, v)
+        for layer in (0, 1):
+            assert torch.equal(pools[0].k[layer], pools[1].k[layer]) and torch.equal(
+                pools[0].v[layer], pools[1].v[layer]
+            )
+        assert pools[0].k[0][rows].any()
+    finally:
+        use_tier(before)
+
+
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", ["bf16", "fp8", "mixed", "local"])
 def test_pages_move_through_the_layer_stack_as_through_each_layer(
