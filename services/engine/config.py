@@ -56,9 +56,9 @@ class EngineConfig:
     # a held read's (the exact chunk's host pages, a layer's bytes of each at a time) on CUDA: one gather launch instead
     # of a copy a page (ring/host_pages.KVStoreHostPages); off CUDA held reads copy
     held_restore_method: str = "triton"
-    # how prompt chunks attend (kv/paged_attention.resolve_prefill_mode): "auto" (cuDNN's fused attention on CUDA,
-    # the masked SDPA path elsewhere), "fa4" (FlashAttention-4 where flash-attn-4 is installed), "triton", "flash",
-    # "masked", "cudnn"
+    # how prompt chunks attend (kv/paged_attention.resolve_prefill_mode): "auto" (FlashAttention-4 on a GPU it runs
+    # on with flash-attn-4 installed, else cuDNN's fused attention on CUDA; the masked SDPA path elsewhere), "fa4",
+    # "cudnn", "triton", "flash", "masked"
     prefill_attention: str = "auto"
     # -- the ring (active for a sequence whose pages outgrow ring_budget) --
     prefill_policy: str = "sparse"  # default for over-budget prompts: sparse or exact
@@ -320,7 +320,7 @@ class EngineConfig:
             "--prefill-attention",
             choices=PREFILL_MODES,
             default=env("KVMEM_PREFILL_ATTENTION", "auto"),
-            help="how prompt chunks attend on CUDA: auto = cudnn; fa4 = FlashAttention-4 (flash-attn-4 installed)",
+            help="how prompt chunks attend on CUDA: auto = fa4 (FlashAttention-4) where it runs, else cudnn",
         )
         p.add_argument("--prefill-policy", default=env("KVMEM_PREFILL_POLICY", "sparse"))
         p.add_argument("--ring-budget", type=int, default=int(env("KVMEM_RING_BUDGET", "0")))
