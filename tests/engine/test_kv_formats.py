@@ -499,11 +499,17 @@ def test_cuda_triton_kernels_match_the_reference(name: str, head_dim: int) -> No
 
 
 @pytest.mark.gpu
-def test_cuda_fp8_k_and_v_in_one_launch_write_the_two_launches_bytes() -> None:
+def test_cuda_fp8_k_and_v_in_one_launch_write_the_two_launches_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the GPU (KVMEM_FP8_KV_ONE_LAUNCH=1's path): a decode step's K and V, strided views of its qkv rows, written
-    by quantize_scatter_kv into a pool's fp8 layers land as the two quantising launches write them."""
+    by quantize_scatter_kv into a pool's fp8 layers land as the two quantising launches write them; the one launch
+    took both layers' writes (a refusal would fall back to two launches and compare them with themselves)."""
     if not torch.cuda.is_available() or not HAS_TRITON:
         pytest.skip("needs CUDA and triton")
+    from services.engine.kernels import kv_triton
+
+    taken: list[bool] = []
+    real = kv_triton.quantize_scatter_kv
+    monkeypatch.setattr(kv_triton, "quantize_scatter_kv", lambda *a: taken.append(real(*a)) or taken[-1])
     dev = torch.device("cuda")
     hq, h, d = 32, 8, 128
     qkv = _rows(96, hq + 2 * h, d, seed=3).to(dev, torch.bfloat16)
@@ -517,6 +523,7 @@ def test_cuda_fp8_k_and_v_in_one_launch_write_the_two_launches_bytes() -> None:
         for pool in pools:
             for layer in (0, 1):
                 pool.write(layer, rows, k, v)
+        assert taken == [True, True]  # the one-launch pool's two layers; the other pool never asks
         for layer in (0, 1):
             assert torch.equal(pools[0].k[layer], pools[1].k[layer]) and torch.equal(
                 pools[0].v[layer], pools[1].v[layer]

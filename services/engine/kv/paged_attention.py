@@ -63,7 +63,7 @@ def resolve_prefill_mode(mode: str, device: torch.device) -> str:
     if mode not in PREFILL_MODES:
         raise ValueError(f"prefill attention {mode!r} not in {', '.join(PREFILL_MODES)}")
     if mode == "auto":
-        return ("fa4" if fa4_usable(device) else "cudnn") if device.type == "cuda" else "masked"
+        return "fa4" if fa4_usable(device) else "cudnn" if device.type == "cuda" else "masked"
     return mode
 
 
