@@ -226,6 +226,9 @@ def test_prompt_sdpa_pads_to_its_bucket_and_matches_plain_attention(
     assert not attention.prompt_sdpa_fits(q)  # the CPU never takes it in the engine
     # `fa4` asks for FlashAttention-4, a CUDA kernel: on the CPU the same torch path
     assert torch.equal(attention.prompt_sdpa(q, k_all[n_past:], v_all[n_past:], 0.25, past, "fa4"), got)
+    # joined: the past's rows and the chunk's in one tensor, taken apart again where FlashAttention-4 does not run
+    for impl in ("cudnn", "fa4"):
+        assert torch.equal(attention.prompt_sdpa(q, k_all, v_all, 0.25, None, impl, True), got)
 
 
 @pytest.mark.gpu
@@ -246,9 +249,12 @@ def test_prompt_sdpa_matches_reference_cuda(n_past: int, n: int, impl: str) -> N
     k_all, v_all = k_store[rows], v_store[rows]
     past = (k_all[:n_past], v_all[:n_past]) if n_past else None
     got = prompt_sdpa(q, k_all[n_past:], v_all[n_past:], 128**-0.5, past, impl)
+    joined = prompt_sdpa(q, k_all, v_all, 128**-0.5, None, impl, True)  # the past and the chunk in one tensor
     assert not attention._FA4_REFUSED  # FlashAttention-4 ran (a refusal falls back to cuDNN)
     assert not got.isnan().any()
-    assert _rel(got, prefill_attention_reference(q, k_store, v_store, rows, 128**-0.5)) < 1e-2
+    want = prefill_attention_reference(q, k_store, v_store, rows, 128**-0.5)
+    assert _rel(got, want) < 1e-2
+    assert torch.equal(joined, got)  # the same values in the same order: the same kernels
 
 
 @pytest.mark.gpu

@@ -251,11 +251,19 @@ def flash_attn4() -> Callable[..., Any] | None:
 
 
 def prompt_sdpa(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, past: tuple[Tensor, Tensor] | None = None, impl: str = "cudnn"
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    past: tuple[Tensor, Tensor] | None = None,
+    impl: str = "cudnn",
+    joined: bool = False,
 ) -> Tensor:
     """Causal GQA attention of a prompt chunk over its own keys and, with `past`, every key before it:
     q [n, Hq, D]; k, v [n, Hkv, D] (the step's rows as computed); past (k, v) [P, Hkv, D] the keys before the
     chunk (P a multiple of PROMPT_BUCKET, prompt_sdpa_fits) -> [n, Hq, D], query i seeing keys 0..P + i.
+    `joined` (no `past`): k, v are [P + n, Hkv, D], the past's rows and then the chunk's (one gather of a plain
+    layer's pool rows, which the chunk has already written: nothing to concatenate for FlashAttention-4).
 
     `impl` "fa4" (the `fa4` prefill mode) on CUDA where flash_attn4 is usable: FlashAttention-4 over the past and the
     chunk's rows concatenated, one call (no padding, no merge); else, and by default, cuDNN as below.
@@ -270,6 +278,7 @@ def prompt_sdpa(
     class pays its plan once per process. Elsewhere the same function in float32 torch (the reference the
     GPU tests compare with)."""
     n, num_heads, _ = q.shape
+    assert not (joined and past is not None), "a joined chunk carries its past in k, v"
     fa4 = flash_attn4() if impl == "fa4" and q.is_cuda and (q.dtype, q.shape[-1]) not in _FA4_REFUSED else None
     if fa4 is not None:
         kk, vv = (k, v) if past is None else (torch.cat((past[0], k)), torch.cat((past[1], v)))
@@ -278,6 +287,10 @@ def prompt_sdpa(
         except Exception as exc:  # noqa: BLE001 -- its checks raise AssertionError too: cuDNN from now on
             _FA4_REFUSED.add((q.dtype, q.shape[-1]))
             logger.warning("FlashAttention-4 refused %s, head_dim %d (%s): cuDNN instead", q.dtype, q.shape[-1], exc)
+    if joined and k.shape[0] > n:  # cuDNN (and the torch form) take the past apart
+        past, k, v = (k[:-n], v[:-n]), k[-n:], v[-n:]
+    elif joined:
+        k, v = k[-n:], v[-n:]
     assert n >= PROMPT_BUCKET or not q.is_cuda, "a short chunk takes the paged kernel (prompt_sdpa_fits)"
     padded = -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
     if padded != n:  # rows [n, padded) zero

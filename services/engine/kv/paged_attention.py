@@ -301,13 +301,18 @@ class StepAttention:
         """A prompt chunk over its past rows (whole buckets of them: gap-free, or a ring's resident pages) through
         cuDNN's fused attention: its own K/V rows as the step computed them (an fp8 layer's chunk attends its
         unquantised rows) and the past gathered from the pool; None where cuDNN refuses the shape (then never
-        asked again)."""
+        asked again). FlashAttention-4 over a plain layer's past reads the past and the chunk in one gather of the
+        read rows (the chunk's are written before it attends), not a gather of the past and a concatenation: ~21 of
+        the ~26 ms those took in a 32K prompt's prefill in chunks of 8K (bench/RESULTS.md, round 14)."""
         past = None
         num_past_rows = span.read_rows.shape[0] - span.num_new
-        if num_past_rows:
+        joined = bool(num_past_rows) and self.prompt_impl == "fa4" and self.pool.plain_kv(layer_idx) is not None
+        if joined:
+            k_s, v_s = self.pool.gather(layer_idx, span.read_rows, q_s.dtype)
+        elif num_past_rows:
             past = self.pool.gather(layer_idx, span.read_rows[:num_past_rows], q_s.dtype)
         try:
-            return prompt_sdpa(q_s, k_s, v_s, scale, past, self.prompt_impl)
+            return prompt_sdpa(q_s, k_s, v_s, scale, past, self.prompt_impl, joined)
         except RuntimeError as exc:
             prompt_sdpa_refused(q_s, exc)
             return None
