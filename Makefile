@@ -10,8 +10,12 @@ setup:
 run: setup
 	@$(PY) -m deploy.launcher $(ARGS)
 
+# the default suite over TEST_WORKERS processes (pytest-xdist), a test file each (its module stacks start once);
+# TEST_WORKERS=0: one process
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -m "slow and not gpu" $(PYTEST_ARGS)

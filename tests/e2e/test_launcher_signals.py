@@ -17,13 +17,13 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_sigint_stops_the_stack_even_when_the_shell_ignored_it(redis_url: str) -> None:
+def test_sigint_stops_the_stack_even_when_the_shell_ignored_it() -> None:
     """A non-interactive shell starts a background job (`make run &` in a script) with SIGINT ignored, and
     Python then leaves SIGINT ignored too: the launcher must take it back, so SIGINT stops every service
     (exit code 0, the gateway's port closed) as Ctrl-C does in a terminal."""
     port = free_port()
     sizes = ["--host-kv-mib", "64", "--max-context", "1024", "--kv-capacity", "2048", "--ready-timeout", "300"]
-    argv = [sys.executable, "-m", "deploy.launcher", "--port", str(port), "--redis-url", redis_url, *sizes]
+    argv = [sys.executable, "-m", "deploy.launcher", "--port", str(port), *sizes]
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,

@@ -60,8 +60,8 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gemma_stack(gemma_dir: Path, redis_url: str) -> Iterator[Stack]:
-    cfg = LaunchConfig(model=str(gemma_dir), port=free_port(), redis_url=redis_url, host_kv_mib=64,
+def gemma_stack(gemma_dir: Path) -> Iterator[Stack]:
+    cfg = LaunchConfig(model=str(gemma_dir), port=free_port(), host_kv_mib=64,
                        max_context=1024, kv_capacity=1024, ready_timeout_s=300)  # fmt: skip
     stack = Stack(cfg, echo=False)
     stack.start()

@@ -30,11 +30,10 @@ FILLER = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url: str) -> Iterator[Stack]:
+def stack() -> Iterator[Stack]:
     """A stack whose pool (1,024 tokens) is far smaller than its context (8,192)."""
     cfg = LaunchConfig(
         port=free_port(),
-        redis_url=redis_url,
         host_kv_mib=512,  # the engine refuses a ring whose host store cannot hold max_context
         max_context=MAX_CONTEXT,
         kv_capacity=POOL,

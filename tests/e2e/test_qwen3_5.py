@@ -40,9 +40,9 @@ def _start(cfg: LaunchConfig) -> Stack:
 
 
 @pytest.fixture(scope="module")
-def chat_stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Stack]:
+def chat_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     directory = write_tiny_qwen3_5(tmp_path_factory.mktemp("q35-chat"), "smollm2", seed=1)
-    stack = _start(LaunchConfig(model=str(directory), port=free_port(), redis_url=redis_url, host_kv_mib=64,
+    stack = _start(LaunchConfig(model=str(directory), port=free_port(), host_kv_mib=64,
                                 api_keys=f"q35:{KEY},q35other:{OTHER}", max_context=2048, kv_capacity=4096,
                                 ready_timeout_s=300))  # fmt: skip
     yield stack
@@ -56,10 +56,7 @@ def words_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ring_stack(words_dir: Path) -> Iterator[Stack]:
-    # its own redis (redis_url ""): on the session's, the chat stack's kvstore (alive until the module ends, with
-    # another internal secret) is registered too, pages spread over both, and those sent to it never get a host
-    # copy here (the ring's demotions then wait 30 s and answer 429)
-    stack = _start(LaunchConfig(model=str(words_dir), port=free_port(), redis_url="", host_kv_mib=64,
+    stack = _start(LaunchConfig(model=str(words_dir), port=free_port(), host_kv_mib=64,
                                 max_context=2048, kv_capacity=512, ready_timeout_s=300))  # fmt: skip
     yield stack
     stack.stop()

@@ -24,8 +24,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def ring_stack(redis_url: str) -> Iterator[Stack]:
-    cfg = LaunchConfig(port=free_port(), redis_url=redis_url, host_kv_mib=512, max_context=4096, kv_capacity=1024,
+def ring_stack() -> Iterator[Stack]:
+    cfg = LaunchConfig(port=free_port(), host_kv_mib=512, max_context=4096, kv_capacity=1024,
                        ready_timeout_s=300)  # fmt: skip
     stack = Stack(cfg, echo=False)
     stack.start()
@@ -55,7 +55,7 @@ def test_passkey_four_times_the_pool(ring_stack: Stack, passkey: tuple[str, str]
 
 
 @pytest.fixture(scope="module")
-def attention_stack(redis_url: str) -> Iterator[Stack]:
+def attention_stack() -> Iterator[Stack]:
     """The same stack with the prompt's pages chosen by the question's real attention (issue 25): the guard
     passes the question's span, the engine's last chunk attends every page and fuses its heads' masses."""
     env = {
@@ -65,7 +65,7 @@ def attention_stack(redis_url: str) -> Iterator[Stack]:
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the launcher's children inherit it
-    cfg = LaunchConfig(port=free_port(), redis_url=redis_url, host_kv_mib=512, max_context=4096, kv_capacity=1024,
+    cfg = LaunchConfig(port=free_port(), host_kv_mib=512, max_context=4096, kv_capacity=1024,
                        ready_timeout_s=300)  # fmt: skip
     stack = Stack(cfg, echo=False)
     try:
