@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -117,7 +117,12 @@ def start_store(redis_url: str, tmp_path: Path) -> Iterator[StartStore]:
     mark = len(_before_stores_stop)
 
     def start(
-        host_kv_mib: int = 64, port: int | None = None, replica_id: str = "", prefix: str = "", args: Sequence[str] = ()
+        host_kv_mib: int = 64,
+        port: int | None = None,
+        replica_id: str = "",
+        prefix: str = "",
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> Store:
         port = port or free_port()
         replica_id = replica_id or f"test-{uuid.uuid4().hex[:8]}"
@@ -126,7 +131,8 @@ def start_store(redis_url: str, tmp_path: Path) -> Iterator[StartStore]:
         argv = [sys.executable, "-m", "services.kvstore", "--listen-addr", address, "--host-kv-mib",
                 str(host_kv_mib), "--arena-dir", str(tmp_path), "--replica-id", replica_id,
                 "--redis-url", redis_url, "--catalog-prefix", prefix, "--heartbeat-s", "0.5", *args]  # fmt: skip
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+        env = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, env=env)
         lines: list[str] = []
         _wait_ready(proc, lines)
         store = Store(proc, address, replica_id, str(tmp_path / f"kvmem-arena-{replica_id}"), prefix, lines)

@@ -38,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
         info.dtype,
     )
     stop = threading.Event()
+    died = threading.Event()
+
+    def loop_died() -> None:  # exit 1: the launcher restarts the engine
+        died.set()
+        stop.set()
+
+    engine.on_loop_death = loop_died
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.stop()
     if engine.write_through is not None:
         engine.write_through.close()
-    return 0
+    return 1 if died.is_set() else 0
 
 
 if __name__ == "__main__":

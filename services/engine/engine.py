@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -54,6 +54,10 @@ class ContextLengthError(ValueError):
 
 class OverloadedError(RuntimeError):
     """The request queue is full."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine's loop has ended (stopping, or died on an error it could not contain): no step will run."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,11 @@ class Engine:
         self._incoming: deque[Sequence] = deque()
         self._aborts: set[Sequence] = set()
         self._stopped = False
+        self._closed = False  # the loop has ended: submit refuses (EngineStoppedError)
         self._thread: threading.Thread | None = None
+        # called (engine thread) when the loop ends on an error it could not contain: the process exits (the
+        # launcher restarts it) instead of serving requests that no step will ever run (__main__ sets it)
+        self.on_loop_death: Callable[[], None] | None = None
         self.grammar_tables = GrammarTables.of(tokenizer, limits.vocab_size)  # built from start() on, off the loop
 
     # -- API (any thread) ------------------------------------------------------------------------
@@ -197,6 +205,8 @@ class Engine:
             matcher=matcher,
         )
         with self._lock:
+            if self._closed:
+                raise EngineStoppedError("the engine has stopped: no step will run this request")
             queued = len(self._incoming) + len(self.scheduler.waiting)
             if queued >= lim.max_waiting:
                 raise OverloadedError(f"{queued} requests are waiting (max_waiting {lim.max_waiting})")
@@ -243,17 +253,35 @@ class Engine:
     # -- the loop (engine thread only) -----------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not (self._stopped or self._incoming or self._aborts or self.scheduler.has_work()):
-                    self._lock.wait()
-                if self._stopped:
-                    break
-            self.poll()
-            if self.scheduler.has_work():
-                self.step()
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            self._fail(seq, "unavailable", "the engine is shutting down")
+        try:
+            while True:
+                with self._lock:
+                    while not (self._stopped or self._incoming or self._aborts or self.scheduler.has_work()):
+                        self._lock.wait()
+                    if self._stopped:
+                        break
+                self.poll()
+                if self.scheduler.has_work():
+                    self.step()
+        except Exception:
+            logger.critical("the engine loop died: failing its requests and stopping the engine", exc_info=True)
+            self._fail_all("internal", "the engine failed while running this request", close=True)
+            if self.on_loop_death is not None:
+                self.on_loop_death()
+            return
+        self._fail_all("unavailable", "the engine is shutting down", close=True)
+
+    def _fail_all(self, code: str, message: str, close: bool = False) -> None:
+        """Fail every sequence the scheduler holds and every one not yet taken in (engine thread); `close`: the
+        loop ends, so submit refuses from now on (nothing may be queued after the queue is emptied here)."""
+        with self._lock:
+            self._closed = self._closed or close
+            incoming, self._incoming = self._incoming, deque()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting, *incoming]:
+            try:
+                self._fail(seq, code, message)
+            except Exception:  # noqa: BLE001 -- the others must still hear of it
+                logger.exception("%s: failing it failed", seq.request_id)
 
     def poll(self) -> None:
         """Take new requests into the scheduler and finish aborted ones (engine thread)."""
@@ -268,7 +296,14 @@ class Engine:
 
     def step(self) -> None:
         """One iteration: schedule, run the model, post-process."""
-        works = self.scheduler.schedule()
+        try:
+            works = self.scheduler.schedule()
+        except Exception:  # its state may be half-changed: fail what it holds rather than run on it
+            logger.exception("scheduling failed; failing the engine's %d sequences", len(self.scheduler.running)
+                             + len(self.scheduler.waiting))  # fmt: skip
+            self.stats.step_failures_total += 1
+            self._fail_all("internal", "the engine failed while scheduling this request")
+            return
         for seq, message in self.scheduler.take_failures():
             self._fail(seq, "overloaded", message)
         if not works:

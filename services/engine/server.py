@@ -16,7 +16,7 @@ from services.common.protos import engine_pb2 as pb
 from services.common.protos import engine_pb2_grpc as pb_grpc
 from services.common.tokenizer import Tokenizer
 from services.engine.builder import ModelInfo
-from services.engine.engine import ContextLengthError, Engine, OverloadedError
+from services.engine.engine import ContextLengthError, Engine, EngineStoppedError, OverloadedError
 from services.engine.step.grammar import GrammarSpec
 from services.engine.step.sampling import InvalidRequestError, Sampled, SamplingParams
 from services.engine.step.sequence import Chunk, Done, Event, Failed, FinishReason
@@ -115,6 +115,8 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.OUT_OF_RANGE
     if isinstance(exc, OverloadedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, EngineStoppedError):
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
 
@@ -135,7 +137,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                 question=_question(request),
                 question_alone=request.question_alone,
             )
-        except (InvalidRequestError, ContextLengthError, OverloadedError) as exc:
+        except (InvalidRequestError, ContextLengthError, OverloadedError, EngineStoppedError) as exc:
             context.abort(_status_of(exc), cut_details(str(exc)))
         context.add_callback(lambda: self.engine.abort(seq))
         while True:

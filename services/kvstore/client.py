@@ -48,6 +48,7 @@ __all__ = [
     "InvalidPageError",
     "KVStoreClient",
     "KVStoreError",
+    "KVStoreRefused",
     "KVStoreUnavailable",
     "PageBatch",
     "PageLocation",
@@ -71,6 +72,12 @@ class KVStoreUnavailable(KVStoreError):
     """The store cannot be reached (UNAVAILABLE or deadline exceeded)."""
 
 
+class KVStoreRefused(KVStoreUnavailable):
+    """The store answers but refuses this client (UNAUTHENTICATED, PERMISSION_DENIED: another deployment's
+    internal secret). Unusable from here, as an unreachable one is: a cluster drops the replica (a store of another
+    stack registered in the same redis must not take this engine's pages, nor stop its requests)."""
+
+
 _ERROR_FOR_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidPageError,
     grpc.StatusCode.NOT_FOUND: PageNotFoundError,
@@ -80,6 +87,8 @@ _ERROR_FOR_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.ABORTED: StaleArenaError,
     grpc.StatusCode.UNAVAILABLE: KVStoreUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: KVStoreUnavailable,
+    grpc.StatusCode.UNAUTHENTICATED: KVStoreRefused,
+    grpc.StatusCode.PERMISSION_DENIED: KVStoreRefused,
 }
 
 

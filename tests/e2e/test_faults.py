@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +32,7 @@ from services.cacheguard.affinity import session_digest
 from services.common import auth, health
 from services.common.protos import cacheguard_pb2_grpc, engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.arena import remove_if_stale
-from tests.conftest import free_port
+from tests.conftest import REPO_ROOT, free_port
 
 MODEL = "SmolLM2-135M-Instruct"  # the embedded model's id: the gateway answers 404 model_not_found to others
 
@@ -275,3 +277,30 @@ def test_stop_list_over_the_limit_is_a_400(stack: Stack) -> None:
         )
     assert "at most 16 stop strings, got 17" in info.value.message
     assert info.value.response.headers.get("retry-after") is None
+
+
+def test_a_kvstore_of_another_deployment_in_the_catalog_stops_no_request(stack: Stack, tmp_path: Path) -> None:
+    """A kvstore started with another internal secret registers in this stack's redis (one redis shared by two
+    deployments): every call to it is refused. The engines drop it as they drop a dead replica and answer; before,
+    the refusal raised out of a prompt's prefix lookup and ended the engine's loop, and every request after it
+    hung on an engine that still passed its health checks."""
+    addr = f"127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "services.kvstore", "--listen-addr", addr, "--host-kv-mib", "8",
+            "--arena-dir", str(tmp_path), "--replica-id", "foreign", "--redis-url", stack.redis_url]  # fmt: skip
+    env = {**os.environ, auth.SECRET_ENV: "another-deployment"}
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        while " ready on " not in (line := proc.stderr.readline()):
+            assert line, "the foreign kvstore exited"
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # a full pipe would block it
+        time.sleep(2)  # the engines' clusters read the membership again (every second)
+        http = httpx.Client(base_url=stack.url, timeout=60)
+        for i in range(6):  # fresh prompts of several pages each: prefix lookups and write-throughs on every replica
+            text = f"Request {i}. " + " ".join(f"Fact {i}.{j}: the value is {i * 31 + j}." for j in range(40))
+            r = http.post("/v1/chat/completions", **chat(stack, text, stream=False, max_tokens=4))
+            assert r.status_code == 200, r.text
+        assert httpx.get(f"{stack.url}/health", timeout=5).json() == {"status": "ok"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

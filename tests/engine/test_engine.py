@@ -4,13 +4,15 @@ concurrent sequences, prefix reuse and preemption; bad requests are refused with
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
 from services.common.tokenizer import Tokenizer
-from services.engine.engine import ContextLengthError, OverloadedError
+from services.engine.engine import ContextLengthError, EngineStoppedError, OverloadedError
 from services.engine.step.sampling import InvalidRequestError, SamplingParams
-from services.engine.step.sequence import Done, FinishReason
+from services.engine.step.sequence import Done, Failed, FinishReason
+from services.kvstore.client import KVStoreError
 from tests.engine.helpers import drain, events_of, greedy, make_engine, reference_greedy, run_until_done, tiny_model
 
 VOCAB = 49152  # the real tokenizer's vocabulary: detokenization runs for real
@@ -156,3 +158,65 @@ def test_tail_page_rows_are_copied_for_the_next_turn(model, smol_tokenizer: Toke
     tokens, done = drain(events_of(third))
     assert done.cached_tokens == 8  # whole pages only: a full page is not matched partially
     assert tokens == reference_greedy(model, prompt[:10] + [5, 6, 7], 3)
+
+
+def _until_end(seq, timeout_s: float = 120) -> Done | Failed:  # noqa: ANN001
+    """The sequence's last event, read as the engine's own thread posts them."""
+    while True:
+        event = seq.events.get(timeout=timeout_s)
+        if isinstance(event, Done | Failed):
+            return event
+
+
+def test_a_failing_schedule_fails_what_it_held_and_the_loop_serves_on(
+    model, smol_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error while scheduling (a kvstore replica of another deployment refusing the prefix lookup, in the run
+    that found it) fails the requests the engine holds with `internal`; it used to end the engine's loop thread,
+    and every request after it waited forever on a process that still answered health checks."""
+    engine = make_engine(model, smol_tokenizer, num_slots=32)
+    real, calls = engine.scheduler.schedule, []
+
+    def schedule():  # noqa: ANN202
+        calls.append(1)
+        if len(calls) == 1:
+            raise KVStoreError("kvstore 127.0.0.1:1: UNKNOWN: boom")
+        return real()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    engine.start()
+    try:
+        first = _until_end(engine.submit("a", _prompt(10, 3), greedy(4)))
+        assert isinstance(first, Failed) and first.code == "internal", first
+        assert engine.stats.step_failures_total == 1
+        later = engine.submit("b", _prompt(10, 4), greedy(4))
+        assert isinstance(_until_end(later), Done)
+    finally:
+        engine.stop()
+
+
+def test_a_loop_that_dies_fails_every_request_and_says_so(
+    model, smol_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error the step cannot contain (here in taking requests in) ends the loop: the requests held and the
+    ones not yet taken in fail with `internal`, and on_loop_death runs (the engine process exits on it, and the
+    launcher starts a new one) instead of leaving a process that accepts requests no step will ever run."""
+    engine = make_engine(model, smol_tokenizer, num_slots=32)
+    died = threading.Event()
+    engine.on_loop_death = died.set
+
+    def poll() -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "poll", poll)
+    seqs = [engine.submit(f"r{i}", _prompt(10, i), greedy(4)) for i in range(3)]  # queued before the loop runs
+    engine.start()
+    try:
+        for seq in seqs:
+            last = _until_end(seq)
+            assert isinstance(last, Failed) and last.code == "internal", last
+        assert died.wait(30)
+        with pytest.raises(EngineStoppedError):  # nothing is queued behind a dead loop
+            engine.submit("late", _prompt(10, 9), greedy(4))
+    finally:
+        engine.stop()

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.kvstore.client import KVStoreClient, PageMeta, PageNotFoundError
+from services.common import auth
+from services.kvstore.client import KVStoreClient, KVStoreRefused, PageMeta, PageNotFoundError
 from services.kvstore.cluster import KVStoreCluster
 from services.kvstore.placement import HashRing
 from tests.conftest import StartStore, Store
@@ -132,4 +133,26 @@ def test_puts_to_a_dead_owner_go_to_the_next_replica(
     stores[0].proc.wait(timeout=10)
     batch = pages(20)
     assert {loc.replica_id for loc in cluster.put_pages(batch)} == {"r1"}
+    assert payloads(cluster.get_pages([m.page_hash for m, _ in batch])) == [d for _, d in batch]
+
+
+def test_a_replica_that_refuses_this_client_is_dropped_like_a_dead_one(
+    start_store: StartStore, cluster: KVStoreCluster, prefix: str
+) -> None:
+    """A replica of another deployment registered in the same catalog (another internal secret: every call is
+    UNAUTHENTICATED) is unusable from here: KVStoreRefused, an unavailable replica to the cluster, so puts go to
+    the next replica and lookups find them; it used to raise out of the lookup of an engine's prefix match and end
+    the engine's loop."""
+    start_store(host_kv_mib=16, replica_id="r0", prefix=prefix)
+    start_store(host_kv_mib=16, replica_id="r1", prefix=prefix, env={auth.SECRET_ENV: "another-deployment"})
+    assert set(cluster.replicas()) == {"r0", "r1"}
+    with pytest.raises(KVStoreRefused, match="UNAUTHENTICATED"):
+        with KVStoreClient(cluster.replicas()["r1"]) as direct:
+            direct.lookup([pages(1)[0][0].page_hash])
+    batch = pages(20)
+    ring = HashRing(["r0", "r1"])
+    assert {ring.owner(m.page_hash) for m, _ in batch} == {"r0", "r1"}  # some are r1's by placement
+    assert not any(loc.found for loc in cluster.lookup([m.page_hash for m, _ in batch]))  # asks r1 too: no raise
+    assert {loc.replica_id for loc in cluster.put_pages(batch)} == {"r0"}
+    assert all(loc.found for loc in cluster.lookup([m.page_hash for m, _ in batch]))
     assert payloads(cluster.get_pages([m.page_hash for m, _ in batch])) == [d for _, d in batch]
