@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import traceback
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from services.engine.ring.ring import RingManager
 from services.engine.ring.state import SeqRing
 from services.engine.ring.summaries import PageSummaries
 from services.engine.server import EngineServicer
-from services.engine.step.sequence import NOT_RESIDENT, Done, PageTable
+from services.engine.step.sequence import NOT_RESIDENT, Done, Failed, PageTable
 from tests.conftest import StartStore
 from tests.engine.helpers import (
     drain,
@@ -504,10 +506,11 @@ def test_resident_check_agrees_with_the_set_of_resident_pages() -> None:
 
 
 def test_room_making_fails_on_a_table_that_does_not_match_its_plan(
-    model, smol_tokenizer: Tokenizer, store_address: str
+    model, smol_tokenizer: Tokenizer, store_address: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A materialize that leaves one page too many resident breaks the invariant: the scheduler's check
-    catches it."""
+    catches it, and the engine fails the request (`internal`, the check's traceback logged) instead of running on
+    a broken table or ending its loop."""
     engine = make_engine(model, smol_tokenizer, num_slots=12, ring=ring_limits(budget_pages=8), ring_chunk=8,
                          store_address=store_address)  # fmt: skip
     ring = engine.ring
@@ -521,9 +524,13 @@ def test_room_making_fails_on_a_table_that_does_not_match_its_plan(
 
     ring.materialize = leaky  # type: ignore[method-assign]
     seq = engine.submit("broken", _prompt(70, 9), greedy(8))
-    with pytest.raises(AssertionError) as failed:
+    with caplog.at_level(logging.ERROR, logger="services.engine.engine"):
         _run_checking_buckets(engine, [seq])
-    assert failed.traceback[-1].path.name == "scheduler.py"  # the room-making's own check, not the test's
+    last = drain(events_of(seq))[1]
+    assert isinstance(last, Failed) and last.code == "internal", last
+    logged = [r.exc_info for r in caplog.records if r.exc_info and r.exc_info[0] is AssertionError]
+    assert logged, caplog.text
+    assert traceback.extract_tb(logged[0][2])[-1].filename.endswith("scheduler.py")  # the room-making's own check
     engine.stop()
 
 
