@@ -150,3 +150,25 @@ def test_pages_leave_the_pool_while_their_write_through_is_under_way(
     assert isinstance(done, Done) and tokens == reference_greedy(model, prompt, 12)
     assert sum(in_flight) > 0, in_flight  # some demotions did not wait for the store
     assert engine.ring.num_demotions > 10 and write_through.num_failed == 0
+
+
+def test_a_page_that_fails_before_its_put_leaves_the_writer_running(start_store: StartStore) -> None:
+    """A failure while a batch is prepared (here the page's copy event) counts its pages failed and no longer
+    queued, and the writer thread goes on with the next page; it used to end the thread, and every page queued
+    after it stayed queued (the ring's demotions waiting on them, then a 429)."""
+
+    class BrokenEvent:
+        def synchronize(self) -> None:
+            raise RuntimeError("the copy's event failed")
+
+    store = start_store(host_kv_mib=16)
+    wt = WriteThrough(KVStoreClient(store.address), "fp32", 64)
+    bad, good = bytes([1]) * 16, bytes([2]) * 16
+    wt.submit(bad, torch.zeros(64, dtype=torch.uint8), 8, ready=BrokenEvent())  # type: ignore[arg-type]
+    assert wt.wait_settled([bad], timeout_s=30) and not wt.is_written(bad)
+    wt.submit(good, torch.ones(64, dtype=torch.uint8), 8)
+    assert wt.wait_written([good], timeout_s=30)
+    assert (wt.num_failed, wt.num_written) == (1, 1)
+    with KVStoreClient(store.address) as reader:
+        assert reader.get_page(good) == bytes([1]) * 64
+    wt.close()

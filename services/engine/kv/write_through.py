@@ -141,17 +141,19 @@ class WriteThrough:
                 return
 
     def _write(self, items: list[PendingPage]) -> None:
-        puts = []
-        for item in items:
-            if item.ready is not None:
-                item.ready.synchronize()
-            data = item.data.contiguous().view(torch.uint8).numpy().reshape(-1)
-            meta = PageMeta(
-                page_hash=item.page_hash, kv_format=self._kv_format, num_tokens=item.num_tokens, nbytes=data.nbytes
-            )
-            puts.append((meta, data.data))
+        """Put a batch; any failure (the copy's event, the store) leaves its pages unwritten, counted and no longer
+        queued, and the writer thread running (a thread that died here left every later page queued forever)."""
         hashes = [item.page_hash for item in items]
         try:
+            puts = []
+            for item in items:
+                if item.ready is not None:
+                    item.ready.synchronize()
+                data = item.data.contiguous().view(torch.uint8).numpy().reshape(-1)
+                meta = PageMeta(
+                    page_hash=item.page_hash, kv_format=self._kv_format, num_tokens=item.num_tokens, nbytes=data.nbytes
+                )
+                puts.append((meta, data.data))
             self._client.put_pages(puts)
             self.num_written += len(items)
             with self._written_cond:
