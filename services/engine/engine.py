@@ -272,11 +272,13 @@ class Engine:
         self._fail_all("unavailable", "the engine is shutting down", close=True)
 
     def _fail_all(self, code: str, message: str, close: bool = False) -> None:
-        """Fail every sequence the scheduler holds and every one not yet taken in (engine thread); `close`: the
-        loop ends, so submit refuses from now on (nothing may be queued after the queue is emptied here)."""
+        """Fail every sequence the scheduler holds (engine thread); `close`: the loop ends, so the ones not yet
+        taken in fail too and submit refuses from now on (nothing is queued after the queue is emptied here)."""
+        incoming: deque[Sequence] = deque()
         with self._lock:
-            self._closed = self._closed or close
-            incoming, self._incoming = self._incoming, deque()
+            if close:
+                self._closed = True
+                incoming, self._incoming = self._incoming, deque()
         for seq in [*self.scheduler.running, *self.scheduler.waiting, *incoming]:
             try:
                 self._fail(seq, code, message)
