@@ -8,7 +8,8 @@
 #   kernels bench/scale_kernels.py --only $SCALE_KERNELS (default fp8,swiglu: the fp8 attention kernels in place
 #          against bf16, SwiGLU; also linear, residual, prefill_gemm, attention, head, pages: the pool's page moves
 #          and fp8 K/V writes both ways); SCALE_KERNEL_ARGS: more options (--sweep: the fp8 decode variants)
-# KVMEM_STACK_COPIES=1 / KVMEM_FP8_KV_ONE_LAUNCH=1 in the environment switch those two paths on for main and ring.
+# KVMEM_STACK_COPIES=0 (the pool's page moves per layer; one copy a batch is the default) / KVMEM_FP8_KV_ONE_LAUNCH=1 in the
+# environment switch those paths for main and ring.
 #   attn   bench/scale.py --only-attn: the prefill attention variants alone (cuDNN, FlashAttention-2, Triton paged,
 #          FlashAttention-4 where installed (.wt/fa4, below); chunks of 2K and 8K after a 32K prefix, an 8K and a 32K
 #          prompt whole); no model needed. SCALE_ATTN_ARGS (default --attn-flex): its options
