@@ -289,8 +289,6 @@ def prompt_sdpa(
             logger.warning("FlashAttention-4 refused %s, head_dim %d (%s): cuDNN instead", q.dtype, q.shape[-1], exc)
     if joined and k.shape[0] > n:  # cuDNN (and the torch form) take the past apart
         past, k, v = (k[:-n], v[:-n]), k[-n:], v[-n:]
-    elif joined:
-        k, v = k[-n:], v[-n:]
     assert n >= PROMPT_BUCKET or not q.is_cuda, "a short chunk takes the paged kernel (prompt_sdpa_fits)"
     padded = -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
     if padded != n:  # rows [n, padded) zero
