@@ -32,13 +32,14 @@ from bench.needle import digit_bias, make_case, run_case  # noqa: E402
 from services.cacheguard.renderer import ChatRenderer  # noqa: E402
 from services.common.model_files import resolve_model_path  # noqa: E402
 from services.common.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
-from services.engine.engine import Engine, EngineLimits  # noqa: E402
+from services.engine.engine import Engine  # noqa: E402
 from services.engine.kernels import select_tier, use_tier  # noqa: E402
 from services.engine.kv.kv_formats import KVFormat, parse_spec  # noqa: E402
 from services.engine.kv.kv_pool import KVPool  # noqa: E402
 from services.engine.kv.paged_attention import SeqSpan, StepAttention  # noqa: E402
 from services.engine.models.config import ModelConfig  # noqa: E402
 from services.engine.models.loader import load_model  # noqa: E402
+from services.engine.records import EngineLimits  # noqa: E402
 from services.engine.ring.local_ring import ring_span  # noqa: E402
 from services.engine.step.model_runner import ModelRunner  # noqa: E402
 

@@ -294,9 +294,10 @@ def our_engine(ours: Any, ctx: int, decode: int, dev: torch.device, runner_kind:
     """Our engine on `ours`: a paged pool for one sequence of ctx + decode tokens, two state slots.
     runner_kind "step": every decode step through StepAttention, eagerly; "runner": the decode runner (static
     buffers) run eagerly; "graphs": the decode runner captured in CUDA graphs (KVMEM_RECURRENT_GRAPHS=1)."""
-    from services.engine.engine import Engine, EngineLimits
+    from services.engine.engine import Engine
     from services.engine.kv.kv_pool import KVPool
     from services.engine.kv.recurrent_state import RecurrentStates
+    from services.engine.records import EngineLimits
     from services.engine.step.model_runner import ModelRunner
 
     cfg = ours.config

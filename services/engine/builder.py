@@ -12,7 +12,7 @@ from services.common.logs import redact_url
 from services.common.model_files import default_model_id, resolve_model_path
 from services.common.tokenizer import load_tokenizer
 from services.engine.config import ConfigError, EngineConfig
-from services.engine.engine import Engine, EngineLimits
+from services.engine.engine import Engine
 from services.engine.kernels import select_tier, use_tier
 from services.engine.kv.kv_formats import KVFormatError
 from services.engine.kv.kv_pool import KVPool
@@ -21,6 +21,7 @@ from services.engine.kv.recurrent_state import RecurrentStates
 from services.engine.kv.write_through import WriteThrough
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
+from services.engine.records import EngineLimits
 from services.engine.ring.local_ring import LocalRings, ring_span
 from services.engine.ring.state import RingLimits
 from services.engine.ring.summaries import warm_page_scores

@@ -16,7 +16,8 @@ from services.common.protos import engine_pb2 as pb
 from services.common.protos import engine_pb2_grpc as pb_grpc
 from services.common.tokenizer import Tokenizer
 from services.engine.builder import ModelInfo
-from services.engine.engine import ContextLengthError, Engine, EngineStoppedError, OverloadedError
+from services.engine.engine import Engine
+from services.engine.records import ContextLengthError, EngineStoppedError, OverloadedError
 from services.engine.step.grammar import GrammarSpec
 from services.engine.step.sampling import InvalidRequestError, Sampled, SamplingParams
 from services.engine.step.sequence import Chunk, Done, Event, Failed, FinishReason

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from services.common.tokenizer import Tokenizer, TokenizerInfo
-from services.engine.engine import Engine, EngineLimits
+from services.engine.engine import Engine
 from services.engine.kv.attention import ContiguousKV
 from services.engine.kv.kv_formats import parse_format
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.write_through import WriteThrough
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.records import EngineLimits
 from services.engine.ring.host_pages import KVStoreHostPages
 from services.engine.ring.local_ring import LocalRings, ring_span
 from services.engine.ring.state import RingLimits

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from services.common.tokenizer import Tokenizer
-from services.engine.engine import ContextLengthError, EngineStoppedError, OverloadedError
+from services.engine.records import ContextLengthError, EngineStoppedError, OverloadedError
 from services.engine.step.sampling import InvalidRequestError, SamplingParams
 from services.engine.step.sequence import Done, Failed, FinishReason
 from services.kvstore.client import KVStoreError

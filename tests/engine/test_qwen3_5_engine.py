@@ -13,13 +13,14 @@ import torch
 
 from bench.tiny_qwen3_5 import random_model, tiny_text_config
 from services.common.tokenizer import Tokenizer
-from services.engine.engine import Engine, EngineLimits
+from services.engine.engine import Engine
 from services.engine.kv.attention import ContiguousKV
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.recurrent_state import RecurrentStates, state_key
 from services.engine.kv.write_through import WriteThrough
 from services.engine.models.loader import load_model
 from services.engine.models.qwen3_5 import Qwen3_5ForCausalLM
+from services.engine.records import EngineLimits
 from services.engine.ring.host_pages import KVStoreHostPages
 from services.engine.ring.state import RingLimits
 from services.engine.step.model_runner import ModelRunner
