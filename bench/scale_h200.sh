@@ -24,6 +24,7 @@
 #          (SCALE_AB_ORDER="1 0": the other order)
 #   ringprof the ring's timelines (bench/profile_decode.py --mode gaps): SCALE_PROF_BATCH (default 4) sessions of
 #          SCALE_RING_LEN from submission (prefill included, device only), then 32 sessions' decode window
+#          (SCALE_PROF_PARTS: "decode" for that one alone; SCALE_PROF_ARGS="--py-profile": cProfile of it too)
 #   pdlab  a dense decode window at batch 32 x SCALE_PDL_LEN (default 4096: the ring's read set) in fp8, profiled
 #          (bench/profile_decode.py --mode gaps --dense) with programmatic dependent launch off and on (KVMEM_PDL=0,
 #          then 1; SCALE_AB_ORDER="1 0": the other order): the step's kernels without the ring's host work
@@ -124,12 +125,12 @@ if has ringab; then
   done
 fi
 if has ringprof; then
-  for name in prefill decode; do
+  for name in ${SCALE_PROF_PARTS:-prefill decode}; do
     opts="--batch 32 --new-tokens 96"
     [ "$name" = prefill ] && opts="--whole --batch ${SCALE_PROF_BATCH:-4} --new-tokens 8"
     log "ring profile, $name (profile_decode --mode gaps $opts)"
-    KVMEM_FP8_ATTENTION="${SCALE_FP8:-1}" timeout 200 python3 bench/profile_decode.py --mode gaps --model-dir /tmp/m8b \
-      --context "${SCALE_RING_LEN:-12288}" --budget 4096 --kv-format fp8 --token-kib 70 --chunk 8192 $opts 2>&1 \
+    KVMEM_FP8_ATTENTION="${SCALE_FP8:-1}" timeout "${SCALE_PROF_TIMEOUT:-200}" python3 bench/profile_decode.py --mode gaps --model-dir /tmp/m8b \
+      --context "${SCALE_RING_LEN:-12288}" --budget 4096 --kv-format fp8 --token-kib 70 --chunk 8192 $opts ${SCALE_PROF_ARGS:-} 2>&1 \
       | grep -v "^WARNING" > "$OUT/ring_profile_$name.txt"
     grep -v "^  " "$OUT/ring_profile_$name.txt" | head -4 | tee -a "$LOG"
   done

@@ -217,6 +217,62 @@ def test_page_summaries_dispatch_to_the_triton_tier(tier: Callable[[str], None],
     )
 
 
+# -- every paged layer in one pass (a decode step's filled pages) ----------------------------------
+
+
+def _check_all_layers(backend: str, kv_format: str) -> None:
+    """PageSummaries.update_all_from_pool (one pass over the pool's stack) writes what update_from_pool writes
+    layer by layer: a pool of 3 paged layers in `kv_format` with random K/V, two pages read at shuffled slots
+    (one partial), on the torch tier or a kernel tier."""
+    from services.engine.kv.kv_formats import parse_format
+    from services.engine.kv.kv_pool import KVPool
+
+    device = torch.device("cuda") if backend != "torch" and HAS_CUDA else torch.device("cpu")
+    kernels.use_tier(kernels.select_tier(device, backend))
+    try:
+        num_layers, slots, size, heads, dim = 3, 6, 16, 2, 64
+        fmt = parse_format(kv_format, "bf16")
+        pool = KVPool(num_layers, slots, size, heads, dim, torch.bfloat16, device, formats=[fmt] * num_layers)
+        g = torch.Generator().manual_seed(11)
+        every = torch.arange(slots * size, device=device)
+        for layer in range(num_layers):
+            k, v = (torch.randn(slots * size, heads, dim, generator=g).to(device, torch.bfloat16) for _ in "kv")
+            pool.write(layer, every, k, v)
+        rows = pool.rows(torch.tensor([4, 1], device=device))
+        valid = torch.ones(2, size, dtype=torch.bool, device=device)
+        valid[1, size // 2 :] = False  # the sequence's last page, half filled
+        ids = torch.tensor([5, 2], device=device)
+        got, want = (PageSummaries(num_layers, 8, heads, dim, device, pool.paged_layers) for _ in "gw")
+        assert pool.paged_keys(rows) is not None  # one stack: the one-pass path is taken
+        got.update_all_from_pool(ids, pool, rows, valid)
+        for layer in pool.paged_layers:
+            want.update_from_pool(layer, ids, pool, rows, valid)
+        for a, b in [(got.kmin, want.kmin), (got.kmax, want.kmax), (got.kmean, want.kmean)]:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert torch.isfinite(got.kmin[:, 5]).all() and (got.kmin[:, 3] == 0).all()  # pages 5 and 2 written, no other
+    finally:
+        kernels.use_tier(kernels.select_tier(torch.device("cpu"), "torch"))
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "int8+h"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_layers_summaries_in_one_pass_match_layer_by_layer(backend: str, kv_format: str) -> None:
+    if backend == "triton" and not INTERPRETED:
+        pytest.skip("a CUDA device is present: the gpu test runs Triton compiled")
+    _check_all_layers(backend, kv_format)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "int8+h"])
+@pytest.mark.parametrize("backend", ["triton", "cupy"])
+def test_gpu_every_layers_summaries_in_one_pass_match_layer_by_layer(backend: str, kv_format: str) -> None:
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    if backend == "cupy":
+        pytest.importorskip("cupy")
+    _check_all_layers(backend, kv_format)
+
+
 # -- the ring's page selection, triton tier vs torch -----------------------------------------------
 
 

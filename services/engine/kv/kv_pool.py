@@ -277,6 +277,26 @@ class KVPool:
         fmt = self.formats[layer]
         return _keys(fmt, lambda dt: self._dequantize_rows(fmt, self.k[layer], rows, dt), dtype)
 
+    def paged_keys(
+        self, rows: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Every paged layer's keys of `rows` [T] in one read, when they share one stack (page summaries of a
+        decode step's filled pages: two launches, not two a layer): (src, src_rows), where src [N, Hkv, W] read
+        at src_rows [G * T] (layer-major: paged layer j's rows at j * T) gives the keys of plain layers in place;
+        src_rows is None when src is already those keys, [G * T, Hkv, D] in `dtype` (a quantised stack
+        dequantised in one gather). None: no common stack (per layer: gather_keys)."""
+        stack = self._slot_stack
+        if stack is None:
+            return None
+        g, _, n, h, w = stack.shape
+        flat = stack.view(-1, h, w)  # row r of paged layer j's K is flat row 2 * j * n + r
+        src_rows = (torch.arange(g, device=rows.device) * (2 * n))[:, None] + rows[None, :]
+        src_rows = src_rows.reshape(-1)
+        fmt = self.formats[self.paged_layers[0]]
+        if fmt.plain:
+            return flat, src_rows
+        return _keys(fmt, lambda dt: self._dequantize_rows(fmt, flat, src_rows, dt), dtype), None
+
     def copy_rows(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` rows of one slot into another, in every paged layer."""
         src, dst = src_slot * self.page_size, dst_slot * self.page_size

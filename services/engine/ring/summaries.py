@@ -138,6 +138,33 @@ class PageSummaries:
         keys = pool.gather_keys(layer_idx, rows)
         self.update(layer_idx, page_ids, keys.view(*valid.shape, *keys.shape[1:]), valid)
 
+    def update_all_from_pool(
+        self, page_ids: torch.Tensor, pool: KVPool, rows: torch.Tensor, valid: torch.Tensor
+    ) -> None:
+        """`update_from_pool` of every summarised layer. Where they are the pool's paged layers in one stack
+        (KVPool.paged_keys), in one summary pass over G x P pages of the tables viewed flat ([G * max_pages,
+        Hkv, D]: page p of layer row j is flat page j * max_pages + p): a decode step that fills the pages of
+        32 sessions of a 32-layer model launched 2,048 small kernels from Python one layer at a time, the
+        device idle between them (bench/RESULTS.md round 16); else layer by layer."""
+        got = pool.paged_keys(rows) if self.layers == pool.paged_layers else None
+        if got is None:
+            for layer in self.layers:
+                self.update_from_pool(layer, page_ids, pool, rows, valid)
+            return
+        src, src_rows = got
+        g, max_pages = self.kmin.shape[:2]
+        flat_ids = (torch.arange(g, device=page_ids.device) * max_pages)[:, None] + page_ids[None, :]
+        flat_valid = valid.repeat(g, 1)
+        tables = tuple(t.view(-1, *t.shape[2:]) for t in (self.kmin, self.kmax, self.kmean))
+        kernels = _kernels(src.device)
+        if kernels is not None:
+            kernels.summary_update(*tables, flat_ids.reshape(-1), src, flat_valid, rows=src_rows)
+            return
+        keys = src if src_rows is None else src.index_select(0, src_rows)
+        summary_update_reference(
+            *tables, flat_ids.reshape(-1), keys.view(*flat_valid.shape, *keys.shape[1:]), flat_valid
+        )
+
     def update_rows(
         self, layer_idx: int, page_ids: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor
     ) -> None:

@@ -497,5 +497,4 @@ class DecodeGraphs:
             rows = torch.arange(slot * size, (slot + 1) * size, device=self.device)
             page_t = torch.full((1,), page, dtype=torch.long, device=self.device)  # a fill, not a host copy
             valid = torch.ones(1, size, dtype=torch.bool, device=self.device)
-            for layer in self.pool.paged_layers:
-                ring.summaries.update_from_pool(layer, page_t, self.pool, rows, valid)
+            ring.summaries.update_all_from_pool(page_t, self.pool, rows, valid)
