@@ -141,14 +141,14 @@ class PageSummaries:
     def update_all_from_pool(
         self, page_ids: torch.Tensor, pool: KVPool, rows: torch.Tensor, valid: torch.Tensor
     ) -> None:
-        """`update_from_pool` of every summarised layer. Where they are the pool's paged layers in one stack
-        (KVPool.paged_keys), in one summary pass over G x P pages of the tables viewed flat ([G * max_pages,
-        Hkv, D]: page p of layer row j is flat page j * max_pages + p): a decode step that fills the pages of
-        32 sessions of a 32-layer model launched 2,048 small kernels from Python one layer at a time, the
+        """`update_from_pool` of every paged layer of the pool. Where those are the summarised layers and lie in
+        one stack (KVPool.paged_keys), in one summary pass over G x P pages of the tables viewed flat ([G *
+        max_pages, Hkv, D]: page p of layer row j is flat page j * max_pages + p): a decode step that fills the
+        pages of 32 sessions of a 32-layer model launched 2,048 small kernels from Python one layer at a time, the
         device idle between them (bench/RESULTS.md round 16); else layer by layer."""
         got = pool.paged_keys(rows) if self.layers == pool.paged_layers else None
         if got is None:
-            for layer in self.layers:
+            for layer in pool.paged_layers:
                 self.update_from_pool(layer, page_ids, pool, rows, valid)
             return
         src, src_rows = got
