@@ -15,6 +15,7 @@ the services) and a redis password; everything listens on loopback unless --host
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import shutil
@@ -60,6 +61,7 @@ class LaunchConfig:
     restart_backoff_s: float = 0.5  # first restart delay; doubles while a child keeps dying young
     max_backoff_s: float = 10.0
     internal_secret: str = field(default="", repr=False)  # "": a fresh one per launch
+    catalog_prefix: str = ""  # the kvstore catalog's keys in redis ("": `catalog_prefix` picks one)
     # extra environment for every service (name, value), over the launcher's own: how benches start stacks with
     # different engine options side by side in one process
     extra_env: tuple[tuple[str, str], ...] = ()
@@ -74,6 +76,12 @@ class LaunchConfig:
         p.add_argument("--kvstores", type=int, default=1, help="number of kvstore replicas")
         p.add_argument("--engines", type=int, default=1, help="number of engine replicas")
         p.add_argument("--redis-url", default=env("KVMEM_REDIS_URL", ""))
+        p.add_argument(
+            "--catalog-prefix",
+            default=env("KVMEM_CATALOG_PREFIX", ""),
+            help="key prefix of the kvstore catalog in redis (default: kvmem: with the private redis; on a shared "
+            "--redis-url, one of this deployment's own)",
+        )
         p.add_argument("--api-keys", default=env("KVMEM_API_KEYS", ""))
         p.add_argument("--host-kv-mib", type=int, default=int(env("KVMEM_HOST_KV_MIB", "1024")))
         p.add_argument("--arena-dir", default=env("KVMEM_ARENA_DIR", "/dev/shm"))
@@ -102,6 +110,7 @@ class LaunchConfig:
             num_kvstores=a.kvstores,
             num_engines=a.engines,
             redis_url=a.redis_url,
+            catalog_prefix=a.catalog_prefix,
             api_keys=a.api_keys,
             host_kv_mib=a.host_kv_mib,
             arena_dir=a.arena_dir,
@@ -146,9 +155,26 @@ def engine_names(cfg: LaunchConfig) -> list[str]:
     return ["engine"] if cfg.num_engines == 1 else [f"engine{i}" for i in range(cfg.num_engines)]
 
 
+DEFAULT_CATALOG_PREFIX = "kvmem:"
+
+
+def catalog_prefix(cfg: LaunchConfig, secret: str) -> str:
+    """The kvstore catalog's key prefix every service of the stack uses: cfg.catalog_prefix when set, the default
+    with the launcher's private redis, and on a shared redis (cfg.redis_url) one of the deployment's own, derived
+    from its internal secret: two stacks on one redis under one prefix each saw the other's kvstores, which refuse
+    calls signed with another secret (the cluster drops such a replica, then tries it again after its next
+    heartbeat: a failed call and a warning each time)."""
+    if cfg.catalog_prefix:
+        return cfg.catalog_prefix
+    if not cfg.redis_url or not secret:
+        return DEFAULT_CATALOG_PREFIX
+    return f"{DEFAULT_CATALOG_PREFIX}{hashlib.sha256(secret.encode()).hexdigest()[:12]}:"
+
+
 def service_specs(cfg: LaunchConfig, redis_url: str, ports: dict[str, int], secret: str = "") -> list[ServiceSpec]:
     """The services in start order. `ports` has kvstore0.., the engine_names, cacheguard; `secret` goes to
-    every service as KVMEM_INTERNAL_SECRET."""
+    every service as KVMEM_INTERNAL_SECRET, `catalog_prefix` to the ones that read redis."""
+    prefix = catalog_prefix(cfg, secret)
     kvstore_addrs = [f"127.0.0.1:{ports[f'kvstore{i}']}" for i in range(cfg.num_kvstores)]
     specs = [
         ServiceSpec(
@@ -158,6 +184,7 @@ def service_specs(cfg: LaunchConfig, redis_url: str, ports: dict[str, int], secr
                 "KVMEM_KVSTORE_ADDR": addr,
                 "KVMEM_HOST_KV_MIB": str(cfg.host_kv_mib),
                 "KVMEM_REDIS_URL": redis_url,
+                "KVMEM_CATALOG_PREFIX": prefix,
                 "KVMEM_ARENA_DIR": cfg.arena_dir,
                 "KVMEM_REPLICA_ID": f"kvstore-{i}-{ports[f'kvstore{i}']}",
                 auth.SECRET_ENV: secret,
@@ -176,6 +203,7 @@ def service_specs(cfg: LaunchConfig, redis_url: str, ports: dict[str, int], secr
                 "KVMEM_MODEL": cfg.model,
                 "KVMEM_KVSTORE_ADDRS": ",".join(kvstore_addrs),
                 "KVMEM_REDIS_URL": redis_url,  # pages spread over every kvstore replica registered there
+                "KVMEM_CATALOG_PREFIX": prefix,
                 "KVMEM_HOST_KV_MIB": str(cfg.host_kv_mib * cfg.num_kvstores),
                 "KVMEM_MAX_CONTEXT": str(cfg.max_context),
                 "KVMEM_KV_CAPACITY": str(cfg.kv_capacity),
@@ -193,6 +221,7 @@ def service_specs(cfg: LaunchConfig, redis_url: str, ports: dict[str, int], secr
                 "KVMEM_ENGINE_ADDRS": ",".join(engine_addrs),
                 "KVMEM_MODEL": cfg.model,
                 "KVMEM_REDIS_URL": redis_url,
+                "KVMEM_CATALOG_PREFIX": prefix,
                 "KVMEM_CHAT_TEMPLATE": cfg.chat_template,
                 auth.SECRET_ENV: secret,
             },

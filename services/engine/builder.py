@@ -194,7 +194,7 @@ def _store_client(config: EngineConfig):  # type: ignore[no-untyped-def]
     if config.redis_url:
         from services.kvstore.cluster import KVStoreCluster
 
-        return KVStoreCluster(config.redis_url)
+        return KVStoreCluster(config.redis_url, config.catalog_prefix)
     from services.kvstore.client import KVStoreClient
 
     return KVStoreClient(config.kvstore_addrs[0])

@@ -44,6 +44,7 @@ class EngineConfig:
     max_waiting: int = 256  # queued requests before RESOURCE_EXHAUSTED
     kvstore_addrs: tuple[str, ...] = ()  # write-through targets; empty: no host copy
     redis_url: str = ""  # with it, pages go to every kvstore replica registered there (consistent hashing)
+    catalog_prefix: str = "kvmem:"  # the kvstores' catalog keys in that redis (theirs: --catalog-prefix)
     internal_secret: str = field(default="", repr=False)  # required on calls in, sent to the kvstores (auth.py)
     write_through_queue: int = 256  # pages waiting to be written before new ones are dropped
     replica_id: str = ""
@@ -142,6 +143,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be one of {RESTORE_METHODS}, got {getattr(self, name)!r}")
         if self.prefill_attention not in PREFILL_MODES:
             raise ConfigError(f"prefill_attention must be one of {PREFILL_MODES}, got {self.prefill_attention!r}")
+        if not self.catalog_prefix:
+            raise ConfigError("catalog_prefix must not be empty")
         if self.ring_prefetch_steps < 0:
             raise ConfigError(f"ring_prefetch_steps must be >= 0, got {self.ring_prefetch_steps}")
         if self.ring_budget_pages > self.num_slots:
@@ -309,6 +312,11 @@ class EngineConfig:
             default=env("KVMEM_REDIS_URL", ""),
             help="catalog of kvstore replicas; pages are placed across all of them",
         )
+        p.add_argument(
+            "--catalog-prefix",
+            default=env("KVMEM_CATALOG_PREFIX", d["catalog_prefix"].default),
+            help="key prefix of the kvstore catalog in --redis-url (the kvstores' and cache guard's --catalog-prefix)",
+        )
         p.add_argument("--replica-id", default=env("KVMEM_ENGINE_REPLICA_ID", ""))
         p.add_argument("--num-threads", type=int, default=int(env("KVMEM_NUM_THREADS", "0")))
         p.add_argument("--host-kv-mib", type=int, default=int(env("KVMEM_HOST_KV_MIB", "1024")))
@@ -433,6 +441,7 @@ class EngineConfig:
             kvstore_addrs=tuple(x.strip() for x in a.kvstore.split(",") if x.strip()),
             replica_id=a.replica_id,
             redis_url=a.redis_url,
+            catalog_prefix=a.catalog_prefix,
             internal_secret=auth.secret_from_env(),
             num_threads=a.num_threads,
             host_kv_mib=a.host_kv_mib,

@@ -7,7 +7,7 @@ import types
 import pytest
 
 from deploy import launcher
-from deploy.launcher import LaunchConfig, engine_names, service_specs
+from deploy.launcher import DEFAULT_CATALOG_PREFIX, LaunchConfig, catalog_prefix, engine_names, service_specs
 
 PORTS = {"kvstore0": 1, "engine0": 2, "engine1": 3, "cacheguard": 4}
 
@@ -87,3 +87,22 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(launcher, "_handed_ports", set())
     monkeypatch.setattr(launcher, "socket", types.SimpleNamespace(socket=FakeSocket))
     assert [launcher.free_port(), launcher.free_port()] == [40001, 40002]
+
+
+def test_the_catalog_prefix_is_the_deployments_own_on_a_shared_redis() -> None:
+    """With the private redis the default; on a shared one (--redis-url) derived from the stack's secret (the same
+    for the same secret, another for another), unless --catalog-prefix names one; every redis reader gets it."""
+    shared = LaunchConfig.from_args(["--redis-url", "redis://r:1/0"])
+    assert catalog_prefix(shared, "a") == catalog_prefix(shared, "a") != catalog_prefix(shared, "b")
+    assert catalog_prefix(shared, "a").startswith(DEFAULT_CATALOG_PREFIX) and catalog_prefix(shared, "a") != "kvmem:"
+    assert catalog_prefix(LaunchConfig(), "a") == DEFAULT_CATALOG_PREFIX
+    named = LaunchConfig.from_args(["--redis-url", "redis://r:1/0", "--catalog-prefix", "mine:"])
+    assert catalog_prefix(named, "a") == "mine:"
+    specs = {
+        s.name: s.env
+        for s in service_specs(shared, "redis://r:1/0", {"kvstore0": 1, "engine": 2, "cacheguard": 3}, "a")
+    }
+    assert {n: e.get("KVMEM_CATALOG_PREFIX") for n, e in specs.items()} == {
+        "kvstore": catalog_prefix(shared, "a"), "engine": catalog_prefix(shared, "a"),
+        "cacheguard": catalog_prefix(shared, "a"), "gateway": None,
+    }  # fmt: skip

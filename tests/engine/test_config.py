@@ -72,6 +72,7 @@ def test_settings_come_from_flags_and_environment(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("KVMEM_DECODE_BURST", "4")
     monkeypatch.setenv("KVMEM_RESTORE_METHOD", "triton")
     monkeypatch.setenv("KVMEM_PREFILL_ATTENTION", "fa4")
+    monkeypatch.setenv("KVMEM_CATALOG_PREFIX", "kvmem:deploy1:")
     cfg = EngineConfig.from_args(["--max-context", "16384", "--kernels", "torch", "--kv-format", "fp8,global=bf16"])
     assert (cfg.kv_capacity, cfg.max_context, cfg.cuda_graphs, cfg.kernels) == (2048, 16384, False, "torch")
     assert cfg.decode_burst == 4 and EngineConfig.from_args(["--decode-burst", "1"]).decode_burst == 1
@@ -81,3 +82,6 @@ def test_settings_come_from_flags_and_environment(monkeypatch: pytest.MonkeyPatc
     assert cfg.kv_format == "fp8,global=bf16" and cfg.restore_method == "triton"
     assert cfg.prefill_attention == "fa4" and EngineConfig().prefill_attention == "auto"
     assert EngineConfig.from_args(["--prefill-attention", "triton"]).prefill_attention == "triton"
+    assert cfg.catalog_prefix == "kvmem:deploy1:" and EngineConfig().catalog_prefix == "kvmem:"
+    with pytest.raises(ConfigError, match="catalog_prefix"):
+        EngineConfig(catalog_prefix="")
