@@ -207,6 +207,9 @@ class Catalog(CatalogReader):
                     self.republish("redis lost this replica (restarted?)" if lost else "redis is reachable again")
             except redis.RedisError as e:
                 self._note_error("heartbeat", e)
+            except Exception as e:  # noqa: BLE001 - a heartbeat that ends lets the engines drop a live replica
+                logger.exception("catalog: the heartbeat failed unexpectedly; it goes on")
+                self._note_error("heartbeat", e)
 
     def _beat(self) -> bool:
         """Announce this replica; True when redis had lost its membership (after register: redis restarted)."""
@@ -243,16 +246,23 @@ class Catalog(CatalogReader):
         return True
 
     def _writer_loop(self) -> None:
-        """Drain the queue in order, one pipeline per batch of updates."""
+        """Drain the queue in order, one pipeline per batch of updates. A batch that fails in any way is counted
+        and dropped (a missing entry is a cache miss), never the thread: were it to end, every later update would
+        stay queued, the catalog would go stale while the store held its pages, and `flush` would time out."""
         while True:
             batch = [self._queue.get()]
             while len(batch) < _BATCH and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             updates = [u for u in batch if u is not None]
-            if updates:
-                self._write(updates)
-            for _ in batch:
-                self._queue.task_done()
+            try:
+                if updates:
+                    self._write(updates)
+            except Exception as e:  # noqa: BLE001 - _write handles redis's errors; anything else is logged here
+                logger.exception("catalog: an update batch failed unexpectedly; the writer goes on")
+                self._note_error("update", e)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
             if len(updates) < len(batch):
                 return
 

@@ -94,6 +94,48 @@ def test_catalog_publishes_its_pages_again_after_redis_lost_them(redis_url: str)
         catalog.close()
 
 
+def test_catalog_writer_and_heartbeat_survive_an_unexpected_failure(redis_url: str, monkeypatch) -> None:
+    """A batch that fails with something other than a redis error (a bug, a bad value) is dropped and counted; the
+    writer goes on with the next ones and flush returns. Before, it ended the writer thread: every later update
+    stayed queued and the catalog went stale while the store held the pages. The heartbeat goes on the same way."""
+    prefix = f"kvmem-test-{uuid.uuid4().hex[:8]}:"
+    catalog = Catalog(redis_url, "r1", "127.0.0.1:1", prefix, heartbeat_s=0.05)
+    table = redis.Redis.from_url(redis_url)
+    real_write, real_beat, fail = catalog._write, catalog._beat, {"write": 1, "beat": 2}
+
+    def write(updates):  # type: ignore[no-untyped-def]
+        if fail["write"]:
+            fail["write"] -= 1
+            raise ValueError("not a redis error")
+        real_write(updates)
+
+    def beat() -> bool:
+        if fail["beat"] and catalog._registered:
+            fail["beat"] -= 1
+            raise TypeError("not a redis error either")
+        return real_beat()
+
+    monkeypatch.setattr(catalog, "_write", write)
+    monkeypatch.setattr(catalog, "_beat", beat)
+    try:
+        catalog.register()
+        catalog.update([_location(0, "r1")], [])  # this batch fails
+        assert catalog.flush(timeout_s=5)
+        catalog.update([_location(i, "r1") for i in (1, 2)], [])
+        assert catalog.flush(timeout_s=5)
+        assert len(list(table.scan_iter(f"{prefix}page:*"))) == 2
+        assert catalog.num_errors >= 1 and catalog._writer.is_alive()
+        deadline = time.monotonic() + 5
+        while fail["beat"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # beats after the failures
+        assert fail["beat"] == 0 and catalog._thread is not None and catalog._thread.is_alive()
+        assert time.time() - float(table.hget(f"{prefix}replicas:heartbeat", "r1") or 0) < 1.0
+    finally:
+        catalog.unregister()
+        catalog.close()
+
+
 def test_store_refuses_calls_without_the_secret(redis_url: str, tmp_path: Path) -> None:
     from tests.conftest import free_port
 
