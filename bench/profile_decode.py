@@ -32,6 +32,7 @@ before; bench/RESULTS.md run 19).
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import dataclasses
 import logging
@@ -368,9 +369,10 @@ def gaps(  # type: ignore[no-untyped-def]
     tokens = sum(len(s.output_ids) for s in seqs) - tokens0
     phases.on = False
     print(f"what ended the decode bursts (the whole run): {dict(engine.scheduler.burst_cuts)}")
-    raw = _busy_and_gaps(prof, tokens, batch, context)
-    if raw is None:
+    got = _busy_and_gaps(prof, tokens, batch, context)
+    if got is None:
         return
+    raw, idle = got
     marks = _marks(raw)
     waits: dict[str, list[float]] = {}  # the host's synchronising waits, by the phases it was in
     for e in raw:
@@ -384,6 +386,7 @@ def gaps(  # type: ignore[no-untyped-def]
     print("host synchronisations by phase stack: count, total ms, max ms")
     for key, w in sorted(waits.items(), key=lambda kv: -sum(kv[1]))[:15]:
         print(f"  {len(w):5d} {sum(w):8.1f} {max(w):7.2f}  {key}")
+    _runtime_calls_while_idle(raw, idle)
     print("phase wall times over the profiled decode: name, calls, total ms, ms per call")
     for name, ts in sorted(phases.total.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {name:28s} {len(ts):5d} {1e3 * sum(ts):8.1f} {1e3 * sum(ts) / len(ts):7.3f}")
@@ -405,9 +408,35 @@ def _stack(marks: list[tuple[float, float, str]], at: float) -> str:
     return " > ".join(n for a, b, n in marks if a <= at <= b) or "-"
 
 
-def _busy_and_gaps(prof, tokens: int, batch: int, context: int) -> list | None:  # type: ignore[no-untyped-def,type-arg]  # noqa: E501
+Gap = tuple[float, float, str, str]  # an idle stretch of the device: start us, end us, what ran before and after
+
+
+def _runtime_calls_while_idle(raw: list, idle: list[Gap]) -> None:  # type: ignore[type-arg]
+    """The CUDA runtime calls the host made (the profiler's CPU-side cuda* events: allocations, pinned memory,
+    synchronisations, copies, launches) by name, with the part of their time that the device spent idle: a call
+    that blocks the host while nothing is queued (a cudaMalloc or cudaHostAlloc waiting for the device to drain,
+    say) shows here, where the phase table only says which engine function it was in."""
+    starts = [g[0] for g in idle]
+    by_name: dict[str, list[float]] = {}
+    for e in raw:
+        if e.device_type() != torch.autograd.DeviceType.CPU or not e.name().startswith("cuda"):
+            continue
+        s, t = e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3
+        overlap, k = 0.0, bisect.bisect_right(starts, t) - 1
+        while k >= 0 and idle[k][1] > s:
+            overlap += max(0.0, min(t, idle[k][1]) - max(s, idle[k][0]))
+            k -= 1
+        row = by_name.setdefault(e.name(), [0, 0.0, 0.0])
+        row[0], row[1], row[2] = row[0] + 1, row[1] + e.duration_ns() / 1e3, row[2] + overlap
+    print("CUDA runtime calls on the host: count, total ms, ms of it while the device idled, name")
+    for name, (n, total, during) in sorted(by_name.items(), key=lambda kv: -kv[1][2])[:15]:
+        print(f"  {int(n):6d} {total / 1e3:9.2f} {during / 1e3:9.2f}  {name}")
+
+
+def _busy_and_gaps(prof, tokens: int, batch: int, context: int) -> tuple[list, list[Gap]] | None:  # type: ignore[no-untyped-def,type-arg]  # noqa: E501
     """Print the profile's device busy time against its span, the idle gaps by the kernels around them, and
-    (where the host was recorded) the phases it was in during them; the raw events, or None if none."""
+    (where the host was recorded) the phases it was in during them; the raw events and the idle gaps, or None
+    if there were no device events."""
     raw = list(prof.profiler.kineto_results.events())
     events = sorted(
         (
@@ -424,7 +453,7 @@ def _busy_and_gaps(prof, tokens: int, batch: int, context: int) -> list | None: 
     start, end = events[0][0], max(e[1] for e in events)
     busy, gap_by = 0.0, dict[str, list[float]]()
     cur_s, cur_e, last = events[0]
-    idle: list[tuple[float, float, str, str]] = []
+    idle: list[Gap] = []
     for s, t, name in events[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
@@ -453,7 +482,7 @@ def _busy_and_gaps(prof, tokens: int, batch: int, context: int) -> list | None: 
     for g0, g1, before, after in sorted(idle, key=lambda g: g[0] - g[1])[:12]:
         at = [_stack(marks, g0 + f * (g1 - g0)) for f in (0.0, 1 / 3, 2 / 3, 1.0)] if marks else []
         print(f"  {g1 - g0:7.1f}  {before[:32]} -> {after[:32]}" + "".join(f"\n      {x}" for x in at))
-    return raw
+    return raw, idle
 
 
 def prefill(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]

