@@ -582,3 +582,28 @@ def test_prefetched_restores_are_written_in_one_batch() -> None:
     slots = [tables[0][0][1], tables[0][0][3], tables[1][0][3]]
     assert pool.writes == [(slots, [[0, 1], [0, 3], [1, 3]])]
     assert manager.num_prefetched == 3
+
+
+def test_a_preemption_inside_batched_writes_writes_what_was_deferred_first() -> None:
+    """flush_writes (the scheduler's _preempt calls it) writes the restores deferred so far at once, and the block
+    goes on deferring: a slot restored in the block and then released by a preemption is written before anything
+    can reuse it, and in order with what comes after."""
+    pool = _RecordingPool()
+    manager = RingManager(ring_limits(budget_pages=8), SlotAllocator(16), pool=pool, host=object())  # type: ignore[arg-type]
+    rings, tables = [], []
+    for i in range(2):
+        r = SeqRing(summaries=PageSummaries(1, 20, 1, 4, torch.device("cpu")), policy="sparse", query_start=0)
+        hashes = [bytes([i, p]) for p in range(4)]
+        r.prefetched = {hashes[2]: 0}
+        r.prefetched_data = torch.tensor([[i, 2]], dtype=torch.uint8)
+        rings.append(r)
+        tables.append(([NOT_RESIDENT] * 4, hashes))
+    manager.flush_writes()  # outside a block: nothing deferred, nothing written
+    with manager.batched_writes():
+        manager._restore(*tables[0], [2], rings[0])
+        manager.flush_writes()
+        assert pool.writes == [([tables[0][0][2]], [[0, 2]])]
+        manager.flush_writes()  # nothing new
+        manager._restore(*tables[1], [2], rings[1])
+        assert len(pool.writes) == 1
+    assert pool.writes == [([tables[0][0][2]], [[0, 2]]), ([tables[1][0][2]], [[1, 2]])]

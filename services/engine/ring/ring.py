@@ -77,20 +77,30 @@ class RingManager:
     @contextmanager
     def batched_writes(self) -> Iterator[None]:
         """Restores of prefetched pages inside this block are written to the pool in one batch as it ends (also
-        when it raises), not one write per sequence: the scheduler's continued decode step makes room for every
-        sequence of the burst in turn, and nothing reads a slot before that step runs. Only for a block that
-        neither preempts nor finishes a sequence (a slot restored in it is never released and reused in it)."""
+        when it raises), not one write per sequence: the scheduler makes room for every decoding sequence in turn,
+        and nothing reads a slot before the step runs. A sequence that releases its slots inside the block (a
+        preemption) calls `flush_writes` first, so that no slot restored in the block is released and reused
+        before its bytes are written."""
         assert self._deferred is None, "batched_writes does not nest"
         self._deferred = []
         try:
             yield
         finally:
             deferred, self._deferred = self._deferred, None
-            if len(deferred) == 1:
-                self.pool.write_pages(*deferred[0])
-            elif deferred:
-                slots = [slot for new, _ in deferred for slot in new]
-                self.pool.write_pages(slots, torch.cat([data for _, data in deferred]))
+            self._write_deferred(deferred)
+
+    def flush_writes(self) -> None:
+        """Write the restores deferred so far in a batched_writes block now (the block goes on deferring)."""
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            self._write_deferred(deferred)
+
+    def _write_deferred(self, deferred: list[tuple[list[int], torch.Tensor]]) -> None:
+        if len(deferred) == 1:
+            self.pool.write_pages(*deferred[0])
+        elif deferred:
+            slots = [slot for new, _ in deferred for slot in new]
+            self.pool.write_pages(slots, torch.cat([data for _, data in deferred]))
 
     # -- planning ---------------------------------------------------------------------------------
 

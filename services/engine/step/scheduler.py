@@ -135,20 +135,24 @@ class Scheduler:
         works: list[Work] = []
         budget = self.prefill_chunk
         resting = self._resting()
-        for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            decoding = seq.num_uncomputed == 1 and not seq.in_prefill
-            if decoding and seq in resting:
-                continue  # a split step: the greedy decodes burst without it (module docstring)
-            want = 1 if decoding else self._chunk(seq, budget)
-            if want == 0:
-                continue
-            if not self._make_room(seq, want):
-                continue
-            works.append(self._work(seq, want))
-            if not decoding:
-                budget -= want
+        # the running sequences' prefetched pages written in one batch (a preemption writes them first: _preempt);
+        # one write a sequence kept the device idle between them (32 sessions of 32K at the 8B shape: ~85 ms of a
+        # 1.26 s decode window, bench/RESULTS.md round 16)
+        with self.ring.batched_writes() if self.ring is not None else nullcontext():
+            for seq in list(self.running):
+                if seq.status is not SeqStatus.RUNNING:
+                    continue  # preempted earlier in this loop
+                decoding = seq.num_uncomputed == 1 and not seq.in_prefill
+                if decoding and seq in resting:
+                    continue  # a split step: the greedy decodes burst without it (module docstring)
+                want = 1 if decoding else self._chunk(seq, budget)
+                if want == 0:
+                    continue
+                if not self._make_room(seq, want):
+                    continue
+                works.append(self._work(seq, want))
+                if not decoding:
+                    budget -= want
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             if self.slots.num_available() == 0:
                 break  # nothing could be admitted: skip the prefix match (it may read the host store)
@@ -524,6 +528,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         logger.info("preempting %s (%d tokens) for lack of slots", seq.request_id, seq.num_tokens)
+        if self.ring is not None:
+            self.ring.flush_writes()  # restores deferred in this block land before any of their slots is reused
         self.running.remove(seq)
         self._release_all(seq)
         seq.status = SeqStatus.WAITING
