@@ -369,6 +369,7 @@ def gaps(  # type: ignore[no-untyped-def]
     tokens = sum(len(s.output_ids) for s in seqs) - tokens0
     phases.on = False
     print(f"what ended the decode bursts (the whole run): {dict(engine.scheduler.burst_cuts)}")
+    print(f"why the host scheduled rather than continued a burst: {dict(engine.scheduler.continue_declines)}")
     got = _busy_and_gaps(prof, tokens, batch, context)
     if got is None:
         return

@@ -192,6 +192,7 @@ def main() -> int:
             steps_a_launch=round(steps[0] / per, 2),
             ms_a_launch=rows,
             burst_cuts={k: v - cuts[0].get(k, 0) for k, v in cuts[-1].items() if v > cuts[0].get(k, 0)},
+            continue_declines=dict(engine.scheduler.continue_declines),  # the whole run
             pages_restored=restores[-1][0] - restores[0][0], of_them_prefetched=restores[-1][1] - restores[0][1],
         )))  # fmt: skip
         if a.dump:

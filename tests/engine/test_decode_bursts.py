@@ -424,6 +424,8 @@ def test_a_request_arriving_during_overlapped_bursts_is_taken_in_at_the_next_bur
     continued = [i for i, ws in enumerate(launched) if ws[0].on_device]
     admitted = next(i for i, ws in enumerate(launched) if any(w.seq is second[0] for w in ws))
     assert admitted == continued[1] + 1  # the step after the burst in flight when it arrived
+    # why the host scheduled a step itself, counted: here only where a request reached its max_tokens
+    assert set(engine.scheduler.continue_declines) == {"token limit"}, engine.scheduler.continue_declines
     assert len(continued) > 2  # the first request's bursts overlapped again afterwards
     assert drain(events_of(first))[0] == reference_greedy(model, first_prompt, 40)
     assert drain(events_of(second[0]))[0] == reference_greedy(model, second_prompt, 8)

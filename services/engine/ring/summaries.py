@@ -155,15 +155,14 @@ class PageSummaries:
         g, max_pages = self.kmin.shape[:2]
         flat_ids = (torch.arange(g, device=page_ids.device) * max_pages)[:, None] + page_ids[None, :]
         flat_valid = valid.repeat(g, 1)
-        tables = tuple(t.view(-1, *t.shape[2:]) for t in (self.kmin, self.kmax, self.kmean))
+        kmin, kmax, kmean = (t.view(-1, *t.shape[2:]) for t in (self.kmin, self.kmax, self.kmean))
         kernels = _kernels(src.device)
         if kernels is not None:
-            kernels.summary_update(*tables, flat_ids.reshape(-1), src, flat_valid, rows=src_rows)
+            kernels.summary_update(kmin, kmax, kmean, flat_ids.reshape(-1), src, flat_valid, rows=src_rows)
             return
         keys = src if src_rows is None else src.index_select(0, src_rows)
-        summary_update_reference(
-            *tables, flat_ids.reshape(-1), keys.view(*flat_valid.shape, *keys.shape[1:]), flat_valid
-        )
+        keys = keys.view(*flat_valid.shape, *keys.shape[1:])
+        summary_update_reference(kmin, kmax, kmean, flat_ids.reshape(-1), keys, flat_valid)
 
     def update_rows(
         self, layer_idx: int, page_ids: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor

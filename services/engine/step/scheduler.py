@@ -111,6 +111,8 @@ class Scheduler:
         # re-selection step), "due" (where one's last re-selection takes effect, or with switch_in_burst where one
         # not selected yet would), "room" (no room for both read sets of a switch): where burst length goes
         self.burst_cuts: Counter[str] = Counter()
+        # why continue_decode left the next step to the host's schedule(), whose room-making the device waits for
+        self.continue_declines: Counter[str] = Counter()
         # ring sequence -> (page table, pages, evidence, skeleton) of its last room-making
         self._room_keys: dict[Sequence, tuple[object, ...]] = {}
         self._failures: list[tuple[Sequence, str]] = []
@@ -201,21 +203,23 @@ class Scheduler:
         only a preemption would make."""
         seqs = [w.seq for w in prev]
         if self.waiting or self.burst_ok is None or len(seqs) != len(self.running) or set(seqs) != set(self.running):
-            return None
+            return self._decline("others")
         for w in prev:
             seq, params = w.seq, w.seq.params
             if w.num_new != 1 or w.score_only or seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
-                return None
-            if not params.device_greedy or len(seq.output_ids) >= seq.max_tokens:
-                return None
+                return self._decline("not a decode")
+            if not params.device_greedy:
+                return self._decline("host-sampled")
+            if len(seq.output_ids) >= seq.max_tokens:
+                return self._decline("token limit")
             if seq.ring is not None and seq.ring.policy == "exact":
-                return None
+                return self._decline("exact")
             if w.score_tokens and (self.ring is None or self.ring.limits.prefetch_steps == 0):
-                return None  # its re-selection takes effect at the very next step: the host selects first
+                return self._decline("scoring, no prefetch")  # its re-selection takes effect at the next step
             if seq.ring is not None and self.ring is not None and self._unselected_due(seq.ring):
-                return None  # a re-selection not selected yet takes effect at the next step: the host selects first
+                return self._decline("selection due")  # a re-selection not selected yet takes effect at the next step
             if self.states is not None and self.states.is_boundary(w.start + w.num_steps):
-                return None  # the state snapshot at this boundary is taken when the host reads the step
+                return self._decline("state boundary")  # its state snapshot is taken when the host reads the step
         # the sequences' prefetched pages written in one batch (nothing here preempts or reads a slot)
         with self.ring.batched_writes() if self.ring is not None else nullcontext():
             for seq in seqs:
@@ -224,10 +228,15 @@ class Scheduler:
                 except (_NoRoom, PagesLostError, RingExhaustedError) as exc:
                     logger.debug("%s: no continued step (%s); the host schedules the next one", seq.request_id, exc)
                     self._room_keys.pop(seq, None)  # the next schedule plans it again
-                    return None
+                    return self._decline(f"room ({type(exc).__name__})")
         works = [w._replace(on_device=True) for w in self._burst([self._work(seq, 1) for seq in seqs])]
         assert all(w.device_argmax for w in works), "a continued decode step the decode runner does not accept"
         return self._stamp(works)
+
+    def _decline(self, why: str) -> list[Work] | None:
+        """continue_decode's None, counted by why (continue_declines)."""
+        self.continue_declines[why] += 1
+        return None
 
     def _unselected_due(self, ring: SeqRing) -> bool:
         """A re-selection whose scoring step the host has not read yet takes effect at the sequence's next step."""
