@@ -561,19 +561,28 @@ class _RecordingPool:
         self.writes.append((list(slots), pages.tolist()))
 
 
-def test_prefetched_restores_are_written_in_one_batch() -> None:
-    """Inside batched_writes the prefetched pages of several sequences reach the pool in one write, as the
-    block ends, also when it raises; the same slots get the same bytes as one write per sequence."""
+def _prefetched_sequences(
+    pages: list[int],
+) -> tuple[_RecordingPool, RingManager, list[SeqRing], list[tuple[list[int], list[bytes]]]]:
+    """Two sequences of 4 pages, none resident, whose `pages` were fetched ahead (as apply_pending leaves them:
+    page p of sequence i holds the bytes [i, p]), beside a manager over a recording pool."""
     pool = _RecordingPool()
     manager = RingManager(ring_limits(budget_pages=8), SlotAllocator(16), pool=pool, host=object())  # type: ignore[arg-type]
     rings, tables = [], []
     for i in range(2):
         r = SeqRing(summaries=PageSummaries(1, 20, 1, 4, torch.device("cpu")), policy="sparse", query_start=0)
         hashes = [bytes([i, p]) for p in range(4)]
-        r.prefetched = {hashes[1]: 0, hashes[3]: 1}  # as apply_pending leaves them
-        r.prefetched_data = torch.tensor([[i, 1], [i, 3]], dtype=torch.uint8)
+        r.prefetched = {hashes[p]: k for k, p in enumerate(pages)}
+        r.prefetched_data = torch.tensor([[i, p] for p in pages], dtype=torch.uint8)
         rings.append(r)
         tables.append(([NOT_RESIDENT] * 4, hashes))
+    return pool, manager, rings, tables
+
+
+def test_prefetched_restores_are_written_in_one_batch() -> None:
+    """Inside batched_writes the prefetched pages of several sequences reach the pool in one write, as the
+    block ends, also when it raises; the same slots get the same bytes as one write per sequence."""
+    pool, manager, rings, tables = _prefetched_sequences([1, 3])
     with pytest.raises(RuntimeError), manager.batched_writes():
         manager._restore(*tables[0], [1, 3], rings[0])
         manager._restore(*tables[1], [3], rings[1])  # only one of its pages: its row picked out
@@ -588,16 +597,7 @@ def test_a_preemption_inside_batched_writes_writes_what_was_deferred_first() -> 
     """flush_writes (the scheduler's _preempt calls it) writes the restores deferred so far at once, and the block
     goes on deferring: a slot restored in the block and then released by a preemption is written before anything
     can reuse it, and in order with what comes after."""
-    pool = _RecordingPool()
-    manager = RingManager(ring_limits(budget_pages=8), SlotAllocator(16), pool=pool, host=object())  # type: ignore[arg-type]
-    rings, tables = [], []
-    for i in range(2):
-        r = SeqRing(summaries=PageSummaries(1, 20, 1, 4, torch.device("cpu")), policy="sparse", query_start=0)
-        hashes = [bytes([i, p]) for p in range(4)]
-        r.prefetched = {hashes[2]: 0}
-        r.prefetched_data = torch.tensor([[i, 2]], dtype=torch.uint8)
-        rings.append(r)
-        tables.append(([NOT_RESIDENT] * 4, hashes))
+    pool, manager, rings, tables = _prefetched_sequences([2])
     manager.flush_writes()  # outside a block: nothing deferred, nothing written
     with manager.batched_writes():
         manager._restore(*tables[0], [2], rings[0])
