@@ -293,16 +293,14 @@ def ring(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
 
 def gaps(  # type: ignore[no-untyped-def]
     engine, vocab: int, context: int = 30000, batch: int = 1, new_tokens: int = 200, budget: int = 0,
-    whole: bool = False, py_profile: bool = False,
+    whole: bool = False,
 ) -> None:  # fmt: skip
     """`batch` requests' overlapped decode (past the ring budget: through the ring) under torch.profiler: how
     much of its span the device is busy, the idle gaps between its kernels and copies (what ran before and
     after each), and the engine phases (record_function ranges) the host was in during them. The profile
     starts once every request has its first token (all of them decoding together). `whole`: from the
     requests' submission to their last token, prefill included, recording the device only (the host's op
-    events would slow a 40K-launch run by seconds): no phases, every request's wall time printed beside.
-    `py_profile`: cProfile over the same decode window too (this thread: the engine's), its functions by own time
-    and what the ring's restores and the page summaries called (what a phase's idle time was spent in)."""
+    events would slow a 40K-launch run by seconds): no phases, every request's wall time printed beside."""
     from torch.profiler import ProfilerActivity, profile
 
     if whole:  # one untimed round of the same shape first (graphs, Triton variants, cuDNN plans)
@@ -346,26 +344,17 @@ def gaps(  # type: ignore[no-untyped-def]
     engine.poll()
     prof, tokens0 = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), -1
     phases = _ring_phases(engine, labels=True)
-    py = cProfile.Profile() if py_profile else None
     while engine.scheduler.has_work():
         if tokens0 < 0 and all(s.known_outputs >= 1 for s in seqs):  # one step() runs overlapped bursts on
             tokens0 = sum(s.known_outputs for s in seqs)
             phases.on = True
             prof.start()
-            if py is not None:
-                py.enable()
         engine.step()
     torch.cuda.synchronize()
     if tokens0 < 0:
         print(f"the requests ended before their first tokens: {[s.status for s in seqs]}")
         return
     prof.stop()
-    if py is not None:
-        py.disable()
-        stats = pstats.Stats(py, stream=sys.stdout).strip_dirs()
-        print("cProfile of the engine thread over the decode window, by own time:")
-        stats.sort_stats("tottime").print_stats(30)
-        stats.sort_stats("cumulative").print_callees("_restore|materialize|update_all_from_pool|_take_fetch")
     tokens = sum(len(s.output_ids) for s in seqs) - tokens0
     phases.on = False
     print(f"what ended the decode bursts (the whole run): {dict(engine.scheduler.burst_cuts)}")
@@ -571,7 +560,6 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=2048, help="prefill tokens a step")
     p.add_argument("--whole", action="store_true", help="--mode gaps: from submission (prefill included), device only")
     p.add_argument("--dense", action="store_true", help="--mode gaps with --model-dir: no ring, a pool for the batch")
-    p.add_argument("--py-profile", action="store_true", help="--mode gaps: cProfile of the decode window too")
     a = p.parse_args()
     knocked = {part for part in a.knock.split(",") if part}
     if knocked - set(KNOCKABLE) or (knocked and a.mode != "kernels"):
@@ -622,9 +610,7 @@ def main() -> int:
             if a.mode == "kernels":
                 kernels(engine, info.vocab_size, a.context or 2000)
             elif a.mode == "gaps":
-                gaps(
-                    engine, info.vocab_size, a.context or 30000, a.batch, a.new_tokens, a.budget, a.whole, a.py_profile
-                )
+                gaps(engine, info.vocab_size, a.context or 30000, a.batch, a.new_tokens, a.budget, a.whole)
             else:
                 {"host": host, "ring": ring, "prefill": prefill}[a.mode](engine, info.vocab_size)
     return 0

@@ -24,7 +24,7 @@
 #          re-selections cutting the bursts, then inside them), a process each
 #   ringprof the ring's timelines (bench/profile_decode.py --mode gaps): SCALE_PROF_BATCH (default 4) sessions of
 #          SCALE_RING_LEN from submission (prefill included, device only), then 32 sessions' decode window
-#          (SCALE_PROF_PARTS: "decode" for that one alone; SCALE_PROF_ARGS="--py-profile": cProfile of it too)
+#          (SCALE_PROF_PARTS: "decode" for that one alone; SCALE_PROF_ARGS: more profile_decode.py options)
 #   pdlab  a dense decode window at batch 32 x SCALE_PDL_LEN (default 4096: the ring's read set) in fp8, profiled
 #          (bench/profile_decode.py --mode gaps --dense) with programmatic dependent launch off and on (KVMEM_PDL=0,
 #          then 1; SCALE_AB_ORDER="1 0": the other order): the step's kernels without the ring's host work
