@@ -105,6 +105,7 @@ class KVPool:
         self.k: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self.v: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self._slot_stack: torch.Tensor | None = None  # the one stack of every paged layer, if they are one group
+        self._stack_key_base: torch.Tensor | None = None  # paged_keys: [G, 1] where layer j's K rows start in it
         # pages through the stack in one copy, on CUDA by default (KVMEM_STACK_COPIES=0: per layer; on the CPU the
         # per-layer copies are faster, a 16-page write of the 8B shape 33 vs 70 ms): the ring's 32 x 8K fp8 row on an
         # H100 decoded 2,246.9 / 2,259.7 tok/s with it against 2,200.6 without, prefill 15,582 / 16,202 against
@@ -118,6 +119,8 @@ class KVPool:
                 self.k[layer], self.v[layer] = stack[j, 0], stack[j, 1]
             if tuple(layers) == self.paged_layers:
                 self._slot_stack = stack
+                # the flat row (of the stack viewed [G * 2 * rows, Hkv, W]) where paged layer j's K rows start
+                self._stack_key_base = (torch.arange(len(layers), device=device) * (2 * rows))[:, None]
         logger.info(
             "KV pool: %d slots x %d tokens, %d paged layers, %d kv heads x %d, %s on %s: %.1f MiB",
             num_slots,
@@ -285,13 +288,12 @@ class KVPool:
         at src_rows [G * T] (layer-major: paged layer j's rows at j * T) gives the keys of plain layers in place;
         src_rows is None when src is already those keys, [G * T, Hkv, D] in `dtype` (a quantised stack
         dequantised in one gather). None: no common stack (per layer: gather_keys)."""
-        stack = self._slot_stack
-        if stack is None:
+        stack, base = self._slot_stack, self._stack_key_base
+        if stack is None or base is None:
             return None
-        g, _, n, h, w = stack.shape
-        flat = stack.view(-1, h, w)  # row r of paged layer j's K is flat row 2 * j * n + r
-        src_rows = (torch.arange(g, device=rows.device) * (2 * n))[:, None] + rows[None, :]
-        src_rows = src_rows.reshape(-1)
+        h, w = stack.shape[-2:]
+        flat = stack.view(-1, h, w)  # row r of paged layer j's K is flat row base[j] + r
+        src_rows = (base + rows[None, :]).reshape(-1)
         fmt = self.formats[self.paged_layers[0]]
         if fmt.plain:
             return flat, src_rows

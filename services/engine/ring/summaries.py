@@ -80,6 +80,8 @@ class PageSummaries:
         self.vote_top = 0  # page scoring: 0 sums every head's mass (page_scores); k > 0 counts each head's top k
         self.num_layers = num_layers
         self.score_from = 0.0  # layers below this fraction of the model's depth score no pages (RingLimits)
+        # update_all_from_pool's tables viewed flat [L * max_pages, Hkv, D]: layer row j's page 0 is flat page base[j]
+        self._flat_base = (torch.arange(len(self.layers), device=device) * max_pages)[:, None]
 
     def scores_layer(self, layer_idx: int) -> bool:
         """Whether a (summarised) layer's queries score pages: the early layers' attention is mostly positional
@@ -152,9 +154,8 @@ class PageSummaries:
                 self.update_from_pool(layer, page_ids, pool, rows, valid)
             return
         src, src_rows = got
-        g, max_pages = self.kmin.shape[:2]
-        flat_ids = (torch.arange(g, device=page_ids.device) * max_pages)[:, None] + page_ids[None, :]
-        flat_valid = valid.repeat(g, 1)
+        flat_ids = self._flat_base + page_ids[None, :]
+        flat_valid = valid.repeat(len(self.layers), 1)
         kmin, kmax, kmean = (t.view(-1, *t.shape[2:]) for t in (self.kmin, self.kmax, self.kmean))
         kernels = _kernels(src.device)
         if kernels is not None:
