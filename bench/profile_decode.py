@@ -48,7 +48,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import write_random_gemma  # noqa: E402
-from bench.profile_timeline import busy_and_gaps, phase_marks, phase_stack, runtime_calls_while_idle  # noqa: E402
+from bench.profile_timeline import (  # noqa: E402
+    busy_and_gaps,
+    launches_by_source,
+    phase_marks,
+    phase_stack,
+    runtime_calls_while_idle,
+)
 from services.engine.builder import build_engine  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.step.sampling import SamplingParams  # noqa: E402
@@ -217,13 +223,13 @@ def _ring_phases(engine, labels: bool = False) -> _Phases:  # type: ignore[no-un
     phases.wrap(engine_module, "sample_batch", "sample_batch")  # a prompt's first token: sampled on the host
     phases.wrap(engine, "_take_step", "engine._take_step")
     phases.wrap(engine, "_write_pages", "engine._write_pages")
-    if labels:  # finer ranges for the gap attribution
+    if labels:  # finer ranges for the gap attribution (not per-page calls such as slots.register: its ~2,100 ranges in
+        # the 32 x 32K window cost ~37 us each under the profiler, 80 ms the host added to the window it measured)
         for attr in ("read_pages", "write_pages"):
             phases.wrap(engine.pool, attr, f"pool.{attr}")
         for attr in ("_fill", "_rows_of", "_summarize_filled_pages", "tokens_to_host"):
             phases.wrap(engine.runner.decode, attr, f"decode.{attr}")
         phases.wrap(engine_module, "to_host", "to_host")
-        phases.wrap(engine.slots, "register", "slots.register")
         phases.wrap(sched, "_burst", "scheduler._burst")
         phases.wrap(sched, "_make_room_or_raise", "scheduler._make_room_or_raise")
     if engine.write_through is not None:
@@ -293,7 +299,7 @@ def ring(engine, vocab: int) -> None:  # type: ignore[no-untyped-def]
 
 def gaps(  # type: ignore[no-untyped-def]
     engine, vocab: int, context: int = 30000, batch: int = 1, new_tokens: int = 200, budget: int = 0,
-    whole: bool = False,
+    whole: bool = False, stacks: bool = False,
 ) -> None:  # fmt: skip
     """`batch` requests' overlapped decode (past the ring budget: through the ring) under torch.profiler: how
     much of its span the device is busy, the idle gaps between its kernels and copies (what ran before and
@@ -330,6 +336,15 @@ def gaps(  # type: ignore[no-untyped-def]
         for name, ts in sorted(phases.total.items(), key=lambda kv: -sum(kv[1])):
             print(f"  {name:28s} {len(ts):5d} {1e3 * sum(ts):8.1f} {1e3 * sum(ts) / len(ts):7.3f}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        if stacks:  # one more request, the host's Python frames recorded: which engine code launches what
+            seq = engine.submit("stacks", _prompt(context, vocab, 300), params, namespace="stacks")
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as sprof:
+                engine.poll()
+                while engine.scheduler.has_work():
+                    engine.step()
+                torch.cuda.synchronize()
+            print(f"one request of {context} + {new_tokens}, {len(seq.output_ids)} tokens, with Python frames:")
+            launches_by_source(sprof)
         return
     if batch == 1:
         _run(engine, _prompt(context, vocab, 4), 24, "warm")
@@ -468,6 +483,10 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=200, help="--mode gaps: tokens each request decodes")
     p.add_argument("--chunk", type=int, default=2048, help="prefill tokens a step")
     p.add_argument("--whole", action="store_true", help="--mode gaps: from submission (prefill included), device only")
+    p.add_argument(
+        "--stacks", action="store_true", help="--whole: then one request with Python frames recorded, its device "
+        "launches counted by the engine function that made them",
+    )  # fmt: skip
     p.add_argument("--dense", action="store_true", help="--mode gaps with --model-dir: no ring, a pool for the batch")
     a = p.parse_args()
     knocked = {part for part in a.knock.split(",") if part}
@@ -519,7 +538,7 @@ def main() -> int:
             if a.mode == "kernels":
                 kernels(engine, info.vocab_size, a.context or 2000)
             elif a.mode == "gaps":
-                gaps(engine, info.vocab_size, a.context or 30000, a.batch, a.new_tokens, a.budget, a.whole)
+                gaps(engine, info.vocab_size, a.context or 30000, a.batch, a.new_tokens, a.budget, a.whole, a.stacks)
             else:
                 {"host": host, "ring": ring, "prefill": prefill}[a.mode](engine, info.vocab_size)
     return 0

@@ -98,3 +98,37 @@ def busy_and_gaps(prof, tokens: int, batch: int, context: int) -> tuple[list, li
         at = [phase_stack(marks, g0 + f * (g1 - g0)) for f in (0.0, 1 / 3, 2 / 3, 1.0)] if marks else []
         print(f"  {g1 - g0:7.1f}  {before[:32]} -> {after[:32]}" + "".join(f"\n      {x}" for x in at))
     return raw, idle
+
+
+# the host calls that put work on the device: kernels (torch's and Triton's launchers), copies, memsets, graphs
+LAUNCH_CALLS = frozenset(
+    ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
+     "cudaMemsetAsync", "cudaGraphLaunch")
+)  # fmt: skip
+
+
+def launches_by_source(prof, top: int = 30) -> int:  # type: ignore[no-untyped-def]
+    """Print the device work a profile with `with_stack=True` launched, by the innermost engine function
+    (`services/` frame) above each launch call, with the torch ops that launched most of it; the total count.
+    Answers which code issues a run's thousands of small launches (the gap table names only kernels)."""
+    rows: dict[str, tuple[int, dict[str, int]]] = {}
+    for e in prof.events():
+        if e.name not in LAUNCH_CALLS:
+            continue
+        op, frame, parent = "", "(no services/ frame)", e.cpu_parent
+        while parent is not None:
+            if not op and parent.name.startswith("aten::"):
+                op = parent.name
+            if "services/" in parent.name:
+                frame = parent.name
+                break
+            parent = parent.cpu_parent
+        count, ops = rows.get(frame, (0, {}))
+        ops[op or e.name] = ops.get(op or e.name, 0) + 1
+        rows[frame] = (count + 1, ops)
+    total = sum(n for n, _ in rows.values())
+    print(f"device launches by the engine function above them ({total} in all): count, function, its commonest ops")
+    for frame, (n, ops) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+        common = ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:3])
+        print(f"  {n:7d}  {frame}  ({common})")
+    return total
