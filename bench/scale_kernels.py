@@ -289,6 +289,41 @@ def _fp8_sweep(
     return " | ".join(cells)
 
 
+MMA_VARIANTS = (
+    (3, 128, 1024),
+    (2, 128, 1024),
+    (4, 128, 1024),
+    (3, 64, 1024),
+    (3, 128, 512),
+    (3, 128, 2048),
+    (2, 256, 1024),
+    (3, 64, 512),
+)  # (stages, rows a step, rows a split at most) of decode_attention_fp8mma
+
+
+def _mma_sweep(
+    q: torch.Tensor, k8s: list[torch.Tensor], v8s: list[torch.Tensor], reads: tuple[torch.Tensor, ...], d: int,
+    want: torch.Tensor,
+) -> str:  # fmt: skip
+    """The fp8-tensor-core decode (KVMEM_FP8_DOT=mma) at each MMA_VARIANTS entry: time and relative difference."""
+    from services.engine.kernels import decode_attention_fp8mma as mma
+
+    real = mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS
+    cells = []
+    for stages, step, split in MMA_VARIANTS:
+        mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS = stages, step, split
+        try:
+            with _fp8_dot("mma"):
+                got = dat.decode_attention(q, k8s[0], v8s[0], *reads, d**-0.5, sorted_keys=True, fp8=True).float()
+                rel = ((got - want).norm() / want.norm()).item()
+                cells.append(f"{stages}s/{step}/{split}: {_decode_us(q, k8s, v8s, reads, True):6.1f} us ({rel:.1e})")
+        except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit is reported
+            cells.append(f"{stages}s/{step}/{split}: {type(exc).__name__} {str(exc)[:80]}")
+        finally:
+            mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS = real
+    return " | ".join(cells)
+
+
 def fp8_table(
     dev: torch.device,
     cases: tuple[tuple[int, int], ...] = ((32, 4096), (1, 32_768)),
@@ -321,7 +356,7 @@ def fp8_table(
         cells = [f"bf16 {t_bf16:7.1f} us {nbytes / t_bf16 / 1e6:4.2f} TB/s"]
         nbytes = 2 * total * kv_heads * k8s[0].shape[-1]
         outs, times = {}, {}
-        for mode in ("bf16", "fp16"):
+        for mode in ("bf16", "fp16", "mma"):
             with _fp8_dot(mode):
                 outs[mode] = dat.decode_attention(q, k8s[0], v8s[0], *reads, d**-0.5, sorted_keys=True, fp8=True)
                 times[mode] = t = _decode_us(q, k8s, v8s, reads, True)
@@ -333,6 +368,7 @@ def fp8_table(
         print(f"decode attention B={batch} rows {length}: " + " | ".join(cells), flush=True)
         if sweep:
             print(f"  fp8 fp16 dots B={batch} rows {length}: " + _fp8_sweep(q, k8s, v8s, reads, d, new), flush=True)
+            print(f"  fp8 mma B={batch} rows {length}: " + _mma_sweep(q, k8s, v8s, reads, d, new), flush=True)
         del ks, vs, k8s, v8s
         torch.cuda.empty_cache()
     n, past = chunk

@@ -40,6 +40,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from services.engine.kernels import attention_tiles as tiles
+from services.engine.kernels import decode_attention_fp8mma as fp8mma
 from services.engine.kernels import pdl
 from services.engine.ring.local_ring import ring_read_set
 
@@ -76,8 +77,8 @@ def fp8_dot() -> str:
     the scales folded into the scores and the weights: attention_tiles.softmax_step_f16) or, with
     KVMEM_FP8_DOT=bf16, the bf16 dots before it (A/B runs: bench/scale_kernels.py --only fp8). Decided once."""
     mode = os.environ.get("KVMEM_FP8_DOT", "fp16")
-    if mode not in ("fp16", "bf16"):
-        raise ValueError(f"KVMEM_FP8_DOT={mode!r}: fp16 or bf16")
+    if mode not in ("fp16", "bf16", "mma"):
+        raise ValueError(f"KVMEM_FP8_DOT={mode!r}: fp16, bf16 or mma")
     logger.info("fp8 decode attention dots: %s (KVMEM_FP8_DOT)", mode)
     return mode
 
@@ -494,8 +495,10 @@ def _attend(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
+    mma = fp8 and span == 0 and fp8_dot() == "mma"  # the codes on fp8 tensor cores (decode_attention_fp8mma.py)
     per_split = split_rows(batch, num_kv_heads, width, fp8)
-    block_n = block_rows(width, fp8)
+    block_n = fp8mma.block_rows() if mma else block_rows(width, fp8)
+    per_split = -(-per_split // block_n) * block_n
     num_splits = triton.cdiv(width, per_split)
     direct = num_splits == 1
     if direct:  # the split kernel writes `out`; the scratch pointers are never read
@@ -505,6 +508,21 @@ def _attend(
         l_sum = torch.empty_like(m)
         acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     q_pos = q_pos.contiguous()
+    if mma:
+        fp8mma._split_fp8_kernel[(batch, num_kv_heads, num_splits)](
+            q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out, keep_q if keep_q is not None else out,
+            keep_pos if keep_pos is not None else q_pos, width, per_split, num_splits,
+            window if window is not None else 0, scale * LOG2E, q.stride(0), q.stride(1), k_store.stride(0),
+            k_store.stride(1), v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),
+            G=group, NG=fp8mma.heads_tile(group), D=head_dim, BLOCK_N=block_n, HAS_WINDOW=window is not None,
+            DIRECT=direct, INTERPRETED=INTERPRETED, SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0,
+            KEEP_Q=keep_q is not None, SORTED=sorted_keys, KEEP_AT=keep_pos is not None,
+            num_warps=fp8mma.NUM_WARPS, num_stages=fp8mma.NUM_STAGES, **pdl.launch_args(q.device),
+        )  # fmt: skip
+        if direct:
+            return out
+        partials = Partials(m, l_sum, acc, out.dtype)
+        return partials if partial else merge(partials, out)
     # fp32 dots (IEEE) for fp32 or mixed inputs, and interpreted: the interpreter's tl.dot is wrong on bf16
     f16 = fp8 and fp8_dot() == "fp16"
     if f16:  # q and the codes are fp16 in the kernel, whatever q's dtype
