@@ -289,16 +289,10 @@ def _fp8_sweep(
     return " | ".join(cells)
 
 
-MMA_VARIANTS = (
-    (3, 128, 1024),
-    (2, 128, 1024),
-    (4, 128, 1024),
-    (3, 64, 1024),
-    (3, 128, 512),
-    (3, 128, 2048),
-    (2, 256, 1024),
-    (3, 64, 512),
-)  # (stages, rows a step, rows a split at most) of decode_attention_fp8mma
+# (stages, rows a step, rows a split at most, value codes in fp16) of decode_attention_fp8mma
+MMA_VARIANTS = ((3, 128, 1024, False), (2, 128, 1024, False), (4, 128, 1024, False), (3, 64, 1024, False),
+                (3, 128, 512, False), (3, 128, 2048, False), (2, 256, 1024, False), (3, 64, 512, False),
+                (3, 128, 1024, True), (2, 128, 1024, True), (3, 64, 1024, True))  # fmt: skip
 
 
 def _mma_sweep(
@@ -308,19 +302,20 @@ def _mma_sweep(
     """The fp8-tensor-core decode (KVMEM_FP8_DOT=mma) at each MMA_VARIANTS entry: time and relative difference."""
     from services.engine.kernels import decode_attention_fp8mma as mma
 
-    real = mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS
+    real = mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS, mma.V_F16
     cells = []
-    for stages, step, split in MMA_VARIANTS:
-        mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS = stages, step, split
+    for stages, step, split, v_f16 in MMA_VARIANTS:
+        mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS, mma.V_F16 = stages, step, split, v_f16
         try:
             with _fp8_dot("mma"):
                 got = dat.decode_attention(q, k8s[0], v8s[0], *reads, d**-0.5, sorted_keys=True, fp8=True).float()
                 rel = ((got - want).norm() / want.norm()).item()
-                cells.append(f"{stages}s/{step}/{split}: {_decode_us(q, k8s, v8s, reads, True):6.1f} us ({rel:.1e})")
+                name = f"{stages}s/{step}/{split}{'/vf16' if v_f16 else ''}"
+                cells.append(f"{name}: {_decode_us(q, k8s, v8s, reads, True):6.1f} us ({rel:.1e})")
         except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit is reported
-            cells.append(f"{stages}s/{step}/{split}: {type(exc).__name__} {str(exc)[:80]}")
+            cells.append(f"{stages}s/{step}/{split}/{v_f16}: {type(exc).__name__} {str(exc)[:80]}")
         finally:
-            mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS = real
+            mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS, mma.V_F16 = real
     return " | ".join(cells)
 
 

@@ -113,6 +113,7 @@ def _split_fp8_kernel(
     PDL: tl.constexpr,
     SORTED: tl.constexpr = False,
     KEEP_AT: tl.constexpr = False,
+    V_F16: tl.constexpr = False,  # the value codes converted to fp16 for the second product (an A/B variant)
 ):
     pdl.start(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -174,10 +175,19 @@ def _split_fp8_kernel(
         p = tl.exp2(s - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        w_hi, w_lo = _two_terms(p * (v_scale * W_SCALE)[:, None], INTERPRETED)
-        acc = acc * alpha[None, :] + _dot2(tl.trans(v), w_hi, w_lo, tl.zeros([D, NG], tl.float32), INTERPRETED) * (
-            1.0 / W_SCALE
-        )
+        if V_F16:  # the value codes converted (fp16 weights, one dot): the value side as the fp16 kernel has it
+            w = (p * v_scale[:, None]).to(tl.float16)
+            vf = v.to(tl.float16)
+            if INTERPRETED:
+                acc = tl.dot(
+                    tl.trans(vf.to(tl.float32)), w.to(tl.float32), acc * alpha[None, :], input_precision="ieee"
+                )
+            else:
+                acc = tl.dot(tl.trans(vf), w, acc * alpha[None, :])
+        else:
+            w_hi, w_lo = _two_terms(p * (v_scale * W_SCALE)[:, None], INTERPRETED)
+            pv = _dot2(tl.trans(v), w_hi, w_lo, tl.zeros([D, NG], tl.float32), INTERPRETED)
+            acc = acc * alpha[None, :] + pv * (1.0 / W_SCALE)
         m_i = m_new
     if DIRECT:
         o = acc / l_i[None, :]
@@ -198,6 +208,7 @@ def heads_tile(group: int) -> int:
     return max(MIN_HEADS, triton.next_power_of_2(group))
 
 
+V_F16 = False  # the second product's value codes converted to fp16 (A/B: bench/scale_kernels.py's sweep)
 NUM_WARPS = 4  # one warpgroup: wgmma's unit
 NUM_STAGES = 3
 BLOCK_ROWS = 128  # rows a loop step (two m64 instructions a product)

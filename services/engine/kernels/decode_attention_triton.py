@@ -516,7 +516,7 @@ def _attend(
             k_store.stride(1), v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),
             G=group, NG=fp8mma.heads_tile(group), D=head_dim, BLOCK_N=block_n, HAS_WINDOW=window is not None,
             DIRECT=direct, INTERPRETED=INTERPRETED, SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0,
-            KEEP_Q=keep_q is not None, SORTED=sorted_keys, KEEP_AT=keep_pos is not None,
+            KEEP_Q=keep_q is not None, SORTED=sorted_keys, KEEP_AT=keep_pos is not None, V_F16=fp8mma.V_F16,
             num_warps=fp8mma.NUM_WARPS, num_stages=fp8mma.NUM_STAGES, **pdl.launch_args(q.device),
         )  # fmt: skip
         if direct:
