@@ -1,7 +1,7 @@
 """Decode kernels at Llama-3.1-8B's shapes (issue 26), CUDA: what a batch-1 or batched decode step spends.
 
     PYTHONPATH=. python3 bench/scale_kernels.py [--only linear,attention,head,swiglu,fp8,prefill_gemm,residual,pages]
-        [--sweep]
+        [--sweep] [--sweep-mma]
 
 - linear: each projection of a decode step (qkv 6144 x 4096, o 4096 x 4096, gate/up 2 x 14336 x 4096 with the
   SiLU product, down 4096 x 14336) at M rows: cuBLAS (F.linear; gate/up then the torch product), the Triton
@@ -19,7 +19,8 @@
 - fp8: both attention kernels over fp8 rows read in place (`fp8=True`, uint8 [R, 8, 16 + 128]) against the same rows
   in bf16: decode at B x rows (the ring's 32 x 4K, one 32K session), its fp8 dots in bf16 (KVMEM_FP8_DOT=bf16, the
   kernel before fp16 operands) and in fp16 (the default) in the same process, with --sweep the fp16 path's warps /
-  stages / rows per step; and the last 8K chunk of a 32K prefill; TB/s counts the K/V bytes in each format (an fp8
+  stages / rows per step and the fp8-tensor-core kernel's (KVMEM_FP8_DOT=mma; --sweep-mma: that one alone); and the
+  last 8K chunk of a 32K prefill; TB/s counts the K/V bytes in each format (an fp8
   row is 144 bytes), TFLOP/s the causal attention FLOPs.
 
 - prefill_gemm: cuBLAS TFLOP/s of each projection at prompt-chunk row counts M (8,192 exactly, 8,192 + a few decode
@@ -361,8 +362,9 @@ def fp8_table(
         speedup, between = times["bf16"] / times["fp16"], ((new - old).norm() / old.norm()).item()
         cells.append(f"fp16 dots {speedup:.2f}x the bf16 ones, rel diff between them {between:.2e}")
         print(f"decode attention B={batch} rows {length}: " + " | ".join(cells), flush=True)
-        if sweep:
+        if sweep and "--sweep-mma" not in sys.argv:
             print(f"  fp8 fp16 dots B={batch} rows {length}: " + _fp8_sweep(q, k8s, v8s, reads, d, new), flush=True)
+        if sweep:
             print(f"  fp8 mma B={batch} rows {length}: " + _mma_sweep(q, k8s, v8s, reads, d, new), flush=True)
         del ks, vs, k8s, v8s
         torch.cuda.empty_cache()
@@ -525,7 +527,7 @@ def main() -> int:
     if "swiglu" in only:
         swiglu_table(dev)
     if "fp8" in only:
-        fp8_table(dev, sweep="--sweep" in sys.argv)
+        fp8_table(dev, sweep="--sweep" in sys.argv or "--sweep-mma" in sys.argv)
     if "prefill_gemm" in only:
         prefill_gemm_table(dev)
     if "residual" in only:
