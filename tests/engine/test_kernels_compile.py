@@ -121,7 +121,8 @@ def mma_ptx(block_n: int = 128) -> str:
     types = dict(ptrs, scale_log2="fp32", **{name: "i32" for name in ints})
     div16 = (*ptrs, "width", "rows_per_split", "stride_kr", "stride_vr", "stride_kh", "stride_vh")
     constexprs = dict(G=4, NG=mma.heads_tile(4), D=128, BLOCK_N=block_n, HAS_WINDOW=False, DIRECT=False,
-                      INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, KEEP_AT=True, PDL=True, SORTED=True)  # fmt: skip
+                      INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, KEEP_AT=True, PDL=True, SORTED=True,
+                      V_F16=False)  # fmt: skip
     options = dict(num_warps=mma.NUM_WARPS, num_stages=mma.NUM_STAGES)
     return str(_compile(mma._split_fp8_kernel, types, constexprs, div16, **options).asm["ptx"])
 
