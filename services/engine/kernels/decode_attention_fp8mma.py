@@ -126,12 +126,7 @@ def _split_fp8_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
     if KEEP_Q:
         if split == 0:
-            keep = g_ok
-            if KEEP_AT:
-                at = tl.load(keep_pos_ptr + b)
-                keep = tl.where((at < 0) | (at == tl.load(q_pos_ptr + b)), keep, False)
-            kept = keep_ptr + (b * tl.num_programs(1) * G + heads[:, None]) * D + d[None, :]
-            tl.store(kept, q.to(keep_ptr.dtype.element_ty), mask=keep[:, None])
+            tiles.keep_query(q, keep_ptr, keep_pos_ptr, q_pos_ptr, b, heads, g_ok, d, G, D, KEEP_AT)
     q = q.to(tl.float32)
     top = tl.max(tl.abs(q), axis=1)  # [NG]
     q_scale = tl.where(top > 0, Q_TOP / top, 1.0)
