@@ -108,7 +108,7 @@ def test_mma_keeps_the_queries_and_gives_the_same_partials(where: str, partial: 
     torch.testing.assert_close(got.float(), want, rtol=0, atol=_mma_tolerance(deq.v_store) + 2e-2)
 
 
-def test_mma_needs_the_mode_and_a_pool_layer() -> None:
+def test_fp8_dot_takes_mma() -> None:
     """KVMEM_FP8_DOT takes mma beside fp16 and bf16, and nothing else."""
     from services.engine.kernels import decode_attention_triton as dat
 

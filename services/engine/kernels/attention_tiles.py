@@ -62,13 +62,14 @@ def _e4m3_to_f16(codes):  # type: ignore[no-untyped-def]
 @triton.jit
 def load_kv(  # type: ignore[no-untyped-def]
     k_ptr, v_ptr, row, kv, stride_kr, stride_kh, stride_vr, stride_vh, d, ok, MASKED: tl.constexpr,
-    FP8: tl.constexpr, F16: tl.constexpr = False, INTERPRETED: tl.constexpr = False,
+    FP8: tl.constexpr, F16: tl.constexpr = False, INTERPRETED: tl.constexpr = False, CODES: tl.constexpr = False,
 ):  # fmt: skip
     """K and V tiles [BLOCK_N, D] of the pool rows `row` for KV head `kv`, and their per-row scales [BLOCK_N];
     MASKED: rows where `ok` is false are not read (zeros). Plain layers: the stored values, scales 1. FP8 (uint8
     rows: an fp32 scale padded to 16 bytes, then D e4m3fn codes): the codes as bf16 (F16: fp16; both exact) and the
-    scales, which softmax_step applies to the scores and the probabilities instead of to every element.
-    INTERPRETED: no inline PTX (F16's value codes are converted by Triton there)."""
+    scales, which softmax_step applies to the scores and the probabilities instead of to every element; with CODES
+    the codes themselves, as e4m3 (the fp8 tensor-core kernel's operands). INTERPRETED: no inline PTX (F16's value
+    codes are converted by Triton there)."""
     if FP8:  # every fp8 row starts on 16 bytes (a row is 16 + D bytes, D % 16 == 0: `supported`), so its codes
         # do too: said to the compiler, the codes load 16 bytes at a time (and pipeline); 4-byte words with the
         # old 4 + D rows ran the decode kernel at a third of bf16's bandwidth, bytes one by one at a quarter
@@ -94,7 +95,10 @@ def load_kv(  # type: ignore[no-untyped-def]
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     if FP8:
-        if F16:  # one cvt.rn.f16x2.e4m3x2 per two codes on sm_90
+        if CODES:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
+        elif F16:  # one cvt.rn.f16x2.e4m3x2 per two codes on sm_90
             k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             if INTERPRETED:
                 v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -187,6 +191,14 @@ _2_M23 = tl.constexpr(2.0**-23)  # an fp32's bits times this, minus 127: about i
 
 
 @triton.jit
+def log2_scale(v_scale):  # type: ignore[no-untyped-def]
+    """log2 of the value scales from their bits, clamped to [2^-64, 2^64] (Mitchell's approximation: below log2 by
+    less than 0.09, so weights exp2(s - m) * v_scale with m the running max of s + this stay below 1.07; tl.log2 is
+    a ~25-instruction polynomial a value on sm_90)."""
+    return tl.clamp(v_scale, _V_SCALE_MIN, _V_SCALE_MAX).to(tl.int32, bitcast=True).to(tl.float32) * _2_M23 - 127.0
+
+
+@triton.jit
 def softmax_step_f16(  # type: ignore[no-untyped-def]
     q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, scale_log2, MASKED: tl.constexpr, DOT_FP32: tl.constexpr
 ):
@@ -202,9 +214,7 @@ def softmax_step_f16(  # type: ignore[no-untyped-def]
     else:
         s = tl.dot(q, tl.trans(k))
     s = s * (k_scale * scale_log2)[None, :]  # one multiply an element: the key scale and the softmax scale
-    # log2 of the value scales, from their bits (Mitchell's approximation: below log2 by less than 0.09, so the
-    # weights stay below 1.07; tl.log2 is a ~25-instruction polynomial a value on sm_90)
-    log2_v = tl.clamp(v_scale, _V_SCALE_MIN, _V_SCALE_MAX).to(tl.int32, bitcast=True).to(tl.float32) * _2_M23 - 127.0
+    log2_v = log2_scale(v_scale)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s + log2_v[None, :], axis=1))

@@ -34,10 +34,6 @@ from services.engine.kernels import pdl
 MIN_HEADS = 8  # wgmma's smallest N: the G query heads of a KV head are padded to this
 Q_TOP = tl.constexpr(256.0)  # q's largest |element| a head, scaled (e4m3's largest finite value is 448)
 W_SCALE = tl.constexpr(256.0)  # the weights (< 1.07) scaled into e4m3's range
-_SCALE_BYTES = tl.constexpr(tiles.FP8_SCALE_BYTES)
-_V_SCALE_MIN = tl.constexpr(2.0**-64)
-_V_SCALE_MAX = tl.constexpr(2.0**64)
-_2_M23 = tl.constexpr(2.0**-23)
 
 
 @triton.jit
@@ -152,20 +148,14 @@ def _split_fp8_kernel(
         row = tl.load(rows_ptr + b * width + n, mask=in_w, other=0)
         if HAS_WINDOW:
             ok = ok & (pos > q_pos - window)
-        k_row = k_ptr + tl.multiple_of(row * stride_kr + kv * stride_kh, 16)
-        v_row = v_ptr + tl.multiple_of(row * stride_vr + kv * stride_vh, 16)
-        k = tl.load(k_row[:, None] + _SCALE_BYTES + d[None, :], mask=ok[:, None], other=0)
-        v = tl.load(v_row[:, None] + _SCALE_BYTES + d[None, :], mask=ok[:, None], other=0)
-        k_scale = tiles._row_scales(k_row.to(tl.pointer_type(tl.float32)), ok, True)
-        v_scale = tiles._row_scales(v_row.to(tl.pointer_type(tl.float32)), ok, True)
-        k = k.to(tl.float8e4nv, bitcast=True)
-        v = v.to(tl.float8e4nv, bitcast=True)
+        k, v, k_scale, v_scale = tiles.load_kv(
+            k_ptr, v_ptr, row, kv, stride_kr, stride_kh, stride_vr, stride_vh, d, ok, True, True, CODES=True
+        )
         s = _dot2(k, q_hi, q_lo, tl.zeros([BLOCK_N, NG], tl.float32), INTERPRETED)  # [BLOCK_N, NG]
         s = s * k_scale[:, None] * col[None, :]
-        # the running max is that of s + log2(v_scale) (softmax_step_f16): the weights w below stay < 1.07
-        log2_v = tl.clamp(v_scale, _V_SCALE_MIN, _V_SCALE_MAX).to(tl.int32, bitcast=True).to(tl.float32) * _2_M23
         s = tl.where(ok[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s + (log2_v - 127.0)[:, None], axis=0))
+        # the running max is that of s + log2(v_scale) (softmax_step_f16): the weights w below stay < 1.07
+        m_new = tl.maximum(m_i, tl.max(s + tiles.log2_scale(v_scale)[:, None], axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
@@ -207,8 +197,3 @@ V_F16 = False  # the second product's value codes converted to fp16 (A/B: bench/
 NUM_WARPS = 4  # one warpgroup: wgmma's unit
 NUM_STAGES = 3
 BLOCK_ROWS = 128  # rows a loop step (two m64 instructions a product)
-
-
-def block_rows() -> int:
-    """Rows a loop step (BLOCK_N); a module function so that a sweep can patch it."""
-    return BLOCK_ROWS
