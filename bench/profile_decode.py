@@ -373,7 +373,8 @@ def gaps(  # type: ignore[no-untyped-def]
     tokens = sum(len(s.output_ids) for s in seqs) - tokens0
     phases.on = False
     print(f"what ended the decode bursts (the whole run): {dict(engine.scheduler.burst_cuts)}")
-    print(f"why the host scheduled rather than continued a burst: {dict(engine.scheduler.continue_declines)}")
+    print(f"why the host scheduled rather than continued a burst: {dict(engine.scheduler.continue_declines)}; "
+          f"rows that left a continued batch: {engine.scheduler.continue_leaves}")  # fmt: skip
     got = busy_and_gaps(prof, tokens, batch, context)
     if got is None:
         return

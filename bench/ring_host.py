@@ -193,6 +193,7 @@ def main() -> int:
             ms_a_launch=rows,
             burst_cuts={k: v - cuts[0].get(k, 0) for k, v in cuts[-1].items() if v > cuts[0].get(k, 0)},
             continue_declines=dict(engine.scheduler.continue_declines),  # the whole run
+            continue_leaves=engine.scheduler.continue_leaves,
             pages_restored=restores[-1][0] - restores[0][0], of_them_prefetched=restores[-1][1] - restores[0][1],
         )))  # fmt: skip
         if a.dump:

@@ -105,7 +105,8 @@ def ring_rows(run: Run, model_dir: Path) -> None:
             _sessions(run, engine, "ring", gen_prompts, row, [budget] * n)
             cuts = engine.scheduler.burst_cuts  # what ended the decode bursts (scheduler.py), all sessions' run
             row.update(ring_headroom=a.ring_headroom, switch_in_burst=engine.limits.ring.switch_in_burst,
-                       burst_cuts=dict(cuts), restore_method=config["restore_method"],
+                       burst_cuts=dict(cuts), continue_declines=dict(engine.scheduler.continue_declines),
+                       continue_leaves=engine.scheduler.continue_leaves, restore_method=config["restore_method"],
                        held_restore_method=config["held_restore_method"],
                        stack_copies=engine.pool.stack_copies)  # fmt: skip
             if long_prompt:

@@ -99,6 +99,48 @@ def test_bursts_give_the_tokens_of_single_steps(model, smol_tokenizer: Tokenizer
     assert all(len(t) == 20 for t, _ in burst)
 
 
+def _shrinking_continuations(steps: list[list[Work]]) -> int:
+    """How many continued steps (inputs from the device) ran fewer sequences than the step before them."""
+    return sum(
+        1
+        for before, after in zip(steps, steps[1:], strict=False)
+        if after[0].on_device and {w.seq for w in after} < {w.seq for w in before}
+    )
+
+
+def test_sequences_finishing_at_different_steps_leave_the_chain_of_overlapped_bursts(
+    model, smol_tokenizer: Tokenizer
+) -> None:
+    """Three requests with different max_tokens: when one chooses its last token in a burst in flight, the next
+    burst is launched for the other two before the host reads it (its row leaves the batch, the others' tokens
+    gathered on the device) instead of the device waiting for a host schedule(). Every request's tokens are
+    those of single steps; only the last finish ends the chain."""
+    params = [greedy(9), greedy(26), greedy(17)]
+    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "leave1", num_slots=64)
+    burst, steps, engine = _burst_run(model, smol_tokenizer, 4, params, "leave4", num_slots=64)
+    assert [t for t, _ in burst] == [t for t, _ in single] and [len(t) for t, _ in burst] == [9, 26, 17]
+    sched = engine.scheduler  # type: ignore[attr-defined]
+    assert sched.continue_leaves == 2 and _shrinking_continuations(steps) == 2, (sched.continue_leaves, steps)
+    assert sched.continue_declines["token limit"] == 1, sched.continue_declines
+
+
+def test_a_stop_read_during_a_burst_in_flight_drops_the_row_from_the_next_one(smol_tokenizer: Tokenizer) -> None:
+    """A request stops (a stop token) in a burst whose successor is already on the device: the burst after that
+    one runs without it, the others' tokens unchanged (single steps' reference), its slots come back."""
+    model = tiny_model(VOCAB, seed=3)
+    free_run = _burst_run(model, smol_tokenizer, 1, [greedy(30)] * 3, "lfree", num_slots=64)[0][0][0]
+    k = next(i for i in range(6, 30) if free_run[i] not in free_run[:i])
+    stop = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=(free_run[k],))
+    params = [stop, greedy(30), greedy(30)]
+    single, _, _ = _burst_run(model, smol_tokenizer, 1, params, "lstop1", num_slots=64)
+    burst, steps, engine = _burst_run(model, smol_tokenizer, 4, params, "lstop4", num_slots=64)
+    assert [t for t, _ in burst] == [t for t, _ in single] and burst[0][0] == free_run[: k + 1]
+    assert burst[0][1].finish_reason == FinishReason.STOP  # type: ignore[union-attr]
+    assert engine.scheduler.continue_leaves >= 1 and _shrinking_continuations(steps) >= 1  # type: ignore[attr-defined]
+    assert "others" not in engine.scheduler.continue_declines  # type: ignore[attr-defined]
+    engine.slots.check_integrity()  # type: ignore[attr-defined]
+
+
 def _split_pattern(steps: list[list[Work]], odd: str, others: set[str]) -> list[str]:
     """Per decode step while the odd request and every other decode together: "burst" (the others only, several
     steps), "rest" (the others only, one step: a page end or re-selection capped it) or "all" (everyone, one step)."""
@@ -262,7 +304,8 @@ def test_overlapped_bursts_give_the_tokens_of_bursts_read_one_by_one(
 ) -> None:
     """Each burst launched before the one before it is read (engine.py: overlapped bursts), through the ring
     with re-selections every 4 steps taking effect 2 steps later (their pages prefetched), page ends and
-    sequences finishing at different lengths: the same tokens and finishes as bursts read one by one."""
+    sequences finishing at different lengths (leaving the chain): the same tokens and finishes as bursts read one
+    by one."""
     address = start_store(host_kv_mib=32).address
     ring = ring_limits(8, rescore_interval=4, prefetch_steps=2)
     kw = dict(num_slots=26, ring=ring, ring_chunk=8, store_address=address, lengths=(61, 30, 45))
@@ -280,6 +323,8 @@ def test_overlapped_bursts_give_the_tokens_of_bursts_read_one_by_one(
     assert [t for t, _ in overlapped] == [t for t, _ in single]  # re-selections take effect on the same steps
     assert [d.finish_reason for _, d in overlapped] == [d.finish_reason for _, d in serial]  # type: ignore[attr-defined]
     assert [len(t) for t, _ in overlapped] == [20, 13, 24]
+    # the two that finished first left the chain (their rows closed up on the device) rather than ending it
+    assert engine.scheduler.continue_leaves >= 1 and _shrinking_continuations(steps) >= 1  # type: ignore[attr-defined]
 
 
 def test_re_selections_inside_bursts_give_the_tokens_of_single_steps(
@@ -377,6 +422,8 @@ def test_captured_decode_through_the_ring_gives_the_uncaptured_tokens(
         decode = engine.runner.decode  # type: ignore[attr-defined]
         assert (decode.num_replays > 0) == graphs and (decode.num_eager > 0) != graphs
         assert engine.ring.num_prefetched > 0  # type: ignore[attr-defined]
+        if burst > 1:  # the greedy three finish one by one: the captured batch shrinks (4 -> 2 -> 1 rows)
+            assert engine.scheduler.continue_leaves > 0  # type: ignore[attr-defined]
         runs[graphs] = [t for t, _ in got]
     assert [len(t) for t in runs[True]] == [40, 33, 30, 44]
     assert runs[True] == runs[False]

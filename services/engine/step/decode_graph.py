@@ -60,11 +60,11 @@ page) changed, and copied into a bucket's buffers only when that batch row held 
 otherwise a step copies 7 x B integers to the device, in one copy (a row whose read set switched inside a
 burst is rewritten by the next step that uses it). A continued step (Work.on_device: the
 step after a burst whose tokens the host has not read, engine.py) keeps the ids the last step left on the
-device and copies the other inputs; the staging buffer alternates between two halves so that filling one
-never races the copy of the other still queued, and the rows come from pinned memory: nothing here waits
-for the burst in flight. The page summary of a ring sequence's page
-is brought up to date once, eagerly, on the step that fills the page (only full pages are ever
-scored or demoted), instead of per step inside the graph.
+device (gathered by row when sequences left the batch: scheduler.continue_decode) and copies the other
+inputs; the staging buffer alternates between two halves so that filling one never races the copy of the
+other still queued, and the rows come from pinned memory: nothing here waits for the burst in flight. The
+page summary of a ring sequence's page is brought up to date once, eagerly, on the step that fills the page
+(only full pages are ever scored or demoted), instead of per step inside the graph.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ from services.engine.kernels import triton_module
 from services.engine.kv.attention import PAD_POS
 from services.engine.kv.kv_pool import KVPool
 from services.engine.kv.recurrent_state import RecurrentBatch, RecurrentStates
-from services.engine.kv.transfers import to_host
+from services.engine.kv.transfers import device_index, to_host
 from services.engine.models.loader import CausalLM
 from services.engine.ring.summaries import row_index
 from services.engine.step.graph_attention import GraphAttention, GraphBuffers
@@ -187,6 +187,7 @@ class DecodeGraphs:
         self.capture_s = 0.0  # host time in _capture (its eager step, the synchronize, the capture itself)
         self.num_eager = 0
         self._last: GraphBuffers | None = None  # the buffers of the last step (page_scores reads its queries)
+        self._last_rows: dict[Sequence, int] = {}  # its batch row of each sequence (a continued step's tokens)
         # the model writes a step's K/V rows in its q/k norm + RoPE launch (KVMEM_KV_SINK=0: KVPool.write
         # launches them, for A/B runs)
         self.kv_sinks = os.environ.get("KVMEM_KV_SINK", "1") != "0"
@@ -267,6 +268,7 @@ class DecodeGraphs:
                 logits = bufs.out[:n]
         self._summarize_filled_pages(works)
         self._last = bufs
+        self._last_rows = {w.seq: i for i, w in enumerate(works)}
         return logits
 
     def tokens_to_host(self, num_works: int, num_steps: int) -> torch.Tensor:
@@ -413,8 +415,14 @@ class DecodeGraphs:
             bufs.inputs.copy_(half, non_blocking=True)
             return
         last = self._last
-        assert last is not None and last.batch == bufs.batch, "a continued step without the step before it"
-        if last is not bufs:  # another window bucket: the last step's argmax is in its buffers
+        assert last is not None, "a continued step without the step before it"
+        # each row's token is the argmax its sequence's row of the last step left on the device; rows that left
+        # (a finished sequence: scheduler.continue_decode) close up, padding repeats row 0's
+        src = [self._last_rows[w.seq] for w in works]
+        if src != list(range(len(works))) or last.batch != bufs.batch:
+            src += [src[0]] * (bufs.batch - len(src))
+            bufs.ids.copy_(last.ids.index_select(0, device_index(src, self.device)))
+        elif last is not bufs:  # another window bucket: the last step's argmax is in its buffers
             bufs.ids.copy_(last.ids)
         bufs.inputs[1:].copy_(half[1:], non_blocking=True)
 

@@ -40,7 +40,9 @@ Overlapped bursts: `continue_decode` schedules the decode step (or burst) after 
 for the same sequences, before its tokens are read (engine.py): the launched burst's tokens hold their
 places as PENDING (Sequence.add_pending) and its K/V counts as computed, so the plan, the clock and the
 page table move on exactly as if it had been read; only token values are unknown, and nothing here reads
-them. The next step's input tokens are the device's own (Work.on_device).
+them. The next step's input tokens are the device's own (Work.on_device). A sequence whose last token the
+launched burst chooses, or that a stop read meanwhile finished, leaves the continued batch (its row closes up
+on the device) instead of ending the chain.
 
 Recurrent layers (qwen3_5's Gated DeltaNet, RecurrentStates): a running sequence holds a state slot; a prefix
 is reused only up to a page whose state snapshot exists (on the device or in the kvstore), restored into the
@@ -113,6 +115,7 @@ class Scheduler:
         self.burst_cuts: Counter[str] = Counter()
         # why continue_decode left the next step to the host's schedule(), whose room-making the device waits for
         self.continue_declines: Counter[str] = Counter()
+        self.continue_leaves = 0  # rows that left a continued batch (a token limit, a stop) instead of ending it
         # ring sequence -> (page table, pages, evidence, skeleton) of its last room-making
         self._room_keys: dict[Sequence, tuple[object, ...]] = {}
         self._failures: list[tuple[Sequence, str]] = []
@@ -195,23 +198,30 @@ class Scheduler:
 
     def continue_decode(self, prev: list[Work]) -> list[Work] | None:
         """The decode step or burst after `prev`, a greedy decode launched on the device whose tokens are
-        PENDING, for the same sequences, scheduled before those tokens are read (module docstring). None
-        when the next step needs the host first: other sequences running or waiting, a work that is not a
-        greedy decode, a sequence at its token limit, an exact ring (its steps may stream host pages), a
-        re-selection that takes effect at the next step (no prefetch steps), a step that ended on a recurrent
-        state boundary (its snapshot is taken when the host reads it, before the state moves on), or room that
-        only a preemption would make."""
-        seqs = [w.seq for w in prev]
-        if self.waiting or self.burst_ok is None or len(seqs) != len(self.running) or set(seqs) != set(self.running):
+        PENDING, scheduled before those tokens are read (module docstring), for the same sequences less those
+        that leave the batch: one whose last token `prev` chooses (its token limit) and one that finished while
+        `prev` was in flight (a stop read from the step before it). The decode runner takes the staying rows'
+        tokens from the device (DecodeGraphs._fill), so a finish does not stop the chain: at batch, sequences
+        finish every few steps, and each stop used to leave the device idle while schedule() ran. None when the
+        next step needs the host first: a sequence running that `prev` does not hold, one waiting, a work that
+        is not a greedy decode, every sequence at its token limit, an exact ring (its steps may stream host
+        pages), a re-selection that takes effect at the next step (no prefetch steps), a step that ended on a
+        recurrent state boundary (its snapshot is taken when the host reads it, before the state moves on), or
+        room that only a preemption would make."""
+        running = set(self.running)
+        if self.waiting or self.burst_ok is None or not running <= {w.seq for w in prev}:
             return self._decline("others")
+        seqs = []
         for w in prev:
             seq, params = w.seq, w.seq.params
+            if seq not in running:
+                continue  # finished (a stop) while `prev` ran: its row leaves the batch
             if w.num_new != 1 or w.score_only or seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
                 return self._decline("not a decode")
             if not params.device_greedy:
                 return self._decline("host-sampled")
             if len(seq.output_ids) >= seq.max_tokens:
-                return self._decline("token limit")
+                continue  # `prev` chooses its last token: it leaves the batch
             if seq.ring is not None and seq.ring.policy == "exact":
                 return self._decline("exact")
             if w.score_tokens and (self.ring is None or self.ring.limits.prefetch_steps == 0):
@@ -220,6 +230,10 @@ class Scheduler:
                 return self._decline("selection due")  # a re-selection not selected yet takes effect at the next step
             if self.states is not None and self.states.is_boundary(w.start + w.num_steps):
                 return self._decline("state boundary")  # its state snapshot is taken when the host reads the step
+            seqs.append(seq)
+        if not seqs:
+            return self._decline("token limit")
+        self.continue_leaves += len(prev) - len(seqs)
         # the sequences' prefetched pages written in one batch (nothing here preempts or reads a slot)
         with self.ring.batched_writes() if self.ring is not None else nullcontext():
             for seq in seqs:
