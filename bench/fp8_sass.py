@@ -29,7 +29,7 @@ WATCH = ("F2F.BF16.F16", "F2FP.F16.E4M3.UNPACK_B", "LDS.U8", "PRMT", "HMMA", "LD
 def split_kernel_cubin(fp8: bool, f16: bool) -> bytes:
     import test_kernels_compile as tkc
 
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     code = "*u8" if fp8 else "*bf16"
     ptrs = dict(q_ptr="*bf16", k_ptr=code, v_ptr=code, rows_ptr="*i64", key_pos_ptr="*i64", q_pos_ptr="*i64",

@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python3 bench/kernel_sweep.py [--only linear|attention]
 
-- kernels/linear_triton.py `config`: every (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) at Gemma 3 270M's
+- kernels/layer/linear_triton.py `config`: every (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) at Gemma 3 270M's
   four projections, batch 1 and 8, against F.linear (cuBLAS); the four best and the heuristic's time per shape.
-- kernels/decode_attention_triton.py `block_rows` / split size: rows per loop step and per split, at windows of
-  512 (a sliding layer's ring), 2K and 4K rows, batch 1, Gemma's 4 query heads over 1 KV head of 256.
+- kernels/attention/decode_attention_triton.py `block_rows` / split size: rows per loop step and per split, at
+  windows of 512 (a sliding layer's ring), 2K and 4K rows, batch 1, Gemma's 4 query heads over 1 KV head of 256.
 
 Times are microseconds per call, from CUDA-graph replays of 18 calls on 18 distinct weights / pools (as one
 decode step's layers; nothing stays in L2).
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import graph_timing  # noqa: E402
-from services.engine.kernels import decode_attention_triton as dat  # noqa: E402
-from services.engine.kernels import linear_triton as lt  # noqa: E402
+from services.engine.kernels.attention import decode_attention_triton as dat  # noqa: E402
+from services.engine.kernels.layer import linear_triton as lt  # noqa: E402
 
 LAYERS = 18
 SHAPES = ((1536, 640), (640, 1024), (4096, 640), (640, 2048))  # qkv, o, gate/up, down

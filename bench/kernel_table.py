@@ -26,23 +26,23 @@ padded as decode_graph pads it), all 18 layers, bf16:
 
     torch     the path decode_graph runs today: per step an additive mask from the key positions, per
               layer index_select of the K and V rows, SDPA of [B, Hkv, G, D] queries over [B, Hkv, W, D]
-    triton    kernels/decode_attention_triton.decode_attention per layer (rows read in place, one
+    triton    kernels/attention/decode_attention_triton.decode_attention per layer (rows read in place, one
               split kernel + one merge kernel)
 
 Both run as CUDA-graph replays on CUDA (as decode steps do), so launch overhead is not counted;
 `err` is the largest difference from the torch path relative to the largest output value.
 
 The third table (CUDA only) is Gemma 3 270M's four projections of a decode step over all 18 layers:
-cuBLAS (F.linear) vs kernels/linear_triton.py, with the weight bandwidth the kernel reaches; its gated row
+cuBLAS (F.linear) vs kernels/layer/linear_triton.py, with the weight bandwidth the kernel reaches; its gated row
 is the gate/up projection with GELU(gate) * up as its epilogue against the two launches it replaces.
 
 The fourth (`--tables block`) is Gemma 3 270M's 18 layers from the attention output to the next layer's
 qkv: the six launches a decode step ran (o, post-norm + add + next norm, gated gate/up, down, post-norm +
-add + next norm, qkv) against kernels/block_triton.py's one persistent launch per layer, over grid sizes,
+add + next norm, qkv) against kernels/layer/block_triton.py's one persistent launch per layer, over grid sizes,
 warps, and with the weights loaded before each barrier or after it; both replayed from a CUDA graph.
 
 The fifth (`--tables head`) is Gemma 3 270M's vocabulary head at the end of a decode step (262,144 x 640
-bf16): cuBLAS, the cast to fp32 and torch.argmax (the baseline) against kernels/head_triton.py's one launch,
+bf16): cuBLAS, the cast to fp32 and torch.argmax (the baseline) against kernels/layer/head_triton.py's one launch,
 ten heads a replay, with the weight bandwidth each reaches and whether the tokens agree.
 """
 
@@ -278,7 +278,7 @@ def _decode_table(
     """The decode-attention rows: the torch path vs the Triton kernel, at Gemma 3 270M shapes."""
     kernels = None
     if "triton" in backends:
-        kernels = importlib.import_module("services.engine.kernels.decode_attention_triton")
+        kernels = importlib.import_module("services.engine.kernels.attention.decode_attention_triton")
     header = "| model | window | batch | torch us |" + (" triton us | triton x | triton err |" if kernels else "")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -300,9 +300,9 @@ LINEAR_SHAPES = (("qkv", 1536, 640), ("o", 640, 1024), ("gate_up", 4096, 640), (
 
 
 def _linear_table(device: torch.device, batches: list[int], reps: int) -> None:
-    """The projection rows: cuBLAS (F.linear) vs kernels/linear_triton.py, 18 layers' distinct weights
+    """The projection rows: cuBLAS (F.linear) vs kernels/layer/linear_triton.py, 18 layers' distinct weights
     (537 MB with the head: nothing stays in L2)."""
-    from services.engine.kernels import linear_triton
+    from services.engine.kernels.layer import linear_triton
 
     print("| projection | N x K | batch | torch us | triton us | triton x | triton err | triton GB/s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -335,7 +335,7 @@ def _linear_table(device: torch.device, batches: list[int], reps: int) -> None:
 def _gated_row(
     device: torch.device, x: torch.Tensor, weights: list[torch.Tensor], n: int, k: int, batch: int, reps: int
 ) -> None:
-    from services.engine.kernels import linear_triton, norm_triton
+    from services.engine.kernels.layer import linear_triton, norm_triton
 
     def two_launches() -> None:
         for w in weights:
@@ -355,10 +355,10 @@ def _gated_row(
 
 
 def _block_table(device: torch.device, reps: int) -> None:
-    """The persistent layer-half kernel (kernels/block_triton.py) against the six launches it replaces (o,
+    """The persistent layer-half kernel (kernels/layer/block_triton.py) against the six launches it replaces (o,
     post-norm + add + pre-norm, gated gate/up, down, post-norm + add + next norm, next qkv), Gemma 3 270M's
     18 layers chained through the residual stream, both replayed from a CUDA graph."""
-    from services.engine.kernels import block_triton, linear_triton, norm_triton
+    from services.engine.kernels.layer import block_triton, linear_triton, norm_triton
 
     layers, hidden, q_dim, inter, n_qkv = SHAPES[0].num_layers, 640, 1024, 2048, 1536
     g = torch.Generator(device=device).manual_seed(5)
@@ -422,8 +422,8 @@ def _block_table(device: torch.device, reps: int) -> None:
 
 
 def _head_table(device: torch.device, reps: int) -> None:
-    """The vocabulary head of a one-row step: cuBLAS + cast + torch.argmax against kernels/head_triton.py."""
-    from services.engine.kernels import head_triton
+    """The vocabulary head of a one-row step: cuBLAS + cast + torch.argmax against kernels/layer/head_triton.py."""
+    from services.engine.kernels.layer import head_triton
 
     vocab, hidden, heads = 262_144, 640, 10
     g = torch.Generator(device=device).manual_seed(11)
@@ -446,8 +446,8 @@ def _head_table(device: torch.device, reps: int) -> None:
     baseline()
     fused()
     agree = all(bool(torch.equal(a, b)) for a, b in zip(tokens["torch"], tokens["kernel"], strict=True))
-    print(f"| kernels/head_triton.py (one launch) | {t:.1f} | {nbytes / t / 1e6:.2f} | {base / t:.2f} | {agree} |",
-          flush=True)  # fmt: skip
+    print(f"| kernels/layer/head_triton.py (one launch) | {t:.1f} | {nbytes / t / 1e6:.2f} | {base / t:.2f} "
+          f"| {agree} |", flush=True)  # fmt: skip
 
 
 def _backends(device: torch.device, wanted: list[str]) -> dict[str, object]:
@@ -460,7 +460,7 @@ def _backends(device: torch.device, wanted: list[str]) -> dict[str, object]:
             logger.warning("%s skipped: kernels are timed on CUDA only (the interpreter is for tests)", name)
             continue
         try:
-            found[name] = importlib.import_module(f"services.engine.kernels.summaries_{name}")
+            found[name] = importlib.import_module(f"services.engine.kernels.pages.summaries_{name}")
         except ImportError as e:
             logger.warning("%s skipped: %s", name, e)
     return found

@@ -65,8 +65,8 @@ KNOCKABLE = ("qk", "split", "block", "head")
 def knock_out(parts: set[str]) -> None:
     """Replace each named part of the decode step by a cached zero buffer of its output's shape (the module
     docstring); timing only."""
-    from services.engine.kernels import block_triton, norm_triton
-    from services.engine.kernels import decode_attention_triton as attention
+    from services.engine.kernels.attention import decode_attention_triton as attention
+    from services.engine.kernels.layer import block_triton, norm_triton
     from services.engine.models import gemma3
 
     buffers: dict[tuple[object, ...], torch.Tensor] = {}

@@ -464,7 +464,7 @@ def physical_limits(hf: Any, ours: Any, ctx: int, prompt: int) -> dict[str, floa
 
 
 def kernel_rows(dev: torch.device) -> list[dict[str, Any]]:
-    from services.engine.kernels.gated_delta import fla_gated_delta_rule, reference_gated_delta_rule
+    from services.engine.kernels.layer.gated_delta import fla_gated_delta_rule, reference_gated_delta_rule
 
     rows = []
     for lengths in ([300, 1, 77], [1, 1, 1, 1]):

@@ -40,8 +40,9 @@ Rows (written to --out as {"date", "commit", "device", "rows": {NAME: {...}}}):
   attention_<n>x<T>          the prefill attention alone (--attn-bench / --only-attn) on the last n-token chunk
                              of a T-token prompt: masked memory-efficient SDPA (the engine before issue 26),
                              causal_sdpa (torch's FlashAttention-2), flex_attention with a block mask (compiled),
-                             kernels/prefill_attention_triton.py over scattered pool rows in five configurations
-                             (the engine's default now), and the K/V gather the non-Triton paths need, as TFLOP/s
+                             kernels/attention/prefill_attention_triton.py over scattered pool rows in five
+                             configurations (the engine's default now), and the K/V gather the non-Triton paths
+                             need, as TFLOP/s
 Before each timed row the decode graphs it will replay are captured (scale_engine.warm_graphs: every batch bucket
 up to the row's batch at its window bucket, as the peer's compiled step is warmed first); the rows record
 captures_in_row (0 when the warm-up covered the row) and --no-warm-graphs restores capture at first use.

@@ -26,7 +26,7 @@ def attention_bench(run: Run) -> None:
 def _attention_case(run: Run, n: int, total: int) -> dict[str, Any]:
     import triton.testing as tt
 
-    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kernels.attention import prefill_attention_triton as pat
     from services.engine.kv.attention import causal_sdpa, grouped_sdpa, position_mask
 
     sh, dev = run.shape, run.device

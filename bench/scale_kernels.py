@@ -5,17 +5,18 @@
 
 - linear: each projection of a decode step (qkv 6144 x 4096, o 4096 x 4096, gate/up 2 x 14336 x 4096 with the
   SiLU product, down 4096 x 14336) at M rows: cuBLAS (F.linear; gate/up then the torch product), the Triton
-  kernel's heuristic (kernels/linear_triton.py `config`), and with --sweep every configuration of a small grid
+  kernel's heuristic (kernels/layer/linear_triton.py `config`), and with --sweep every configuration of a small grid
   at M = 1. GB/s counts the weight bytes (each read once). M runs to 64: the kernel takes 32 and 64 rows in wider
   tiles (where cuBLAS splits K into a second launch).
 - residual: o and down at 8K and 16K rows followed by the residual sum, as two launches and as addmm_ (the sum in
   cuBLAS's epilogue: models/llama.project_add).
-- attention: the flash-decoding kernel (kernels/decode_attention_triton.py) over 32 layers' pools, Hq 32 / Hkv 8
-  of 128, at the decode graphs' padded windows (W a power of two >= the rows, as DecodeGraphs pads them), for
+- attention: the flash-decoding kernel (kernels/attention/decode_attention_triton.py) over 32 layers' pools, Hq 32 /
+  Hkv 8 of 128, at the decode graphs' padded windows (W a power of two >= the rows, as DecodeGraphs pads them), for
   MAX_SPLIT_ROWS in a few values (rows per split program at most). TB/s counts the real K/V bytes.
 
 - swiglu: the SwiGLU of prefill rows (M x 2 x 14336 -> M x 14336): torch's silu then multiply (two launches) against
-  kernels/norm_triton.py `silu_mul` (one), and the largest difference between them. GB/s counts 3 x M x 14336 x 2 B.
+  kernels/layer/norm_triton.py `silu_mul` (one), and the largest difference between them. GB/s counts
+  3 x M x 14336 x 2 B.
 - fp8: both attention kernels over fp8 rows read in place (`fp8=True`, uint8 [R, 8, 16 + 128]) against the same rows
   in bf16: decode at B x rows (the ring's 32 x 4K, one 32K session), its fp8 dots in bf16 (KVMEM_FP8_DOT=bf16, the
   kernel before fp16 operands) and in fp16 (the default) in the same process, with --sweep the fp16 path's warps /
@@ -50,8 +51,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import graph_timing  # noqa: E402
-from services.engine.kernels import decode_attention_triton as dat  # noqa: E402
-from services.engine.kernels import linear_triton as lt  # noqa: E402
+from services.engine.kernels.attention import decode_attention_triton as dat  # noqa: E402
+from services.engine.kernels.layer import linear_triton as lt  # noqa: E402
 
 LAYERS = 32
 SWEEP_ROWS = tuple(int(m) for m in os.environ.get("KVMEM_SWEEP_ROWS", "1,32").split(","))  # rows the sweep times
@@ -174,8 +175,8 @@ def attention_table(dev: torch.device) -> None:
 
 
 def head_table(dev: torch.device) -> None:
-    """The vocabulary head of one row (128256 x 4096): kernels/head_triton.py against cuBLAS + cast + argmax."""
-    from services.engine.kernels import head_triton
+    """The vocabulary head of one row (128256 x 4096): kernels/layer/head_triton.py against cuBLAS + cast + argmax."""
+    from services.engine.kernels.layer import head_triton
 
     ws = [torch.randn(128_256, 4096, device=dev, dtype=torch.bfloat16) / 64 for _ in range(4)]
     x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
@@ -194,7 +195,7 @@ def head_table(dev: torch.device) -> None:
 
 def swiglu_table(dev: torch.device, ms: tuple[int, ...] = (2048, 8192), inter: int = 14_336) -> None:
     """silu(gate) * up of prefill-sized rows: torch (the engine before norm_triton.silu_mul) and the kernel."""
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
 
     for m in ms:
         calls = 4
@@ -301,7 +302,7 @@ def _mma_sweep(
     want: torch.Tensor,
 ) -> str:  # fmt: skip
     """The fp8-tensor-core decode (KVMEM_FP8_DOT=mma) at each MMA_VARIANTS entry: time and relative difference."""
-    from services.engine.kernels import decode_attention_fp8mma as mma
+    from services.engine.kernels.attention import decode_attention_fp8mma as mma
 
     real = mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS, mma.V_F16
     cells = []
@@ -331,7 +332,7 @@ def fp8_table(
     decode of `cases` (batch, rows each) with the fp8 rows' dots in bf16 (KVMEM_FP8_DOT=bf16, before) and in fp16
     (the default), each one's relative difference from bf16 attention and from each other, and with `sweep` the
     fp16 path's FP8_VARIANTS; prefill of a `chunk` (new tokens, past tokens)."""
-    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kernels.attention import prefill_attention_triton as pat
     from services.engine.kv.kv_formats import parse_format
 
     fmt = parse_format("fp8")

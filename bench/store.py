@@ -12,7 +12,7 @@ Starts its own redis-server and kvstore processes (real gRPC, real shared-memory
 `--device cuda` first measures, in one run and without any store, host memory laid out like an
 arena (4 KiB-aligned slots in a /dev/shm file) registered with cudaHostRegister, pages of SmolLM2
 (1.47 MB) and Gemma 3 270M (1.18 MB) in batches of 8/32/128: one pinned H2D copy (the limit),
-pageable H2D, the batched restore (kernels/restore.py: `copies` and `triton`, pages consecutive in
+pageable H2D, the batched restore (kernels/pages/restore.py: `copies` and `triton`, pages consecutive in
 the arena or scattered), and the engine's old path (a copy per page, stack, pageable H2D), each in
 GB/s and as a ratio to the pinned copy. Then, when redis-server is here, KVStoreHostPages.fetch_to
 end to end (GetPages + copies + Unpin) on both paths. Prints markdown tables (bench/RESULTS.md).
@@ -43,7 +43,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from services.engine.kernels.restore import (  # noqa: E402
+from services.engine.kernels.pages.restore import (  # noqa: E402
     host_tensor,
     register_host,
     restore_pages,

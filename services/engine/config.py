@@ -11,7 +11,7 @@ import torch
 
 from services.common import auth
 from services.common.model_files import DEFAULT_MODEL
-from services.engine.kernels.restore import METHODS as RESTORE_METHODS
+from services.engine.kernels.pages.restore import METHODS as RESTORE_METHODS
 from services.engine.kv.kv_formats import KVFormatError, KVSpec, parse_spec
 from services.engine.kv.paged_attention import PREFILL_MODES
 from services.engine.ring.summaries import HEAD_FUSIONS
@@ -50,9 +50,9 @@ class EngineConfig:
     replica_id: str = ""
     num_threads: int = 0  # torch CPU threads; 0: torch's default
     host_kv_mib: int = 1024  # the kvstore's budget, for the start-up capacity guard
-    # how host pages reach the device (kernels/restore.py): "copies" (a cudaMemcpyAsync per run of consecutive pages)
-    # or "triton" (one gather launch a batch reading the registered arena in place; a held exact chunk's layer is
-    # one launch instead of a copy per page)
+    # how host pages reach the device (kernels/pages/restore.py): "copies" (a cudaMemcpyAsync per run of consecutive
+    # pages) or "triton" (one gather launch a batch reading the registered arena in place; a held exact chunk's layer
+    # is one launch instead of a copy per page)
     restore_method: str = "copies"
     # a held read's (the exact chunk's host pages, a layer's bytes of each at a time) on CUDA: one gather launch instead
     # of a copy a page (ring/host_pages.KVStoreHostPages); off CUDA held reads copy

@@ -1,4 +1,4 @@
-"""The persistent layer-half kernel (kernels/block_triton.py) against its torch reference, the six launches'
+"""The persistent layer-half kernel (kernels/layer/block_triton.py) against its torch reference, the six launches'
 torch code composed. On the CPU it runs interpreted as one program (tests/conftest.py); on CUDA (`-m gpu`)
 compiled, one program per SM, its grid-wide barriers crossed three times a launch."""
 
@@ -20,7 +20,7 @@ def _weights(  # noqa: ANN202
 ):  # fmt: skip
     """Gemma 3's layer (post-norms, GELU, norm weights around 0) or the Llama family's (no post-norms, SiLU,
     norm weights around 1, a qkv bias as Qwen2 has)."""
-    from services.engine.kernels.block_triton import BlockWeights
+    from services.engine.kernels.layer.block_triton import BlockWeights
 
     g = torch.Generator().manual_seed(seed)
 
@@ -50,7 +50,7 @@ def test_matches_the_launches_torch_code(
 ) -> None:
     """Odd sizes (masked tails, several tiles a phase), with and without the next layer's qkv, both families;
     fp32 to the summation order, bf16 to its rounding."""
-    from services.engine.kernels.block_triton import block, block_reference
+    from services.engine.kernels.layer.block_triton import block, block_reference
 
     device = device_or_skip(where)
     w = _weights(hidden, q_dim, inter, n_qkv, device, seed=hidden + inter, dtype=dtype, family=family)
@@ -76,7 +76,7 @@ def _assert_outputs_close(
 def _partials(heads: int, head_dim: int, splits: int, device: torch.device, dtype: torch.dtype, seed: int):  # noqa: ANN202
     """Split-kernel partials as the kernel leaves them: per split a running max m (base 2), l >= 1 (the max's
     own term) and acc of l's scale; split 1 of head 0 saw no key (m = -inf, l = acc = 0)."""
-    from services.engine.kernels.decode_attention_triton import Partials
+    from services.engine.kernels.attention.decode_attention_triton import Partials
 
     g = torch.Generator().manual_seed(seed)
     m = 4 * torch.randn(1, heads, splits, generator=g)
@@ -98,8 +98,8 @@ def test_merges_the_attention_partials_in_its_first_phase(
 ) -> None:  # fmt: skip
     """The attention's unmerged partials (decode_attention's `partial=True`) instead of its output: the block
     merges each head itself (one launch fewer a layer), as the merge kernel and then the o projection would."""
-    from services.engine.kernels.block_triton import block, block_reference, takes
-    from services.engine.kernels.decode_attention_triton import merge_reference
+    from services.engine.kernels.attention.decode_attention_triton import merge_reference
+    from services.engine.kernels.layer.block_triton import block, block_reference, takes
 
     device = device_or_skip(where)
     w = _weights(hidden, heads * head_dim, inter, n_qkv, device, seed=hidden + splits, dtype=dtype, family=family)
@@ -117,7 +117,7 @@ def test_merges_the_attention_partials_in_its_first_phase(
 def test_merges_gemma_sized_partials_compiled(splits: int) -> None:
     """Gemma 3 270M's sizes (4 heads of 256 into 640; the splits of a sliding and of a global layer), one
     program per SM, the weight tiles loaded while waiting at the barriers; a CUDA graph replays it."""
-    from services.engine.kernels.block_triton import block, block_reference
+    from services.engine.kernels.layer.block_triton import block, block_reference
 
     device = device_or_skip("cuda")
     w = _weights(640, 1024, 2048, 1536, device, seed=splits)
@@ -145,8 +145,8 @@ def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero(family: str) ->
     """Gemma 3 270M's sizes, every program of the device: replayed many times in a graph (the barrier
     counters must be zero again after each launch, or the next replay's barriers pass early), the same
     result each replay; each captured launch has counters of its own."""
-    from services.engine.kernels import arrivals
-    from services.engine.kernels.block_triton import COUNTERS, block, block_reference
+    from services.engine.kernels.layer import arrivals
+    from services.engine.kernels.layer.block_triton import COUNTERS, block, block_reference
 
     device = device_or_skip("cuda")
     w = _weights(640, 1024, 2048, 1536, device, seed=3, family=family)
@@ -178,7 +178,7 @@ def test_replays_in_a_cuda_graph_and_its_counters_return_to_zero(family: str) ->
 def test_launches_on_two_streams_at_once_do_not_share_barriers() -> None:
     """Two streams each launching the kernel many times, at once (two engines in one process): each stream
     has its own counters, so neither waits for the other's programs; every result is the reference's."""
-    from services.engine.kernels.block_triton import block, block_reference
+    from services.engine.kernels.layer.block_triton import block, block_reference
 
     device = device_or_skip("cuda")
     w = _weights(640, 1024, 2048, 1536, device, seed=4)
@@ -200,9 +200,9 @@ def test_launches_on_two_streams_at_once_do_not_share_barriers() -> None:
 
 
 def test_counter_sets_belong_to_a_stream_or_to_one_captured_launch() -> None:
-    """kernels/arrivals.py's sets: a stream's is reused (grown when a launch needs more), a captured launch
+    """kernels/layer/arrivals.py's sets: a stream's is reused (grown when a launch needs more), a captured launch
     gets one of its own, and a spent buffer gives none (the caller keeps its path without counters)."""
-    from services.engine.kernels.arrivals import CAPACITY, _Counters
+    from services.engine.kernels.layer.arrivals import CAPACITY, _Counters
 
     state = _Counters(torch.device("cpu"))
     a, b = state.take(1, 4), state.take(2, 4)
@@ -227,7 +227,7 @@ def test_a_one_row_forward_takes_the_block_kernel_and_matches_torch(
     adds) on the (interpreted) Triton tier: every layer's second half is one block launch, the last without a
     qkv, and the logits are the torch tier's; a prompt of several rows keeps the launches."""
     from services.engine import kernels
-    from services.engine.kernels import block_triton
+    from services.engine.kernels.layer import block_triton
     from services.engine.kv.attention import ContiguousKV
     from tests.engine.helpers import tiny_gemma, tiny_model
 
@@ -266,7 +266,7 @@ def test_off_by_switch_and_under_a_share_of_the_sms(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], on: bool
 ) -> None:
     """Its barriers need every program resident at once: an MPS share of the SMs turns it off, as the switch does."""
-    from services.engine.kernels import block_triton
+    from services.engine.kernels.layer import block_triton
 
     for name in ("KVMEM_BLOCK_KERNEL", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
         monkeypatch.delenv(name, raising=False)
@@ -284,7 +284,7 @@ def test_supported_takes_one_row_and_whole_layers_only() -> None:
     without the other, an unknown activation, a hidden size past 1,024; `block` refuses what it does not take."""
     import dataclasses
 
-    from services.engine.kernels.block_triton import block, supported
+    from services.engine.kernels.layer.block_triton import block, supported
 
     w = _weights(96, 128, 200, 160, torch.device("cpu"), seed=1, dtype=torch.float32)
     x = torch.zeros(1, 96)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def _check(x: Inputs, window: int | None, out: torch.Tensor | None = None) -> None:
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     want = dat.decode_attention_reference(*x, window=window)
     got = dat.decode_attention(*x, window=window, out=out)
@@ -70,7 +70,7 @@ def _sdpa_attention(x: Inputs, window: int | None) -> torch.Tensor:
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("heads", [(4, 1), (8, 2), (2, 2)])
 def test_reference_matches_loop_and_sdpa(heads: tuple[int, int], window: int | None) -> None:
-    from services.engine.kernels.decode_attention_triton import decode_attention_reference
+    from services.engine.kernels.attention.decode_attention_triton import decode_attention_reference
 
     x = inputs(3, heads, 32, 128, torch.float32, torch.device("cpu"), seed=7)
     got = decode_attention_reference(*x, window=window)
@@ -79,7 +79,7 @@ def test_reference_matches_loop_and_sdpa(heads: tuple[int, int], window: int | N
 
 
 def test_reference_keeps_q_dtype_and_sees_only_the_visible_row() -> None:
-    from services.engine.kernels.decode_attention_triton import decode_attention_reference
+    from services.engine.kernels.attention.decode_attention_triton import decode_attention_reference
 
     x = inputs(2, (4, 2), 16, 64, torch.bfloat16, torch.device("cpu"), seed=3)
     got = decode_attention_reference(*x, window=1)  # only the key at q_pos itself
@@ -151,7 +151,7 @@ def _only_one_visible(where: str, last: bool) -> Inputs:
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("last", [True, False])
 def test_only_one_key_visible(where: str, last: bool) -> None:
-    from services.engine.kernels.decode_attention_triton import decode_attention
+    from services.engine.kernels.attention.decode_attention_triton import decode_attention
 
     x = _only_one_visible(where, last)
     got = decode_attention(*x, window=1 if last else None)
@@ -164,7 +164,7 @@ def test_only_one_key_visible(where: str, last: bool) -> None:
 def test_partial_last_split_and_direct_path(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Splits of up to 512 rows: W 1216 is three splits of 448 rows (64-row steps), the last one ending
     past W (masked); W 256 is one split written by the split kernel itself (no merge)."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     monkeypatch.setattr(dat, "TARGET_PROGRAMS", 1)
     assert dat.split_rows(2, 2, 1216) == 448 and dat.split_rows(2, 2, 256) == 256
@@ -174,7 +174,7 @@ def test_partial_last_split_and_direct_path(where: str, monkeypatch: pytest.Monk
 
 def test_many_splits_are_merged() -> None:
     """W 1088 (17 pages) at B 1: 17 splits of 64 rows, more than one merge block of 16."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     assert dat.split_rows(1, 1, 1088) == 64
     _check(inputs(1, (4, 1), 32, 1088, torch.float32, torch.device("cpu"), seed=5), window=200)
@@ -189,12 +189,12 @@ def test_strided_query_and_given_output(where: str) -> None:
     fused[:, :8] = x.q
     big = torch.full((2, 10, 64), float("nan"), device=device)
     out = big[:, 1:9]
-    from services.engine.kernels.decode_attention_triton import decode_attention
+    from services.engine.kernels.attention.decode_attention_triton import decode_attention
 
     got = decode_attention(*x._replace(q=fused[:, :8]), window=None, out=out)
     assert got.data_ptr() == out.data_ptr()
     assert torch.isnan(big[:, 0]).all() and torch.isnan(big[:, 9]).all()  # nothing written outside `out`
-    from services.engine.kernels.decode_attention_triton import decode_attention_reference
+    from services.engine.kernels.attention.decode_attention_triton import decode_attention_reference
 
     torch.testing.assert_close(big[:, 1:9], decode_attention_reference(*x), rtol=2e-5, atol=2e-5)
 
@@ -204,7 +204,7 @@ def test_strided_query_and_given_output(where: str) -> None:
 def test_keeps_a_copy_of_the_queries(where: str, partial: bool) -> None:
     """keep_q: the launch also copies q (strided, bf16, two sequences of 8 query heads over 2 KV heads) into
     keep_q, exactly, once per query head whatever the split count; the attention is unchanged."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     device = device_or_skip(where)
     x = inputs(2, (8, 2), 64, 512, torch.bfloat16, device, seed=11)
@@ -229,7 +229,7 @@ def test_keeps_the_queries_of_the_step_at_keep_pos(where: str, partial: bool) ->
     """keep_pos [B]: sequence b's q is kept iff keep_pos[b] < 0 or q_pos[b] == keep_pos[b] (a decode burst keeps
     its scoring step's query), the other rows of keep_q left as they were, exactly the SDPA path's
     torch.where (graph_attention._sdpa); several splits, and the attention is unchanged."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     device = device_or_skip(where)
     x = inputs(4, (8, 2), 64, 512, torch.bfloat16, device, seed=12)
@@ -252,7 +252,7 @@ def test_keeps_the_queries_of_the_step_at_keep_pos(where: str, partial: bool) ->
 
 
 def test_split_rows_is_a_function_of_the_shapes() -> None:
-    from services.engine.kernels.decode_attention_triton import split_rows
+    from services.engine.kernels.attention.decode_attention_triton import split_rows
 
     assert [split_rows(1, 1, w) for w in (64, 512, 2048, 8192)] == [32, 32, 64, 64]  # one step per split
     assert [split_rows(8, 1, w) for w in (2048, 8192, 65536)] == [64, 256, 512]
@@ -263,7 +263,7 @@ def test_split_rows_is_a_function_of_the_shapes() -> None:
 def test_fp8_block_rows_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp8 rows past SHORT_WIDTH in 128-row steps, splits of up to 1,024 rows, by default (a short window still as
     plain rows); KVMEM_FP8_BLOCK_ROWS=64: split as plain ones; anything else is refused."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     dat.fp8_block_rows.cache_clear()
     monkeypatch.setenv("KVMEM_FP8_BLOCK_ROWS", "64")
@@ -286,7 +286,7 @@ def test_fp8_block_rows_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_wrapper_refuses_bad_shapes() -> None:
-    from services.engine.kernels.decode_attention_triton import decode_attention, supported
+    from services.engine.kernels.attention.decode_attention_triton import decode_attention, supported
 
     x = inputs(1, (4, 1), 64, 128, torch.float32, torch.device("cpu"), seed=1)
     assert supported(x.k_store) and supported(x.k_store.bfloat16()) and supported(x.k_store.half())
@@ -303,7 +303,7 @@ def test_wrapper_refuses_bad_shapes() -> None:
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_index_copy(where: str, dtype: torch.dtype) -> None:
-    from services.engine.kernels.kv_triton import write_kv, write_kv_reference
+    from services.engine.kernels.pages.kv_triton import write_kv, write_kv_reference
 
     device = device_or_skip(where)
     g = torch.Generator().manual_seed(2)
@@ -333,7 +333,7 @@ def test_write_kv_matches_index_copy(where: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("window", [None, 96])
 def test_captured_in_a_cuda_graph(window: int | None) -> None:
     """Capture once on static buffers, change every input in place, replay: the result follows the inputs."""
-    from services.engine.kernels.decode_attention_triton import decode_attention, decode_attention_reference
+    from services.engine.kernels.attention.decode_attention_triton import decode_attention, decode_attention_reference
 
     device = device_or_skip("cuda")
     static = inputs(3, (4, 1), 256, 1024, torch.bfloat16, device, seed=1)
@@ -357,7 +357,7 @@ def test_captured_in_a_cuda_graph(window: int | None) -> None:
 def test_new_widths_and_batches_compile_nothing() -> None:
     """W, the split size and the split count are runtime ints: other window buckets reuse the variants
     (one per loop step size, block_rows: windows up to SHORT_WIDTH and longer ones)."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     device = device_or_skip("cuda")
     for width in (512, 2048):
@@ -401,7 +401,7 @@ def test_ring_window_matches_its_reference(
     """The ring read set by arithmetic equals the reference over the rows it names (ring_read_set), which
     equals plain attention over those rows: before position 0 nothing is read, a wrapped window reads the
     ring's start, a narrower layer window masks the oldest rows; 32- and 64-row loop steps."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
     from services.engine.ring.local_ring import ring_read_set
 
     q, k_store, v_store, ring_base, q_pos = _ring_case(where, dtype, 3, width, span)
@@ -424,7 +424,7 @@ def test_ring_window_matches_its_reference(
 def test_partials_merge_to_the_output(where: str, heads: tuple[int, int], width: int, window: int | None) -> None:
     """`partial=True`: the split kernel's unmerged partials (no merge launch), which `merge_reference` (the
     block kernel's first phase merges them the same way) turns into the output; one split: the output."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     dtype = torch.float32 if where == "cpu" else torch.bfloat16
     x = inputs(1, heads, 64, width, dtype, device_or_skip(where), seed=width)
@@ -449,7 +449,7 @@ def test_sorted_keys_skip_the_splits_past_the_query(where: str) -> None:
     """The decode graphs' read sets (rows by position, padding at PAD_POS last, the token's bucket wider than
     its rows): with sorted_keys the splits past the query walk nothing, and the output is the unsorted
     kernel's and the reference's (poisoned output first: every element written)."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     device = device_or_skip(where)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -32,7 +32,7 @@ def _fp8_stores(x: Inputs) -> tuple[torch.Tensor, torch.Tensor, Inputs]:
 @pytest.fixture(params=["fp16", "bf16"])
 def fp8_dot(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Each operand mode of the fp8 rows' dots (KVMEM_FP8_DOT, read once per process by dat.fp8_dot)."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     monkeypatch.setenv("KVMEM_FP8_DOT", request.param)
     dat.fp8_dot.cache_clear()
@@ -71,7 +71,7 @@ def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
     and the probabilities: the reference's output over the dequantised rows, split and merged or direct. bf16
     dots: exact on the CPU (fp32 dots there). fp16 dots: q and the weights rounded to fp16 as on the GPU; with q
     exact in fp16, within the weights' rounding (_fp16_weight_tolerance)."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     x = inputs(batch, heads, 64, width, dtype, device_or_skip(where), seed=width)
     if fp8_dot == "fp16":
@@ -102,7 +102,7 @@ def test_fp8_fp16_dots_over_rows_far_from_one(where: str, values: str, monkeypat
     scales eleven orders apart), and a long sequence of value rows at 1e-6..1e-5 ("tiny": p * v_scale alone
     would sit in fp16's subnormals, 4e-11 for a weight of 1/1024: the running max of s + log2 v_scale keeps the
     weights near 1). Within the fp16 rounding of the weights of the fp32 reference, per sequence."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     monkeypatch.setenv("KVMEM_FP8_DOT", "fp16")
     dat.fp8_dot.cache_clear()
@@ -150,8 +150,8 @@ def test_fp8_rows_off_sixteen_byte_alignment_keep_the_gather_path() -> None:
     """The fp8 kernels load the codes 16 bytes at a time (attention_tiles.load_kv tells the compiler every row
     starts on 16 bytes): a layer whose rows do not (a base off by 4, or a row of 4 + D bytes) is not theirs, in
     either kernel."""
-    from services.engine.kernels import decode_attention_triton as dat
-    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kernels.attention import decode_attention_triton as dat
+    from services.engine.kernels.attention import prefill_attention_triton as pat
 
     rows, heads, width = 64, 2, 16 + 32
     aligned = torch.zeros(rows, heads, width, dtype=torch.uint8)

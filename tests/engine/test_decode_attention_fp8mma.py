@@ -1,4 +1,4 @@
-"""Flash-decoding over fp8 rows on fp8 tensor cores (kernels/decode_attention_fp8mma.py, KVMEM_FP8_DOT=mma):
+"""Flash-decoding over fp8 rows on fp8 tensor cores (kernels/attention/decode_attention_fp8mma.py, KVMEM_FP8_DOT=mma):
 against the reference over the dequantised rows, its two-term e4m3 operands, its kept queries and partials.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py; its fp8 products in fp32, exact); on CUDA
@@ -23,7 +23,7 @@ if importlib.util.find_spec("triton") is not None:
     import triton
     import triton.language as tl
 
-    from services.engine.kernels import decode_attention_fp8mma as mma
+    from services.engine.kernels.attention import decode_attention_fp8mma as mma
 
     @triton.jit
     def _two_terms_kernel(x_ptr, hi_ptr, lo_ptr, N: tl.constexpr, INTERPRETED: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -35,7 +35,7 @@ if importlib.util.find_spec("triton") is not None:
 
 @pytest.fixture(autouse=True)
 def mma_mode(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     monkeypatch.setenv("KVMEM_FP8_DOT", "mma")
     dat.fp8_dot.cache_clear()
@@ -67,7 +67,7 @@ def test_mma_rows_match_the_reference_over_their_dequantised_rows(
 ) -> None:
     """Scattered rows in shuffled order, gaps, padding and future keys (decode_attention_cases.inputs): the
     reference's attention over the dequantised rows, within the two-term operands' rounding."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     device = device_or_skip(where)
     x = inputs(batch, heads, head_dim, width, dtype, device, seed=width + head_dim)
@@ -84,7 +84,7 @@ def test_mma_rows_match_the_reference_over_their_dequantised_rows(
 def test_mma_keeps_the_queries_and_gives_the_same_partials(where: str, partial: bool) -> None:
     """keep_q / keep_pos as the fp16 kernel keeps them (q copied exactly where keep_pos < 0 or equals q_pos), sorted
     keys (a window bucket's padding skipped), and the partials merged by the reference equal to the output."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     device = device_or_skip(where)
     x = inputs(4, (8, 2), 64, 512, torch.bfloat16, device, seed=12)
@@ -110,7 +110,7 @@ def test_mma_keeps_the_queries_and_gives_the_same_partials(where: str, partial: 
 
 def test_fp8_dot_takes_mma() -> None:
     """KVMEM_FP8_DOT takes mma beside fp16 and bf16, and nothing else."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     assert dat.fp8_dot() == "mma"
     with pytest.MonkeyPatch.context() as mp:

@@ -294,7 +294,7 @@ def _use_triton_step(monkeypatch: pytest.MonkeyPatch) -> None:
     from services.engine.step import decode_graph, graph_attention
 
     def kernels(name: str, device: torch.device) -> object:
-        wanted = ("decode_attention_triton", "step_triton")
+        wanted = ("attention.decode_attention_triton", "layer.step_triton")
         return importlib.import_module(f"services.engine.kernels.{name}") if name in wanted else None
 
     for module in (decode_graph, graph_attention):
@@ -463,7 +463,7 @@ def _decode_with_the_fused_kernel(model: torch.nn.Module, monkeypatch: pytest.Mo
     """Two decode steps of two sequences on the runner with the Triton decode-attention kernel (interpreted
     on the CPU; the other kernels stay torch), each equal to StepAttention's, then greedy equal to the
     reference; returns the [B, W] row shapes the kernel was called with, ("ring", B, W) for a local ring."""
-    from services.engine.kernels import decode_attention_triton
+    from services.engine.kernels.attention import decode_attention_triton
     from services.engine.step import decode_graph, graph_attention
 
     calls: list[tuple[object, ...]] = []
@@ -522,7 +522,7 @@ def test_fused_decode_attention_reads_fp8_rows_in_place(
     (fp8=True on every paged layer's call), and each step's logits are StepAttention's (which gathers and
     dequantises the rows): to ATOL with the bf16 dots (exact in fp32 on the CPU), to FP16_DOT_ATOL with the fp16
     ones (KVMEM_FP8_DOT); without it (the default) the fp8 layers keep the gather path (no kernel call)."""
-    from services.engine.kernels import decode_attention_triton
+    from services.engine.kernels.attention import decode_attention_triton
     from services.engine.kv import kv_pool
 
     monkeypatch.setenv("KVMEM_FP8_ATTENTION", "1" if on else "0")

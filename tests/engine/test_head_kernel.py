@@ -1,4 +1,4 @@
-"""The vocabulary head kernel (kernels/head_triton.py) against its torch reference (F.linear, the fp32 cast,
+"""The vocabulary head kernel (kernels/layer/head_triton.py) against its torch reference (F.linear, the fp32 cast,
 torch.argmax). On the CPU it runs interpreted (tests/conftest.py); on CUDA (`-m gpu`) compiled, at Gemma 3
 270M's vocabulary, and replayed from a CUDA graph."""
 
@@ -22,7 +22,7 @@ def _head_inputs(vocab: int, hidden: int, dtype: torch.dtype, device: torch.devi
 
 
 def _counters_zero(device: torch.device) -> bool:
-    from services.engine.kernels import arrivals
+    from services.engine.kernels.layer import arrivals
 
     state = arrivals._devices.get(arrivals._key(device))
     return state is None or not bool(state.buf.any())
@@ -35,7 +35,7 @@ def test_logits_and_argmax_match_torch(where: str, dtype: torch.dtype, vocab: in
     """Odd sizes (a part-filled last tile, a hidden size that is not a multiple of the loads): the logits are
     the reference's to the dtype's rounding, the token is torch.argmax of the kernel's own logits and of the
     reference's, and the arrival counter is back at zero."""
-    from services.engine.kernels.head_triton import head, head_reference
+    from services.engine.kernels.layer.head_triton import head, head_reference
 
     device = device_or_skip(where)
     h, weight = _head_inputs(vocab, hidden, dtype, device, seed=vocab + hidden)
@@ -59,7 +59,7 @@ def test_logits_and_argmax_match_torch(where: str, dtype: torch.dtype, vocab: in
 def test_the_pipelined_loop_and_other_tiles_match_torch(where: str, cfg: tuple[int, int, int, int]) -> None:
     """The configurations bench/scale_kernels.py tries at a long hidden (a loop pipelined LOOP_STAGES deep,
     other tiles): the reference's logits to bf16 rounding and torch.argmax's token."""
-    from services.engine.kernels.head_triton import head, head_reference
+    from services.engine.kernels.layer.head_triton import head, head_reference
 
     device = device_or_skip(where)
     h, weight = _head_inputs(300, 200, torch.bfloat16, device, seed=7)
@@ -74,7 +74,7 @@ def test_the_pipelined_loop_and_other_tiles_match_torch(where: str, cfg: tuple[i
 def test_ties_go_to_the_first_row_and_nan_beats_every_number(where: str) -> None:
     """torch.argmax's rules: of equal maxima the first row, inside a tile and across tiles (64 rows a tile);
     a NaN logit is larger than every number, the first NaN row wins."""
-    from services.engine.kernels.head_triton import head
+    from services.engine.kernels.layer.head_triton import head
 
     device = device_or_skip(where)
     h, weight = _head_inputs(400, 64, torch.float32, device, seed=1)
@@ -94,7 +94,7 @@ def test_ties_go_to_the_first_row_and_nan_beats_every_number(where: str) -> None
 
 
 def test_refuses_what_it_does_not_take() -> None:
-    from services.engine.kernels.head_triton import head, supported
+    from services.engine.kernels.layer.head_triton import head, supported
 
     h, weight = _head_inputs(100, 32, torch.float32, torch.device("cpu"), seed=2)
     assert supported(h, weight)
@@ -111,7 +111,7 @@ def test_the_models_take_it_for_one_row_and_agree_with_cublas_path(
     """llama.vocab_head on the interpreted Triton tier: one row through the kernel (logits and argmax), two rows through
     F.linear; the same logits either way to the rounding; a tiny Gemma's `head` (what a decode step calls) takes
     it too; KVMEM_HEAD_KERNEL=0 keeps one row on F.linear."""
-    from services.engine.kernels import head_triton
+    from services.engine.kernels.layer import head_triton
     from services.engine.models.llama import vocab_head
     from tests.engine.helpers import tiny_gemma
 
@@ -152,7 +152,7 @@ def test_the_models_take_it_for_one_row_and_agree_with_cublas_path(
 def test_gemma_vocabulary_replayed_from_a_graph() -> None:
     """Gemma 3 270M's head (262,144 x 640 bf16): captured twice in one graph and replayed with new rows, the
     token each time torch.argmax of the logits and the counters back at zero."""
-    from services.engine.kernels.head_triton import head, head_reference
+    from services.engine.kernels.layer.head_triton import head, head_reference
 
     device = device_or_skip("cuda")
     h, weight = _head_inputs(262_144, 640, torch.bfloat16, device, seed=4)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import services.engine.ring.host_pages as host_pages
-from services.engine.kernels.restore import RestoreError
+from services.engine.kernels.pages.restore import RestoreError
 from services.engine.kv.write_through import WriteThrough
 from services.engine.ring.host_pages import ArenaRegistration, KVStoreHostPages
 from services.kvstore.client import KVStoreClient, PageMeta

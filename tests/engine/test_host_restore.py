@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.kernels.restore import RestoreError, Run, copy_runs, restore_pages, restore_reference
+from services.engine.kernels.pages.restore import RestoreError, Run, copy_runs, restore_pages, restore_reference
 from services.engine.kv.write_through import WriteThrough
 from services.engine.ring.host_pages import KVStoreHostPages, PagesLostError
 from services.kvstore.client import KVStoreClient, PageMeta

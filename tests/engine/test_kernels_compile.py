@@ -50,7 +50,7 @@ def prefill_ptx(fp8: bool = True, causal: bool = True, state: int = 0) -> str:
     """The prefill kernel over fp8 rows (else bf16 rows), compiled for sm_90 as the engine launches it at the 8B
     shape -> PTX; `causal` False and `state` 1 or 2: the exact policy's parts (a float32 output and its
     log-sum-exp written, or read and merged into)."""
-    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kernels.attention import prefill_attention_triton as pat
 
     ints = ["n_q", "past"] + [f"stride_{s}" for s in ("qn", "qh", "kr", "kh", "vr", "vh", "on", "oh")]
     store = "*u8" if fp8 else "*bf16"
@@ -72,7 +72,7 @@ def prefill_ptx(fp8: bool = True, causal: bool = True, state: int = 0) -> str:
 def split_ptx(f16: bool, fp8: bool = True, block_n: int = 64) -> str:
     """The decode split kernel over fp8 rows (`f16`: the fp16 dots, the default; else KVMEM_FP8_DOT=bf16's), or
     with fp8 False over bf16 rows, compiled for sm_90 as the engine launches it at the 8B shape -> PTX."""
-    from services.engine.kernels import decode_attention_triton as dat
+    from services.engine.kernels.attention import decode_attention_triton as dat
 
     store = "*u8" if fp8 else "*bf16"
     ptrs = dict(q_ptr="*bf16", k_ptr=store, v_ptr=store, rows_ptr="*i64", key_pos_ptr="*i64", q_pos_ptr="*i64",
@@ -111,7 +111,7 @@ def compile_fp8_attention() -> None:
 
 def mma_ptx(block_n: int = 128) -> str:
     """The fp8-tensor-core decode split kernel (KVMEM_FP8_DOT=mma), compiled for sm_90 at the 8B shape -> PTX."""
-    from services.engine.kernels import decode_attention_fp8mma as mma
+    from services.engine.kernels.attention import decode_attention_fp8mma as mma
 
     ptrs = dict(q_ptr="*bf16", k_ptr="*u8", v_ptr="*u8", rows_ptr="*i64", key_pos_ptr="*i64", q_pos_ptr="*i64",
                 m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", keep_ptr="*bf16",
@@ -148,7 +148,7 @@ def _fp16_codes(ptx: str) -> None:
 
 def compile_silu_mul() -> None:
     """The SwiGLU kernel of prefill-sized rows (norm_triton.silu_mul), as the engine launches it."""
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
 
     types = dict(gate_up_ptr="*bf16", out_ptr="*bf16", inter="i32")
     _compile(norm_triton._act_mul_kernel, types, dict(BLOCK=1024, ACT=norm_triton.GATED_ACTS["silu"], PDL=True))
@@ -158,7 +158,7 @@ def compile_advance() -> None:
     """The end of a captured decode step (step_triton.advance: inputs advanced, a read-set switch copied), compiled
     as the engine launches it on the GPU (the loop's bound the switch's width, not the interpreter's constexpr);
     its PTX copies a switching row's read sets in a loop."""
-    from services.engine.kernels import step_triton
+    from services.engine.kernels.layer import step_triton
 
     ptrs = ("token_ptr", "burst_ptr", "inputs_ptr", "rows_ptr", "key_pos_ptr", "rows_next_ptr", "key_pos_next_ptr")
     types = dict({name: "*i64" for name in ptrs}, batch="i32", pages="i32", width="i32")

@@ -41,14 +41,14 @@ UPDATE_CASES = [
 
 def _triton() -> ModuleType:
     pytest.importorskip("triton")
-    from services.engine.kernels import summaries_triton
+    from services.engine.kernels.pages import summaries_triton
 
     return summaries_triton
 
 
 def _cupy() -> ModuleType:
     pytest.importorskip("cupy")
-    from services.engine.kernels import summaries_cupy
+    from services.engine.kernels.pages import summaries_cupy
 
     return summaries_cupy
 

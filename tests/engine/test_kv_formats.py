@@ -126,7 +126,7 @@ def test_hadamard_keys_are_rotated_back(base: str) -> None:
 @pytest.mark.parametrize("name", ["fp8", "int8", "nvfp4", "nvfp4+h"])
 @pytest.mark.parametrize("head_dim", [32, 64])
 def test_triton_kernels_write_the_reference_bytes(triton_tier: None, name: str, head_dim: int) -> None:
-    from services.engine.kernels import kv_triton
+    from services.engine.kernels.pages import kv_triton
 
     fmt = parse_format(name)
     assert kv_triton.supported(fmt, head_dim)
@@ -143,7 +143,7 @@ def test_fp8_k_and_v_written_in_one_launch_equal_the_reference(triton_tier: None
     """quantize_scatter_kv: K and V of a step read through their strides (views of one qkv row block, as a decode
     step has them) into the two stores of one pool stack, byte for byte the reference quantisation; refused (nothing
     written) for stores that are not one stack's K then V, and for formats other than fp8."""
-    from services.engine.kernels import kv_triton
+    from services.engine.kernels.pages import kv_triton
 
     fmt = parse_format("fp8")
     hq, h, d = 4, 2, 32
@@ -466,7 +466,7 @@ def test_cuda_triton_kernels_match_the_reference(name: str, head_dim: int) -> No
     code) and dequantise exactly what the reference dequantises from the same bytes."""
     if not torch.cuda.is_available() or not HAS_TRITON:
         pytest.skip("needs CUDA and triton")
-    from services.engine.kernels import kv_triton
+    from services.engine.kernels.pages import kv_triton
 
     dev = torch.device("cuda")
     fmt = parse_format(name)
@@ -505,7 +505,7 @@ def test_cuda_fp8_k_and_v_in_one_launch_write_the_two_launches_bytes(monkeypatch
     took both layers' writes (a refusal would fall back to two launches and compare them with themselves)."""
     if not torch.cuda.is_available() or not HAS_TRITON:
         pytest.skip("needs CUDA and triton")
-    from services.engine.kernels import kv_triton
+    from services.engine.kernels.pages import kv_triton
 
     taken: list[bool] = []
     real = kv_triton.quantize_scatter_kv

@@ -1,4 +1,4 @@
-"""The decode-sized projection kernel (kernels/linear_triton.py) against F.linear, its torch reference.
+"""The decode-sized projection kernel (kernels/layer/linear_triton.py) against F.linear, its torch reference.
 
 On the CPU it runs under TRITON_INTERPRET=1 (tests/conftest.py); on CUDA (`-m gpu`) compiled.
 """
@@ -32,7 +32,7 @@ def _params() -> list[object]:
 def test_matches_f_linear(where: str, dtype: torch.dtype, m: int, n: int, k: int, bias: bool) -> None:
     """Odd N and K (masked tails), several rows (tiles of 16, 32 and 64 rows: 17 pads to 32), a bias; x with a
     row stride wider than K."""
-    from services.engine.kernels.linear_triton import linear, linear_reference
+    from services.engine.kernels.layer.linear_triton import linear, linear_reference
 
     device = device_or_skip(where)
     g = torch.Generator().manual_seed(m * 1000 + n)
@@ -48,7 +48,7 @@ def test_matches_f_linear(where: str, dtype: torch.dtype, m: int, n: int, k: int
 
 
 def test_supported_takes_decode_batches_only() -> None:
-    from services.engine.kernels.linear_triton import MAX_COLS, MAX_ROWS, config, linear, supported
+    from services.engine.kernels.layer.linear_triton import MAX_COLS, MAX_ROWS, config, linear, supported
 
     w = torch.zeros(64, 32)
     assert supported(torch.zeros(MAX_ROWS, 32), w)
@@ -68,7 +68,7 @@ def test_supported_takes_decode_batches_only() -> None:
 
 def test_wider_tiles_keep_their_stages_inside_shared_memory() -> None:
     """16, 32 or 64 rows a tile; a 64-row gated bf16 tile of 64 x 128 keeps 4 of 6 stages, fp32 fewer."""
-    from services.engine.kernels.linear_triton import SMEM_BUDGET, block_rows, stages_for
+    from services.engine.kernels.layer.linear_triton import SMEM_BUDGET, block_rows, stages_for
 
     assert [block_rows(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
     assert stages_for(6, 16, 64, 128, gated=True, itemsize=2) == 6  # 36 KiB a stage: the decode kernel as it was
@@ -83,7 +83,7 @@ def test_wider_tiles_keep_their_stages_inside_shared_memory() -> None:
 def test_routed_rows_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """KVMEM_LINEAR_ROWS caps the rows the engine's projections send to the kernel (an A/B switch against
     cuBLAS); a value outside 1..MAX_ROWS is refused by name."""
-    from services.engine.kernels import linear_triton as lt
+    from services.engine.kernels.layer import linear_triton as lt
 
     w = torch.zeros(64, 32)
     try:
@@ -104,7 +104,7 @@ def test_routed_rows_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
 def test_gated_matches_projection_then_activation(where: str, dtype: torch.dtype, activation: str) -> None:
     """[gate | up] in one launch with act(gate) * up as the epilogue: odd I and K, several rows."""
-    from services.engine.kernels.linear_triton import linear_gated, linear_gated_reference
+    from services.engine.kernels.layer.linear_triton import linear_gated, linear_gated_reference
 
     device = device_or_skip(where)
     g = torch.Generator().manual_seed(7)
@@ -122,10 +122,10 @@ def test_gated_matches_projection_then_activation(where: str, dtype: torch.dtype
 @pytest.mark.parametrize(("where", "dtype"), _params())
 @pytest.mark.parametrize(("split_k", "k"), [(2, 512), (4, 1000), (4, 600)])
 def test_split_k_sums_its_partials(where: str, dtype: torch.dtype, split_k: int, k: int) -> None:
-    """K over 2 or 4 programs per column block, the last to arrive summing (kernels/arrivals.py), twice in a
+    """K over 2 or 4 programs per column block, the last to arrive summing (kernels/layer/arrivals.py), twice in a
     row (the counters reset); K 600 in four splits of 256 is three (the split count follows K); a bias."""
-    from services.engine.kernels import arrivals
-    from services.engine.kernels.linear_triton import linear, linear_reference
+    from services.engine.kernels.layer import arrivals
+    from services.engine.kernels.layer.linear_triton import linear, linear_reference
 
     device = device_or_skip(where)
     g = torch.Generator().manual_seed(k)
@@ -145,7 +145,7 @@ def test_split_k_sums_its_partials(where: str, dtype: torch.dtype, split_k: int,
 def test_split_k_on_two_streams_at_once_counts_its_own_arrivals() -> None:
     """Split-K launches on two streams at once (two engines in one process) each count their own partials:
     every result is the reference's (shared counters would let one launch's last arrival sum too early)."""
-    from services.engine.kernels.linear_triton import linear, linear_reference
+    from services.engine.kernels.layer.linear_triton import linear, linear_reference
 
     device = device_or_skip("cuda")
     g = torch.Generator(device=device).manual_seed(1)
@@ -170,7 +170,7 @@ def test_split_k_on_two_streams_at_once_counts_its_own_arrivals() -> None:
 @pytest.mark.parametrize(("m", "split_k"), [(1, 1), (5, 1), (40, 1), (3, 4)])
 def test_residual_is_summed_in_the_epilogue_in_place(where: str, dtype: torch.dtype, m: int, split_k: int) -> None:
     """residual + x @ W^T + b in one launch, written over the residual (split K: by the last program to arrive)."""
-    from services.engine.kernels.linear_triton import linear, linear_reference
+    from services.engine.kernels.layer.linear_triton import linear, linear_reference
 
     device = device_or_skip(where)
     g = torch.Generator().manual_seed(m)

@@ -467,7 +467,7 @@ def test_local_rings_on_the_triton_tier(
     """The Triton kernels (interpreted here, compiled on a GPU) write and read the rings: fused norms, the
     K/V rows written by the q/k norm + RoPE launch on decode steps (kv_sink: ring rows and slot rows),
     decode attention where the window is a page multiple (not tiny Gemma's 8)."""
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
 
     sinks: list[int] = []
     real = norm_triton.qk_norm_rope

@@ -29,7 +29,7 @@ def _params(where: str) -> list[object]:
 @pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
 @pytest.mark.parametrize("gemma", [True, False])
 def test_rms_norm_matches_the_module(where: str, dtype: torch.dtype, gemma: bool) -> None:
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
 
     device = device_or_skip(where)
     torch.manual_seed(0)
@@ -51,7 +51,7 @@ def test_rms_norm_matches_the_module(where: str, dtype: torch.dtype, gemma: bool
 @pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
 def test_embed_rms_norm_matches_lookup_scale_then_norm(where: str, dtype: torch.dtype) -> None:
     """Gemma's scaled embedding and its first input norm in one launch: ids in any order and repeated."""
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
     from services.engine.models.gemma3 import embed_scale
 
     device = device_or_skip(where)
@@ -82,7 +82,7 @@ def test_qk_norm_rope_matches_norms_then_rope(
 ) -> None:
     """Decode launches take one head a program, prompt chunks ROPE_HEADS (here also for 6 tokens: 6 heads in one
     program of 8, two rows masked)."""
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
 
     if heads_per_program > 1:
         monkeypatch.setattr(norm_triton, "ROPE_HEADS_FROM", 1)
@@ -121,7 +121,7 @@ def test_qk_norm_rope_matches_norms_then_rope(
             exact = apply_rope(torch.cat((q32(q.float()), k32(k.float())), dim=1), cos.float(), sin.float())
         assert (got.float() - exact).abs().mean() <= (want.float() - exact).abs().mean() * 1.05
     # with a sink: the same output, and k and v written at the rows (write_kv_reference with them)
-    from services.engine.kernels.kv_triton import write_kv_reference
+    from services.engine.kernels.pages.kv_triton import write_kv_reference
 
     k_store = torch.randn(16, hkv, dim, device=device).to(dtype)
     v_store = torch.randn(16, hkv, dim, device=device).to(dtype)
@@ -144,11 +144,11 @@ def test_rope_alone_matches_apply_rope(
     the interpreter's float32; within one rounding on CUDA, where the kernel's products fuse into FMAs), from
     gathered rows or the whole tables, and K/V written to a sink; one head a program (decode) and ROPE_HEADS
     (prompt chunks)."""
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
 
     if heads_per_program > 1:
         monkeypatch.setattr(norm_triton, "ROPE_HEADS_FROM", 1)
-    from services.engine.kernels.kv_triton import write_kv_reference
+    from services.engine.kernels.pages.kv_triton import write_kv_reference
 
     device = device_or_skip(where)
     torch.manual_seed(4)
@@ -197,7 +197,7 @@ def test_rope_alone_matches_apply_rope(
 def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
     triton_tier: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
 
     calls: dict[str, int] = {}
     for name in ("embed_rms_norm", "add_rms_norm", "qk_norm_rope", "gelu_tanh_mul"):  # the fused path must really run
@@ -208,7 +208,7 @@ def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(norm_triton, name, counted)
-    from services.engine.kernels import linear_triton
+    from services.engine.kernels.layer import linear_triton
 
     for name in ("linear", "linear_gated"):
         real = getattr(linear_triton, name)
@@ -241,7 +241,7 @@ def test_tiny_gemma_forward_with_fused_kernels_matches_torch(
 
 @pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
 def test_rms_norm_with_residual_matches_add_after_norm(where: str, dtype: torch.dtype) -> None:
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
 
     device = device_or_skip(where)
     torch.manual_seed(2)
@@ -259,7 +259,7 @@ def test_rms_norm_with_residual_matches_add_after_norm(where: str, dtype: torch.
 @pytest.mark.parametrize(("where", "dtype"), _params("cpu") + _params("cuda"))
 @pytest.mark.parametrize("gemma", [True, False])
 def test_add_rms_norm_matches_add_then_the_next_norm(where: str, dtype: torch.dtype, gemma: bool) -> None:
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
 
     device = device_or_skip(where)
     torch.manual_seed(3)
@@ -284,7 +284,7 @@ def test_add_rms_norm_matches_add_then_the_next_norm(where: str, dtype: torch.dt
 def test_act_mul_matches_the_activation_then_multiply(where: str, dtype: torch.dtype, act: str) -> None:
     import torch.nn.functional as F
 
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
 
     device = device_or_skip(where)
     torch.manual_seed(3)
@@ -303,7 +303,7 @@ def test_tiny_llama_without_qk_norm_rotates_in_the_fused_launch(
     """A Llama without q/k norm on the Triton tier rotates q and k in qk_norm_rope's launch (no weights: RoPE
     alone, one launch a layer), takes silu_mul for its 70-row MLP (SwiGLU in one launch a layer; up to 64 rows
     take the gated projection kernel) and computes what the torch path computes."""
-    from services.engine.kernels import norm_triton
+    from services.engine.kernels.layer import norm_triton
 
     calls: list[bool] = []
     real, real_silu = norm_triton.qk_norm_rope, norm_triton.silu_mul

@@ -51,7 +51,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("n_past,n", [(0, 40), (24, 17), (70, 33), (3, 130)])
 def test_reference_and_causal_sdpa_match_plain_attention(n_past: int, n: int) -> None:
-    from services.engine.kernels.prefill_attention_triton import prefill_attention_reference
+    from services.engine.kernels.attention.prefill_attention_triton import prefill_attention_reference
 
     q, k_store, v_store, rows = _pool(n_past, n, (4, 2), 16, torch.float32, torch.device("cpu"), seed=n)
     want = _plain(q, k_store, v_store, rows, 0.25)
@@ -67,7 +67,7 @@ def test_reference_and_causal_sdpa_match_plain_attention(n_past: int, n: int) ->
 @pytest.mark.parametrize("n_past,n,heads", [(0, 20, (4, 2)), (37, 16, (2, 2)), (64, 70, (4, 1))])
 def test_kernel_matches_reference_interpreted(n_past: int, n: int, heads: tuple[int, int]) -> None:
     """Interpreted (fp32 dots): rows from scattered pages, chunks that start mid-tile, tiles past the chunk."""
-    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kernels.attention import prefill_attention_triton as pat
 
     if not pat.INTERPRETED:
         pytest.skip("compiled Triton: see the gpu test")
@@ -81,7 +81,7 @@ def test_kernel_matches_reference_interpreted(n_past: int, n: int, heads: tuple[
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_past,n", [(0, 8192), (24_576, 8064), (100, 1000), (4096, 4096)])
 def test_kernel_matches_reference_cuda(n_past: int, n: int) -> None:
-    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kernels.attention import prefill_attention_triton as pat
 
     dev = device_or_skip("cuda")
     q, k_store, v_store, rows = _pool(n_past, n, (32, 8), 128, torch.bfloat16, dev, seed=n)
@@ -92,7 +92,7 @@ def test_kernel_matches_reference_cuda(n_past: int, n: int) -> None:
 
 
 def test_supported() -> None:
-    from services.engine.kernels.prefill_attention_triton import supported
+    from services.engine.kernels.attention.prefill_attention_triton import supported
 
     q = torch.zeros(16, 4, 64, dtype=torch.bfloat16)
     assert supported(q, torch.zeros(8, 2, 64, dtype=torch.bfloat16))
@@ -117,8 +117,8 @@ def test_step_attention_modes_match_masked(
     an fp8 pool layer too (read in place by the kernels, with fp8=True, under KVMEM_FP8_ATTENTION=1; gathered
     and dequantised by the masked path). On CUDA the same with the compiled kernels."""
     from services.engine import kernels
-    from services.engine.kernels import decode_attention_triton as dat
-    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kernels.attention import decode_attention_triton as dat
+    from services.engine.kernels.attention import prefill_attention_triton as pat
     from services.engine.kv.kv_formats import parse_format
     from services.engine.kv.kv_pool import KVPool
     from services.engine.kv.paged_attention import SeqSpan, StepAttention
@@ -192,7 +192,7 @@ def test_fp8_rows_match_the_reference_over_their_dequantised_rows(
 ) -> None:
     """An fp8 pool layer read in place (codes in the dots, the row scales on the scores and the probabilities):
     the reference's output over the dequantised rows."""
-    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kernels.attention import prefill_attention_triton as pat
     from services.engine.kv.kv_formats import parse_format
 
     dev = device_or_skip(where)
@@ -237,7 +237,7 @@ def test_prompt_sdpa_pads_to_its_bucket_and_matches_plain_attention(
 def test_prompt_sdpa_matches_reference_cuda(n_past: int, n: int, impl: str) -> None:
     """cuDNN's fused attention (and FlashAttention-4's, where installed) over a prompt chunk at the 8B head shape
     (a bucket exactly, padded, after a past)."""
-    from services.engine.kernels.prefill_attention_triton import prefill_attention_reference
+    from services.engine.kernels.attention.prefill_attention_triton import prefill_attention_reference
     from services.engine.kv import attention
     from services.engine.kv.attention import prompt_sdpa, prompt_sdpa_fits
 
@@ -312,7 +312,7 @@ def test_step_attention_cudnn_mode_takes_whole_prompts_only(mode: str, monkeypat
 def test_lse_merge_matches_its_reference(where: str, t: int, n: int, heads: int, d: int, dtype: torch.dtype) -> None:
     """The merge of a chunk's two attention parts in one launch: the torch lerp's output, from the [1, H, T, D]
     views of [T, H, D] rows that cuDNN returns, the padded rows past n dropped."""
-    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kernels.attention import prefill_attention_triton as pat
 
     dev = device_or_skip(where)
     g = torch.Generator().manual_seed(t + n)
@@ -341,7 +341,7 @@ def test_attention_over_keys_in_parts_merges_as_the_torch_reference(
     then two batches of earlier keys from other stores (every key seen, `accumulate`), one of them of a length
     that is no multiple of a tile: the output and log-sum-exp of exact_attention's torch grouped_attention_lse
     and merge_partials over the same keys (each part's own stored format, dequantised)."""
-    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kernels.attention import prefill_attention_triton as pat
     from services.engine.kv.kv_formats import parse_format
     from services.engine.ring.exact_attention import grouped_attention_lse, merge_partials, rows_to_heads
 
@@ -407,7 +407,7 @@ def test_exact_chunk_through_the_kernel_matches_the_torch_path(
     path's output (`masked`: gathered rows, grouped_attention_lse, merge_partials) and the same page masses of
     the scoring tokens; the host pages on the device or held (read a layer at a time), fp16 or fp8 pages."""
     from services.engine import kernels
-    from services.engine.kernels import prefill_attention_triton as pat
+    from services.engine.kernels.attention import prefill_attention_triton as pat
     from services.engine.kv.kv_formats import parse_format
     from services.engine.kv.kv_pool import KVPool
     from services.engine.kv.paged_attention import SeqSpan, StepAttention

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.tiny_qwen3_5 import random_model, tiny_text_config
-from services.engine.kernels.gated_delta import reference_gated_delta_rule
+from services.engine.kernels.layer.gated_delta import reference_gated_delta_rule
 from services.engine.kv.attention import ContiguousKV
 from services.engine.kv.recurrent_state import RecurrentStates
 from services.engine.models.config import ModelConfig, UnsupportedModelError

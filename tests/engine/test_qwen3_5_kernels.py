@@ -1,4 +1,4 @@
-"""fla-core's gated delta rule (CUDA) against the torch reference (kernels/gated_delta.py): varlen prefill with
+"""fla-core's gated delta rule (CUDA) against the torch reference (kernels/layer/gated_delta.py): varlen prefill with
 initial states (chunk_gated_delta_rule) and one-token steps (fused_recurrent_gated_delta_rule), at the
 Qwen3.5-9B linear layers' head shape (16 key heads, 32 value heads, 128 dims)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine.kernels import select_tier, use_tier
-from services.engine.kernels.gated_delta import fla_gated_delta_rule, reference_gated_delta_rule
+from services.engine.kernels.layer.gated_delta import fla_gated_delta_rule, reference_gated_delta_rule
 
 pytestmark = pytest.mark.gpu
 

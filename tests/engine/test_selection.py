@@ -232,7 +232,7 @@ def test_warm_page_scores_compiles_every_variant_a_context_meets() -> None:
 
 
 def _warm_then_score(dev: torch.device) -> None:
-    from services.engine.kernels import summaries_triton as st
+    from services.engine.kernels.pages import summaries_triton as st
 
     calls = warm_page_scores(dev, 32, 8, 128, 2048, (torch.float32, torch.bfloat16))
     assert calls == 2 * 3  # 512, 1024, 2048 pages: PAGE_BLOCKS 16, 32, 64

@@ -1,4 +1,4 @@
-"""The end of a decode step in one launch (kernels/step_triton.py) against decode_graph.advance_inputs.
+"""The end of a decode step in one launch (kernels/layer/step_triton.py) against decode_graph.advance_inputs.
 
 On the CPU it runs under TRITON_INTERPRET=1 (tests/conftest.py); on CUDA (`-m gpu`) compiled.
 """
@@ -38,7 +38,7 @@ def test_advance_matches_the_torch_steps(where: str, batch: int, step: int, widt
     switch_pos untouched, the step index on (wrapping at the page size, 8 here), three steps in a row; a row
     whose new position reaches its switch_pos takes rows_next / key_pos_next (whole rows of W, several copy
     blocks at W 1024) at that step and not before, the others keep theirs."""
-    from services.engine.kernels.step_triton import advance
+    from services.engine.kernels.layer.step_triton import advance
 
     device = device_or_skip(where)
     g = torch.Generator().manual_seed(batch * 10 + step)

@@ -123,7 +123,7 @@ def _redis_server() -> None:
 @needs_cuda
 @pytest.mark.parametrize("page_nbytes", [SMOLLM2_PAGE, GEMMA3_PAGE], ids=["smollm2", "gemma3"])
 def test_every_restore_method_from_registered_memory_equals_the_reference(page_nbytes: int) -> None:
-    from services.engine.kernels.restore import (
+    from services.engine.kernels.pages.restore import (
         host_tensor,
         register_host,
         restore_pages,
@@ -171,7 +171,7 @@ def test_a_refused_registration_raises_and_leaves_no_error_behind() -> None:
     """cudaHostRegister refusing a range (already registered; a null range) is a RestoreError, and the
     error the runtime kept for this thread is consumed: torch's next launch does not raise it as its own
     (the engine then restores that arena through staged copies)."""
-    from services.engine.kernels.restore import RestoreError, register_host, unregister_host
+    from services.engine.kernels.pages.restore import RestoreError, register_host, unregister_host
 
     mm = mmap.mmap(-1, 1 << 20)
     holder = ctypes.c_char.from_buffer(mm)

@@ -4,6 +4,10 @@
 overridable with EngineConfig.kernels / KVMEM_KERNELS): Triton on CUDA devices of capability 8.0 and
 newer, CuPy RawKernels on older CUDA devices, torch everywhere else. Every kernel keeps a torch
 reference that the tests compare it with; on the CPU, Triton kernels run under TRITON_INTERPRET=1.
+
+The kernels live by subsystem: attention/ (decode and prefill attention over the pool), layer/ (a decoder layer's
+and a step's compute), pages/ (K/V writes, restores, page summaries). pdl.py (programmatic dependent launch)
+stays here beside the tier that decides it (`select_tier`): the decode step's chained kernels of all three use it.
 """
 
 from __future__ import annotations
@@ -96,8 +100,8 @@ def active_tier() -> KernelTier:
 
 
 def triton_module(name: str, device: torch.device) -> ModuleType | None:
-    """services.engine.kernels.<name> when the process's tier is Triton on `device`'s kind (compiled on
-    CUDA, interpreted on the CPU in tests), else None: the caller runs its torch code."""
+    """services.engine.kernels.<name> (e.g. "layer.norm_triton") when the process's tier is Triton on `device`'s
+    kind (compiled on CUDA, interpreted on the CPU in tests), else None: the caller runs its torch code."""
     tier = _active
     if tier.backend != "triton" or (device.type == "cuda") == tier.interpreted:
         return None

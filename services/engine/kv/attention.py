@@ -17,7 +17,7 @@ from services.engine.kernels import triton_module
 from services.engine.ring.exact_attention import grouped_attention_lse, rows_to_heads
 
 if TYPE_CHECKING:
-    from services.engine.kernels.decode_attention_triton import Partials
+    from services.engine.kernels.attention.decode_attention_triton import Partials
 
 logger = logging.getLogger(__name__)
 
@@ -305,10 +305,10 @@ def prompt_sdpa(
     assert past[0].shape[0] % PROMPT_BUCKET == 0 or not q.is_cuda, "the past must be whole buckets"
     o_past, l_past = _sdpa_lse(qh, past[0].transpose(0, 1)[None], past[1].transpose(0, 1)[None], False, scale)
     # the past's share of each query's softmax mass, exp(l_past) / (exp(l_past) + exp(l_own)), interpolates the
-    # two outputs: one Triton pass on that tier (kernels/prefill_attention_triton.lse_merge), else its torch
+    # two outputs: one Triton pass on that tier (kernels/attention/prefill_attention_triton.lse_merge), else its torch
     # reference (one lerp; the fp32 form before it, five passes over [n, Hq, D], took ~60 ms of a 32K prompt's
     # prefill in chunks of 8K on the H200)
-    kernels = triton_module("prefill_attention_triton", q.device)
+    kernels = triton_module("attention.prefill_attention_triton", q.device)
     merge = kernels.lse_merge if kernels is not None and o_own.dtype == o_past.dtype else lse_merge_torch
     return merge(o_own, l_own, o_past, l_past, n).to(q.dtype)
 
@@ -317,7 +317,7 @@ def lse_merge_torch(o_own: Tensor, l_own: Tensor, o_past: Tensor, l_past: Tensor
     """A prompt chunk's attention from its two parts: o_own, o_past [1, Hq, T, D] (the chunk over its own keys,
     and over the past's) and their log-sum-exps l_own, l_past [1, Hq, T, 1] float32 -> [n, Hq, D] (the first n
     of T rows): the past's share of each query's softmax mass, sigmoid(l_past - l_own), interpolates (the
-    reference of kernels/prefill_attention_triton.lse_merge)."""
+    reference of kernels/attention/prefill_attention_triton.lse_merge)."""
     share = torch.sigmoid(l_past - l_own).to(o_own.dtype)
     return torch.lerp(o_own, o_past.to(o_own.dtype), share)[0].transpose(0, 1)[:n]
 

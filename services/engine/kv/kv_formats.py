@@ -19,7 +19,7 @@ scales first (4-byte aligned), then the payload, then padding to a multiple of 4
 
 The encoders below are pure torch (the reference). The e4m3 conversion is done with integer
 arithmetic on the fp32 bits (round-to-nearest-even for normal values, half-up for subnormals), and
-rounding to integers is half-away-from-zero, so the Triton kernels (kernels/kv_triton.py) compute
+rounding to integers is half-away-from-zero, so the Triton kernels (kernels/pages/kv_triton.py) compute
 the same bytes on every device, with or without hardware fp8.
 
 Per-layer spec (``--kv-format`` / KVMEM_KV_FORMAT): comma-separated parts, later parts override

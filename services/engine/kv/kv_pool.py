@@ -157,7 +157,7 @@ class KVPool:
 
     def layer_parts(self, layers: Iterable[int]) -> tuple[tuple[int, int], ...]:
         """The byte ranges of a page that hold these layers' K and V, in layer order, adjacent ones merged:
-        what a restore of just these layers reads (kernels/restore.py `parts`)."""
+        what a restore of just these layers reads (kernels/pages/restore.py `parts`)."""
         parts: list[tuple[int, int]] = []
         for i in sorted(layers):
             lo, hi = self._layer_offsets[i], self._layer_offsets[i + 1]
@@ -209,7 +209,7 @@ class KVPool:
         """Store the K/V of new tokens: rows [N] pool rows; k, v [N, Hkv, D] in the compute dtype."""
         dtype = self._plain[layer]
         if dtype is not None:
-            kernels = triton_module("kv_triton", self.device)
+            kernels = triton_module("pages.kv_triton", self.device)
             if kernels is not None and kernels.write_supported(self.k[layer]) and k.stride(2) == v.stride(2) == 1:
                 kernels.write_kv(self.k[layer], self.v[layer], rows, k, v)  # K and V in one launch
                 return
@@ -326,7 +326,7 @@ class KVPool:
         tier = active_tier()
         if tier.backend != "triton" or (tier.capability is None) != (self.device.type == "cpu"):
             return None
-        from services.engine.kernels import kv_triton
+        from services.engine.kernels.pages import kv_triton
 
         return kv_triton if kv_triton.supported(fmt, self.head_dim) else None
 

@@ -54,9 +54,9 @@ def resolve_prefill_mode(mode: str, device: torch.device) -> str:
     543-591 (bench/RESULTS.md rounds 12 and 14).
     `cudnn` a chunk of >= PROMPT_BUCKET tokens after a past of whole buckets (none, or earlier chunks) through
     attention.prompt_sdpa (cuDNN's fused kernel: 600 vs 420 TFLOP/s on a whole 32K prompt at the 8B shape, 545
-    vs 416 on 8K after 24K), every other span as `triton`; `triton` kernels/prefill_attention_triton.py over the
-    pool in place (plain-format layers on the Triton tier; else flash: 412 vs 343 TFLOP/s on the H200 at the 8B
-    shape, bench/RESULTS.md); `flash` causal_sdpa over the gathered rows (torch's FlashAttention-2, no mask
+    vs 416 on 8K after 24K), every other span as `triton`; `triton` kernels/attention/prefill_attention_triton.py
+    over the pool in place (plain-format layers on the Triton tier; else flash: 412 vs 343 TFLOP/s on the H200 at
+    the 8B shape, bench/RESULTS.md); `flash` causal_sdpa over the gathered rows (torch's FlashAttention-2, no mask
     tensor, the masked tiles skipped); `masked` grouped_sdpa over a [G * n, T] additive mask (the
     memory-efficient kernel: the path before); `fa4` as `cudnn` with FlashAttention-4 in cuDNN's place where the
     flash-attn-4 wheel is installed (attention.flash_attn4; a shape it refuses goes to cuDNN)."""
@@ -183,7 +183,7 @@ class StepAttention:
             self.written = device_index(kept, pool.device)
         self.mode = resolve_prefill_mode(mode, pool.device)  # EngineConfig.prefill_attention
         paged = self.mode in ("cudnn", "fa4", "triton")
-        self.kernel = triton_module("prefill_attention_triton", pool.device) if paged else None
+        self.kernel = triton_module("attention.prefill_attention_triton", pool.device) if paged else None
         # chunks over a bucketed past through cuDNN (or FlashAttention-4: prompt_sdpa's impl), the rest as `triton`
         self.prompt_kernel = self.mode in ("cudnn", "fa4")
         self.prompt_impl = "fa4" if self.mode == "fa4" else "cudnn"
@@ -195,7 +195,7 @@ class StepAttention:
         # kernel reading the pool in place, instead of a gather and an SDPA call each, a layer (every mode but
         # the masked reference)
         batch_decode = self.mode != "masked" and os.environ.get("KVMEM_DECODE_ROWS", "1") != "0"  # 0: off (bench)
-        self.decode_kernel = triton_module("decode_attention_triton", pool.device) if batch_decode else None
+        self.decode_kernel = triton_module("attention.decode_attention_triton", pool.device) if batch_decode else None
         self._decode_set: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def kv_sink(self, layer_idx: int) -> None:

@@ -33,8 +33,8 @@ from services.engine.models.llama import (
 )
 
 if TYPE_CHECKING:
-    from services.engine.kernels.block_triton import BlockWeights
-    from services.engine.kernels.decode_attention_triton import Partials
+    from services.engine.kernels.attention.decode_attention_triton import Partials
+    from services.engine.kernels.layer.block_triton import BlockWeights
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class Gemma3ForCausalLM(nn.Module):
         return h
 
     def _blocks(self, x: Tensor, nxt: list[GemmaRMSNorm]) -> tuple[ModuleType, list[BlockWeights]] | None:
-        """(kernels/block_triton.py, each layer's BlockWeights) when the block kernel takes this forward
+        """(kernels/layer/block_triton.py, each layer's BlockWeights) when the block kernel takes this forward
         (`block_kernel`, no projection biases, every layer `supported`); else None (the launches)."""
         layers = cast(list[Gemma3DecoderLayer], list(self.layers))
         kernel = block_kernel(x, len(layers))

@@ -24,26 +24,26 @@ from services.engine.kv.attention import AttentionBackend
 from services.engine.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from services.engine.kernels.block_triton import BlockWeights
-    from services.engine.kernels.decode_attention_triton import Partials
+    from services.engine.kernels.attention.decode_attention_triton import Partials
+    from services.engine.kernels.layer.block_triton import BlockWeights
 
 logger = logging.getLogger(__name__)
 
 
 def fused_kernels(x: Tensor) -> ModuleType | None:
-    """The fused Triton norm kernels (kernels/norm_triton.py) when the kernel tier is Triton and x is on
+    """The fused Triton norm kernels (kernels/layer/norm_triton.py) when the kernel tier is Triton and x is on
     that tier's device (CUDA, or the CPU under the interpreter in tests); None: the torch code."""
-    return triton_module("norm_triton", x.device)
+    return triton_module("layer.norm_triton", x.device)
 
 
 def _skinny(x: Tensor, weight: Tensor) -> ModuleType | None:
-    """kernels/linear_triton.py when it takes x @ weight^T (a decode-sized x on the Triton tier: `routes`)."""
-    kernels = triton_module("linear_triton", x.device)
+    """kernels/layer/linear_triton.py when it takes x @ weight^T (a decode-sized x on the Triton tier: `routes`)."""
+    kernels = triton_module("layer.linear_triton", x.device)
     return kernels if kernels is not None and kernels.routes(x, weight) else None
 
 
 def project(layer: nn.Linear, x: Tensor) -> Tensor:
-    """layer(x); a decode-sized x (kernels/linear_triton.py: at most 64 rows) on the Triton tier takes the
+    """layer(x); a decode-sized x (kernels/layer/linear_triton.py: at most 64 rows) on the Triton tier takes the
     skinny-product kernel, which reads the weight at a higher share of the bandwidth than cuBLAS."""
     kernels = _skinny(x, layer.weight)
     if kernels is not None:
@@ -63,7 +63,7 @@ def residual_epilogue() -> bool:
 def project_add(layer: nn.Linear, x: Tensor, residual: Tensor) -> Tensor:
     """residual + layer(x), the sum in the product's epilogue where the GPU computes it, written over the
     residual (the residual stream is the caller's to give up):
-    - a decode-sized x: the skinny kernel's epilogue (kernels/linear_triton.py `residual`);
+    - a decode-sized x: the skinny kernel's epilogue (kernels/layer/linear_triton.py `residual`);
     - else, on CUDA without a bias: cuBLAS with the residual as C and beta 1 (`addmm_`), instead of an add
       launch that reads both and writes a third tensor (3 x 64 MiB an 8K-token chunk of the 8B shape, twice a
       layer).
@@ -87,9 +87,9 @@ def project_add(layer: nn.Linear, x: Tensor, residual: Tensor) -> Tensor:
 
 def vocab_head(hidden: Tensor, weight: Tensor, argmax: bool) -> tuple[Tensor, Tensor | None]:
     """hidden [M, H] @ weight [V, H]^T -> (fp32 logits [M, V], with `argmax` their argmax [M], else None). One
-    row on the Triton tier takes kernels/head_triton.py (the product, the cast and the argmax in one launch),
+    row on the Triton tier takes kernels/layer/head_triton.py (the product, the cast and the argmax in one launch),
     eager and captured steps alike, so that both see the same logits; else cuBLAS, the cast, torch.argmax."""
-    kernel = triton_module("head_triton", hidden.device)
+    kernel = triton_module("layer.head_triton", hidden.device)
     if kernel is not None and kernel.enabled() and kernel.supported(hidden, weight):
         return kernel.head(hidden, weight, argmax)  # type: ignore[no-any-return]
     logits = F.linear(hidden, weight).float()
@@ -97,10 +97,10 @@ def vocab_head(hidden: Tensor, weight: Tensor, argmax: bool) -> tuple[Tensor, Te
 
 
 def block_kernel(x: Tensor, layers: int) -> ModuleType | None:
-    """kernels/block_triton.py when a forward of x may run each of its `layers` layers' second half in one
+    """kernels/layer/block_triton.py when a forward of x may run each of its `layers` layers' second half in one
     launch: one row (a decode step of one sequence) on the Triton tier, the kernel on, and barrier counters
     for every launch (`ready`); None: the launches."""
-    kernel = triton_module("block_triton", x.device) if x.shape[0] == 1 else None
+    kernel = triton_module("layer.block_triton", x.device) if x.shape[0] == 1 else None
     if kernel is None or not kernel.enabled() or not kernel.ready(x.device, layers):
         return None
     return kernel
@@ -261,7 +261,7 @@ class MLP(nn.Module):
     """Gated MLP with a fused gate/up projection: SwiGLU by default (Gemma passes "gelu_tanh").
 
     On the Triton tier a decode-sized x takes the gated projection kernel (activation and product in its
-    epilogue: kernels/linear_triton.py); a longer x the fused activation-and-product kernel when
+    epilogue: kernels/layer/linear_triton.py); a longer x the fused activation-and-product kernel when
     norm_triton has one (`<act>_mul`); else torch."""
 
     def __init__(self, config: ModelConfig, act: str = "silu") -> None:
@@ -339,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def _blocks(self, x: Tensor, layers: list[DecoderLayer]) -> tuple[ModuleType, list[BlockWeights]] | None:
-        """(kernels/block_triton.py, each layer's BlockWeights) when the block kernel takes this forward
+        """(kernels/layer/block_triton.py, each layer's BlockWeights) when the block kernel takes this forward
         (`block_kernel`, no o_proj bias, every layer `supported`); else None."""
         kernel = block_kernel(x, len(layers))
         if kernel is None or any(layer.self_attn.o_proj.bias is not None for layer in layers):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.engine.kernels.gated_delta import gated_delta_rule
+from services.engine.kernels.layer.gated_delta import gated_delta_rule
 from services.engine.kv.attention import AttentionBackend
 from services.engine.models.config import ModelConfig
 from services.engine.models.gemma3 import GemmaRMSNorm

@@ -9,7 +9,7 @@ tensor on `device`:
   `prepare` for every same-host replica the client knows then, else on first use: a replica that
   joined later, a restarted store's new arena; unregistered before it is unmapped: client close or
   store restart) and the pages move by DMA straight from the arena, coalesced into a few copies
-  (kernels/restore.py), then the batch's pins are released; an arena that cannot be registered
+  (kernels/pages/restore.py), then the batch's pins are released; an arena that cannot be registered
   stays pageable (logged once) and its pages go the staging way below;
 - another host: the streamed bytes are packed into a pinned staging buffer, then one H2D copy;
 - CPU device: one memcpy per page into the result.
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from services.engine.kernels.restore import (
+from services.engine.kernels.pages.restore import (
     Part,
     RestoreError,
     host_tensor,
@@ -103,8 +103,8 @@ class HostPages(Protocol):
 class HeldPages:
     """Host pages held for one step (KVStoreHostPages.hold): their store pins kept, each `read` copying some byte
     ranges of some of them (one layer's, at a time) to a device, asynchronously on its current stream, straight from
-    their registered arena by DMA (kernels/restore.py); the pages in no registered arena (another host's, a pageable
-    arena, a CPU engine's) are copied once into host memory at hold. The exact policy's long contexts: a 32K
+    their registered arena by DMA (kernels/pages/restore.py); the pages in no registered arena (another host's, a
+    pageable arena, a CPU engine's) are copied once into host memory at hold. The exact policy's long contexts: a 32K
     prompt's host pages at the 8B shape are 2 GB in fp8, and copying them all into host memory before the first
     layer could read its 64 MB kept the device idle ~450 ms a 12K prompt (bench/RESULTS.md, round 10). `release`
     once every read is queued: the pins go when the copies are done, off the caller's path."""
@@ -145,7 +145,7 @@ class HeldPages:
 
     def _restore(self, src: torch.Tensor, offsets: list[int], out: torch.Tensor, rows: list[int], part: Part) -> None:
         """One source's share of a read by this batch's method; pages the triton gather cannot take (bytes not
-        16-byte aligned: kernels/restore.py) by copies from then on (logged once a process: a pool's layout
+        16-byte aligned: kernels/pages/restore.py) by copies from then on (logged once a process: a pool's layout
         is the same every step)."""
         try:
             restore_pages(src, offsets, out, rows, self._method, (part,))
@@ -287,7 +287,7 @@ class KVStoreHostPages:
     """Implements ring.HostPages over a kvstore client and the engine's write-through.
 
     Pages a running sequence relies on are pinned under the engine's owner id (the store never
-    evicts a pinned page; pins lapse if the engine dies). `restore_method` picks the kernels/restore.py
+    evicts a pinned page; pins lapse if the engine dies). `restore_method` picks the kernels/pages/restore.py
     method for device restores ("copies" or "triton"), `held_method` the one of held reads on CUDA: a layer's
     bytes of many pages, one unit a page (no run coalesces), which `copies` moves as one cudaMemcpyAsync each (an
     H100's 4 x 12K ring prefill at the 8B shape: 16,880 copies, 135 ms of copying and 323 ms of gaps between them)

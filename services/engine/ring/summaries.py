@@ -15,7 +15,7 @@ over layers, heads and tokens this is the page score (Σ scores == query tokens 
 before normalisation, a built-in check).
 
 Both run on the active kernel tier (services.engine.kernels.active_tier): Triton
-(kernels/summaries_triton.py) or CuPy RawKernels (kernels/summaries_cupy.py) on CUDA, these torch
+(kernels/pages/summaries_triton.py) or CuPy RawKernels (kernels/pages/summaries_cupy.py) on CUDA, these torch
 functions otherwise. `summary_update_reference` and `page_scores_reference` are the references the
 kernels are tested against (tests/engine/test_kernels_summaries.py); bench/kernel_table.py times them.
 `PageSummaries.update_rows` summarises straight from a pool layer's rows (no [P, page, Hkv, D]
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _KERNEL_MODULES = {
-    "triton": "services.engine.kernels.summaries_triton",
-    "cupy": "services.engine.kernels.summaries_cupy",
+    "triton": "services.engine.kernels.pages.summaries_triton",
+    "cupy": "services.engine.kernels.pages.summaries_cupy",
 }
 
 

@@ -23,7 +23,7 @@ per read set and window, and only for layers that take the SDPA path.
 Each layer writes its new K/V with `KVPool.write`, or, on the Triton tier with a plain-format layer,
 the model writes them in its q/k norm + RoPE launch (`kv_sink`, Gemma 3 and q/k-normed Llamas); with the
 Triton tier and a plain-format layer,
-one flash-decoding kernel (kernels/decode_attention_triton.py) reads the rows in place; otherwise the
+one flash-decoding kernel (kernels/attention/decode_attention_triton.py) reads the rows in place; otherwise the
 padded window is read with `KVPool.gather` and one batched masked SDPA runs for all B sequences (query
 heads grouped onto their KV head, K/V never repeated). The logits [B, V] are computed in the step;
 sampling stays outside.
@@ -102,7 +102,7 @@ def advance_inputs(
     positions and write rows one on, the step index (every column) on modulo P (replays past a page wrap);
     then each batch row whose new position is its switch_pos takes its next read set (reads: rows, key_pos,
     rows_next, key_pos_next [B, W]). inputs [7, B]: ids, positions, write_rows, ring_base, step, keep_pos,
-    switch_pos. kernels/step_triton.py does it in one launch."""
+    switch_pos. kernels/layer/step_triton.py does it in one launch."""
     step = inputs[4]
     burst_tokens.index_copy_(0, step[:1], token[None])
     inputs[0].copy_(token)
@@ -320,7 +320,7 @@ class DecodeGraphs:
     def _step(self, bufs: GraphBuffers) -> torch.Tensor:
         """The step, then its inputs advanced to the next step of a burst (the module docstring)."""
         logits, token = self._forward(bufs)
-        kernels = triton_module("step_triton", self.device)
+        kernels = triton_module("layer.step_triton", self.device)
         (kernels.advance if kernels is not None else advance_inputs)(token, bufs.burst_tokens, bufs.inputs, bufs.reads)
         return logits
 

@@ -16,10 +16,10 @@ from services.engine.kv.kv_pool import KVPool
 from services.engine.ring.local_ring import ring_read_set
 
 if TYPE_CHECKING:
-    from services.engine.kernels.decode_attention_triton import Partials
+    from services.engine.kernels.attention.decode_attention_triton import Partials
 
 # every read set here lists its rows by position (pages in order, the padding at PAD_POS last): the flash-
-# decoding kernel may skip the splits past the token (kernels/decode_attention_triton.py, `sorted_keys`)
+# decoding kernel may skip the splits past the token (kernels/attention/decode_attention_triton.py, `sorted_keys`)
 SORTED_READS = True
 
 
@@ -67,7 +67,7 @@ class GraphAttention:
         self.pool = pool
         self.bufs = bufs
         self.dtype = dtype
-        self.kernels = triton_module("decode_attention_triton", pool.device)
+        self.kernels = triton_module("attention.decode_attention_triton", pool.device)
         self.sinks = sinks  # offer kv_sink (the model writes K/V in its q/k norm + RoPE launch)
         # additive masks [B, 1, 1, W|L] by (read set, window), built on first use: only the SDPA path needs
         # them (the fused kernel masks from the positions itself)

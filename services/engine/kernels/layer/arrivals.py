@@ -1,11 +1,11 @@
 """Arrival counters: the last program of a group to finish does the group's reduction, in the same launch.
 
-A split kernel (a split-K projection: kernels/linear_triton.py) writes per-program partials that would
+A split kernel (a split-K projection: kernels/layer/linear_triton.py) writes per-program partials that would
 need a second launch to combine them. Instead each program, after its partial is stored, increments its
 group's counter (one int32, acquire-release at device scope); the program that sees `count == n - 1`
 is the last, reads every partial (they are all visible to it) and writes the result, then sets the
 counter back to 0, so the counters are zero between launches and a CUDA graph can replay the kernel
-without a memset. A persistent kernel's grid-wide barriers (kernels/block_triton.py) are counters too.
+without a memset. A persistent kernel's grid-wide barriers (kernels/layer/block_triton.py) are counters too.
 
 `counters(device, n)` hands out n zeroed int32 counters of the device's buffer (made at its first use that
 is not inside a graph capture, kept for the process: captured graphs hold its addresses). Two launches that

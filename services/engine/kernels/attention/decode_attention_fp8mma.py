@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from services.engine.kernels import attention_tiles as tiles
 from services.engine.kernels import pdl
+from services.engine.kernels.attention import attention_tiles as tiles
 
 MIN_HEADS = 8  # wgmma's smallest N: the G query heads of a KV head are padded to this
 Q_TOP = tl.constexpr(256.0)  # q's largest |element| a head, scaled (e4m3's largest finite value is 448)

@@ -23,7 +23,7 @@ family (Llama, SmolLM2, Qwen2 with its qkv bias, Qwen3) adds o and d to the resi
 w * cast(x * r), SiLU). The norms are not phases of their own: every program recomputes the row it needs.
 
 The launch has one program per SM at most, all resident at once, which the barriers need (a barrier is an
-arrival counter of kernels/arrivals.py each program increments, then polls until every program has
+arrival counter of kernels/layer/arrivals.py each program increments, then polls until every program has
 arrived; the last program to leave sets the counters back to zero, so a CUDA graph replays the launch as
 is). Under MPS with a share of the SMs it is off (`enabled`). Each intermediate is rounded to the model
 dtype where the launches it replaces round it (`block_reference`, their torch references composed).
@@ -45,10 +45,11 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from services.engine.kernels import arrivals, pdl
-from services.engine.kernels.decode_attention_triton import Partials, merge, merge_reference
-from services.engine.kernels.linear_triton import ACTIVATIONS, act_mul, linear_gated_reference
-from services.engine.kernels.norm_triton import normed_by
+from services.engine.kernels import pdl
+from services.engine.kernels.attention.decode_attention_triton import Partials, merge, merge_reference
+from services.engine.kernels.layer import arrivals
+from services.engine.kernels.layer.linear_triton import ACTIVATIONS, act_mul, linear_gated_reference
+from services.engine.kernels.layer.norm_triton import normed_by
 
 logger = logging.getLogger(__name__)
 
@@ -389,7 +390,7 @@ def _tile(n: int, programs: int) -> int:
 
 
 def ready(device: torch.device, launches: int) -> bool:
-    """Whether `launches` launches on `device` now get their barrier counters (kernels/arrivals.py): a
+    """Whether `launches` launches on `device` now get their barrier counters (kernels/layer/arrivals.py): a
     forward checks this before it takes the kernel for every layer."""
     return arrivals.available(device, launches, COUNTERS)
 

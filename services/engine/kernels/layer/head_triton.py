@@ -5,7 +5,7 @@ largest read of the step), then a cast of its output to fp32 and an argmax over 
 launches, 94 us on the H200 of which cuBLAS's product is 80 (bench/RESULTS.md, run 20). Here each program
 takes BLOCK_V rows of the weight, computes their logits in fp32 (rounded to the weight's dtype first, as
 the cuBLAS output the model's torch code casts), stores them in fp32, and for the argmax also its rows' maximum
-and the first row that reaches it; the last program to finish (an arrival counter, kernels/arrivals.py)
+and the first row that reaches it; the last program to finish (an arrival counter, kernels/layer/arrivals.py)
 reduces those partials to the step's token. Programs take tiles in row order, so the first maximal row
 wins as in torch.argmax; a NaN logit counts as larger than every number (torch.argmax's rule too).
 
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from services.engine.kernels import arrivals, pdl
+from services.engine.kernels import pdl
+from services.engine.kernels.layer import arrivals
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def head(
     h: torch.Tensor, weight: torch.Tensor, argmax: bool = False, cfg: tuple[int, int, int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`head_reference` for a `supported` row in one launch -> (logits [1, V] fp32, with `argmax` its
-    torch.argmax [1] int64, else None). The argmax needs an arrival counter (kernels/arrivals.py); where
+    torch.argmax [1] int64, else None). The argmax needs an arrival counter (kernels/layer/arrivals.py); where
     none is to be had (inside a capture before any was made) it is torch.argmax of the logits."""
     if not supported(h, weight):
         raise ValueError(f"head kernel: h {tuple(h.shape)} {h.dtype}, weight {tuple(weight.shape)} {weight.dtype}")

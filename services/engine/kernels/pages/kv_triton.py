@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels import decode_attention_triton, pdl
+from services.engine.kernels import pdl
+from services.engine.kernels.attention import decode_attention_triton
 from services.engine.kv.kv_formats import NVFP4_GROUP, KVFormat, int8_group
 
 

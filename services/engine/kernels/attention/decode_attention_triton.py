@@ -14,7 +14,7 @@ here two launches read K/V straight from the pool tensors:
 
 With one split (S == 1) the split kernel normalises and writes the output itself: one launch. With
 `partial=True` and several splits the merge is left to the caller: the partials come back as `Partials`
-(the block kernel's first phase merges them, kernels/block_triton.py).
+(the block kernel's first phase merges them, kernels/layer/block_triton.py).
 S and R depend on the shapes only (`split_rows`), so the launch has no host sync and no data-dependent
 branch and a CUDA graph captures it; W, R, S and the window are runtime ints (`do_not_specialize`),
 so a new window bucket compiles nothing.
@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from services.engine.kernels import attention_tiles as tiles
-from services.engine.kernels import decode_attention_fp8mma as fp8mma
 from services.engine.kernels import pdl
+from services.engine.kernels.attention import attention_tiles as tiles
+from services.engine.kernels.attention import decode_attention_fp8mma as fp8mma
 from services.engine.ring.local_ring import ring_read_set
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class Partials:
     consecutive rows, base 2. m, l [B, Hq, S] fp32 (running max of the scaled scores, sum of exp2(score - m); fp8
     rows with fp16 dots: m is that of score + log2 of the row's value scale, any m serving as long as l and acc use it);
     acc [B, Hq, S, D] fp32 (sum of exp2(score - m) * v). `merge_reference` (or the merge kernel, or the block
-    kernel's first phase, kernels/block_triton.py) turns them into the attention output."""
+    kernel's first phase, kernels/layer/block_triton.py) turns them into the attention output."""
 
     m: torch.Tensor
     l: torch.Tensor  # noqa: E741 (the flash-attention name)

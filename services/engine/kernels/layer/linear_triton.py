@@ -12,7 +12,7 @@ stages in flight shrink to fit shared memory (`stages_for`).
 Two variants share the kernel:
 - split-K: a long K over few column blocks (the down projection, 640 x 2048: 20 blocks of 32 columns
   for a 132-SM device) also splits K over SPLIT_K programs; each stores its fp32 partial and the last of
-  a column block to finish (kernels/arrivals.py) sums them and writes the output, in the same launch.
+  a column block to finish (kernels/layer/arrivals.py) sums them and writes the output, in the same launch.
 - gated (`linear_gated`): a gated MLP's fused [gate | up] weight [2I, K] -> act(x W_gate^T) * (x W_up^T)
   [M, I], each program reading its columns' gate and up rows: the activation and the product are the
   projection's epilogue instead of a launch of their own. (Computing them inside the down projection's
@@ -35,8 +35,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from services.engine.kernels import arrivals, pdl
-from services.engine.kernels.norm_triton import gelu_tanh
+from services.engine.kernels import pdl
+from services.engine.kernels.layer import arrivals
+from services.engine.kernels.layer.norm_triton import gelu_tanh
 
 MAX_ROWS = 64  # rows of x the kernel takes: decode batches (`routes` says which the engine sends it)
 ROWS_ENV = "KVMEM_LINEAR_ROWS"  # the most rows the engine's projections send here (`routes`); more: cuBLAS
@@ -230,8 +231,8 @@ def act_mul(gate, up, out_ty: tl.constexpr, ACT: tl.constexpr):
     return a.to(out_ty).to(tl.float32) * up.to(out_ty).to(tl.float32)
 
 
-# as in decode_attention_triton.py: interpreted, the loop bound is a constexpr (triton-lang/triton#9171)
-# and the dots are fp32 (the interpreter multiplies bf16 operands as raw bits)
+# as in kernels/attention/decode_attention_triton.py: interpreted, the loop bound is a constexpr
+# (triton-lang/triton#9171) and the dots are fp32 (the interpreter multiplies bf16 operands as raw bits)
 INTERPRETED = isinstance(_linear_kernel, InterpretedFunction)
 
 
@@ -285,7 +286,7 @@ def _launch(
     stages = stages_for(stages, block_m, block_n, block_k, act != 0, x.element_size())
     blocks = triton.cdiv(n_cols, block_n)
     counts = arrivals.counters(x.device, blocks) if split_k > 1 else None
-    if counts is None:  # no counters (kernels/arrivals.py: none now): one program per column block
+    if counts is None:  # no counters (kernels/layer/arrivals.py: none now): one program per column block
         split_k = 1
     k_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k
     split_k = triton.cdiv(k_dim, k_split)

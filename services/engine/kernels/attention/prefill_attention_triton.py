@@ -10,7 +10,7 @@ position t (StepAttention's SeqSpan.read_rows: the page table expanded), so noth
     fp32 accumulators), the tiles left of its first row's position unmasked, the diagonal ones masked, and
     writes the normalised output [n, Hq, D]. Row blocks run last first (the longest key walks start
     first: a shorter tail). The tile step (K/V rows read in place, online softmax) is
-    kernels/attention_tiles.py's, shared with the decode kernel.
+    kernels/attention/attention_tiles.py's, shared with the decode kernel.
 
 The exact policy's attention over keys that arrive in parts (a chunk's resident rows, then staging batches of
 host pages: kv/paged_attention.StepAttention._exact_kernel) runs the same kernel with CAUSAL False (every query
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from services.engine.kernels import attention_tiles as tiles
+from services.engine.kernels.attention import attention_tiles as tiles
 from services.engine.kv.attention import grouped_sdpa, lse_merge_torch, position_mask
 
 LOG2E = 1.4426950408889634

@@ -8,8 +8,8 @@ rows q [BLOCK_M, D] against one tile of keys (base-2 scores: the softmax scale t
 running max `m_i`, sum `l_i` and fp32 accumulator `acc`, and returns them. An unmasked tile (every key visible
 to every row) scales the scores inside the exponent's argument (one fused multiply-add an element); a masked
 one sets invisible scores to -inf first and keeps exp2 finite for a row that has seen nothing yet.
-kernels/decode_attention_triton.py (one token per sequence, the G query heads of a KV head as rows) and
-kernels/prefill_attention_triton.py (a prompt chunk's rows of one query head) call these; Triton inlines them.
+kernels/attention/decode_attention_triton.py (one token per sequence, the G query heads of a KV head as rows) and
+kernels/attention/prefill_attention_triton.py (a prompt chunk's rows of one query head) call these; Triton inlines them.
 `softmax_step_f16` is the fp8 step with fp16 operands (the decode kernel's default, KVMEM_FP8_DOT): q and the
 codes in fp16, each scale folded into the scores or the weights of the second dot.
 """

@@ -68,7 +68,7 @@ def _advance_kernel(
 
 
 # Triton's interpreter fails on a loop whose bound is a runtime int under numpy >= 2.4 (triton-lang/triton#9171;
-# decode_attention_triton.py): interpreted, the bound is a constexpr instead
+# kernels/attention/decode_attention_triton.py): interpreted, the bound is a constexpr instead
 INTERPRETED = isinstance(_advance_kernel, InterpretedFunction)
 
 
