@@ -1,7 +1,7 @@
 """Decode kernels at Llama-3.1-8B's shapes (issue 26), CUDA: what a batch-1 or batched decode step spends.
 
     PYTHONPATH=. python3 bench/scale_kernels.py [--only linear,attention,head,swiglu,fp8,prefill_gemm,residual,pages]
-        [--sweep] [--sweep-mma]
+        [--sweep]
 
 - linear: each projection of a decode step (qkv 6144 x 4096, o 4096 x 4096, gate/up 2 x 14336 x 4096 with the
   SiLU product, down 4096 x 14336) at M rows: cuBLAS (F.linear; gate/up then the torch product), the Triton
@@ -20,9 +20,9 @@
 - fp8: both attention kernels over fp8 rows read in place (`fp8=True`, uint8 [R, 8, 16 + 128]) against the same rows
   in bf16: decode at B x rows (the ring's 32 x 4K, one 32K session), its fp8 dots in bf16 (KVMEM_FP8_DOT=bf16, the
   kernel before fp16 operands) and in fp16 (the default) in the same process, with --sweep the fp16 path's warps /
-  stages / rows per step and the fp8-tensor-core kernel's (KVMEM_FP8_DOT=mma; --sweep-mma: that one alone); and the
-  last 8K chunk of a 32K prefill; TB/s counts the K/V bytes in each format (an fp8
-  row is 144 bytes), TFLOP/s the causal attention FLOPs.
+  stages / rows per step (an fp8-tensor-core kernel, wgmma e4m3 with the products transposed, was 196 vs 142 us at
+  32 x 4K on an H100 and was removed: bench/RESULTS.md round 18); and the last 8K chunk of a 32K prefill; TB/s
+  counts the K/V bytes in each format (an fp8 row is 144 bytes), TFLOP/s the causal attention FLOPs.
 
 - prefill_gemm: cuBLAS TFLOP/s of each projection at prompt-chunk row counts M (8,192 exactly, 8,192 + a few decode
   rows, 16,384 and beyond, a whole 32,640-token prompt), the (M, projection) cells in a shuffled order, five passes,
@@ -291,36 +291,6 @@ def _fp8_sweep(
     return " | ".join(cells)
 
 
-# (stages, rows a step, rows a split at most, value codes in fp16) of decode_attention_fp8mma
-MMA_VARIANTS = ((3, 128, 1024, False), (2, 128, 1024, False), (4, 128, 1024, False), (3, 64, 1024, False),
-                (3, 128, 512, False), (3, 128, 2048, False), (2, 256, 1024, False), (3, 64, 512, False),
-                (3, 128, 1024, True), (2, 128, 1024, True), (3, 64, 1024, True))  # fmt: skip
-
-
-def _mma_sweep(
-    q: torch.Tensor, k8s: list[torch.Tensor], v8s: list[torch.Tensor], reads: tuple[torch.Tensor, ...], d: int,
-    want: torch.Tensor,
-) -> str:  # fmt: skip
-    """The fp8-tensor-core decode (KVMEM_FP8_DOT=mma) at each MMA_VARIANTS entry: time and relative difference."""
-    from services.engine.kernels.attention import decode_attention_fp8mma as mma
-
-    real = mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS, mma.V_F16
-    cells = []
-    for stages, step, split, v_f16 in MMA_VARIANTS:
-        mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS, mma.V_F16 = stages, step, split, v_f16
-        try:
-            with _fp8_dot("mma"):
-                got = dat.decode_attention(q, k8s[0], v8s[0], *reads, d**-0.5, sorted_keys=True, fp8=True).float()
-                rel = ((got - want).norm() / want.norm()).item()
-                name = f"{stages}s/{step}/{split}{'/vf16' if v_f16 else ''}"
-                cells.append(f"{name}: {_decode_us(q, k8s, v8s, reads, True):6.1f} us ({rel:.1e})")
-        except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit is reported
-            cells.append(f"{stages}s/{step}/{split}/{v_f16}: {type(exc).__name__} {str(exc)[:80]}")
-        finally:
-            mma.NUM_STAGES, mma.BLOCK_ROWS, dat.FP8_MAX_SPLIT_ROWS, mma.V_F16 = real
-    return " | ".join(cells)
-
-
 def fp8_table(
     dev: torch.device,
     cases: tuple[tuple[int, int], ...] = ((32, 4096), (1, 32_768)),
@@ -353,7 +323,7 @@ def fp8_table(
         cells = [f"bf16 {t_bf16:7.1f} us {nbytes / t_bf16 / 1e6:4.2f} TB/s"]
         nbytes = 2 * total * kv_heads * k8s[0].shape[-1]
         outs, times = {}, {}
-        for mode in ("bf16", "fp16", "mma"):
+        for mode in ("bf16", "fp16"):
             with _fp8_dot(mode):
                 outs[mode] = dat.decode_attention(q, k8s[0], v8s[0], *reads, d**-0.5, sorted_keys=True, fp8=True)
                 times[mode] = t = _decode_us(q, k8s, v8s, reads, True)
@@ -363,10 +333,8 @@ def fp8_table(
         speedup, between = times["bf16"] / times["fp16"], ((new - old).norm() / old.norm()).item()
         cells.append(f"fp16 dots {speedup:.2f}x the bf16 ones, rel diff between them {between:.2e}")
         print(f"decode attention B={batch} rows {length}: " + " | ".join(cells), flush=True)
-        if sweep and "--sweep-mma" not in sys.argv:
-            print(f"  fp8 fp16 dots B={batch} rows {length}: " + _fp8_sweep(q, k8s, v8s, reads, d, new), flush=True)
         if sweep:
-            print(f"  fp8 mma B={batch} rows {length}: " + _mma_sweep(q, k8s, v8s, reads, d, new), flush=True)
+            print(f"  fp8 fp16 dots B={batch} rows {length}: " + _fp8_sweep(q, k8s, v8s, reads, d, new), flush=True)
         del ks, vs, k8s, v8s
         torch.cuda.empty_cache()
     n, past = chunk
@@ -528,7 +496,7 @@ def main() -> int:
     if "swiglu" in only:
         swiglu_table(dev)
     if "fp8" in only:
-        fp8_table(dev, sweep="--sweep" in sys.argv or "--sweep-mma" in sys.argv)
+        fp8_table(dev, sweep="--sweep" in sys.argv)
     if "prefill_gemm" in only:
         prefill_gemm_table(dev)
     if "residual" in only:

@@ -109,33 +109,6 @@ def compile_fp8_attention() -> None:
             _fp16_codes(ptx)
 
 
-def mma_ptx(block_n: int = 128) -> str:
-    """The fp8-tensor-core decode split kernel (KVMEM_FP8_DOT=mma), compiled for sm_90 at the 8B shape -> PTX."""
-    from services.engine.kernels.attention import decode_attention_fp8mma as mma
-
-    ptrs = dict(q_ptr="*bf16", k_ptr="*u8", v_ptr="*u8", rows_ptr="*i64", key_pos_ptr="*i64", q_pos_ptr="*i64",
-                m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", keep_ptr="*bf16",
-                keep_pos_ptr="*i64")  # fmt: skip
-    ints = ["width", "rows_per_split", "num_splits", "window"]
-    ints += [f"stride_{s}" for s in ("qb", "qh", "kr", "kh", "vr", "vh", "ob", "oh")]
-    types = dict(ptrs, scale_log2="fp32", **{name: "i32" for name in ints})
-    div16 = (*ptrs, "width", "rows_per_split", "stride_kr", "stride_vr", "stride_kh", "stride_vh")
-    constexprs = dict(G=4, NG=mma.heads_tile(4), D=128, BLOCK_N=block_n, HAS_WINDOW=False, DIRECT=False,
-                      INTERPRETED=False, SPLIT_BLOCKS=0, KEEP_Q=True, KEEP_AT=True, PDL=True, SORTED=True,
-                      V_F16=False)  # fmt: skip
-    options = dict(num_warps=mma.NUM_WARPS, num_stages=mma.NUM_STAGES)
-    return str(_compile(mma._split_fp8_kernel, types, constexprs, div16, **options).asm["ptx"])
-
-
-def compile_fp8_mma_attention() -> None:
-    """The codes go to the tensor cores as e4m3 (wgmma m64n8k32, the heads as N), loaded 16 bytes at a time; no
-    code is converted to fp16 (the few cvts left are q's and the weights' second terms)."""
-    ptx = mma_ptx()
-    assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in ptx, "no fp8 tensor-core product"
-    _pipelined_word_loads(ptx)
-    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) <= 16, "codes converted to fp16"
-
-
 def _fp16_codes(ptx: str) -> None:
     """The fp16 decode path (attention_tiles.softmax_step_f16) converts each pair of codes with one cvt (the bf16
     path adds a cvt.bf16.f16 a code: 128 a thread a tile at the 8B shape) and reads the value codes 16 bytes at a time
@@ -181,7 +154,6 @@ def test_fp8_attention_silu_and_advance_kernels_compile_for_sm90() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     compile_fp8_attention()
-    compile_fp8_mma_attention()
     compile_silu_mul()
     compile_advance()
     print("compiled")

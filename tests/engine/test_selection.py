@@ -14,7 +14,7 @@ from services.engine.ring.ring import RingManager
 from services.engine.ring.selection import taking_turns
 from services.engine.ring.state import SeqRing
 from services.engine.ring.summaries import PageSummaries, page_scores, page_votes, warm_page_scores
-from tests.engine.helpers import ring_limits
+from tests.engine.helpers import device_or_skip, ring_limits
 
 
 def _one_hot_bounds(num_pages: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +222,7 @@ def test_warm_page_scores_compiles_every_variant_a_context_meets() -> None:
     (the first decode re-selection of a fresh engine stalled every running sequence for ~2 s without it)."""
     from services.engine import kernels
 
-    dev = torch.device("cuda")
+    dev = device_or_skip("cuda")
     before_tier = kernels.active_tier()
     kernels.use_tier(kernels.select_tier(dev, "triton"))
     try:
@@ -361,8 +361,6 @@ def test_exact_attention_on_the_tensor_cores_matches_float32() -> None:
     """bf16 inputs on CUDA: grouped_attention_lse's scores and weighted sum and page_mass's logits multiply on the
     tensor cores (float32 out): the float32 CPU forms' values, within the weights' rounding to bf16."""
     from services.engine.ring import exact_attention as ea
-    from tests.engine.helpers import device_or_skip
-
     dev = device_or_skip("cuda")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(64, 8, 128, generator=g).bfloat16()

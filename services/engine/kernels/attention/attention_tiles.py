@@ -62,14 +62,13 @@ def _e4m3_to_f16(codes):  # type: ignore[no-untyped-def]
 @triton.jit
 def load_kv(  # type: ignore[no-untyped-def]
     k_ptr, v_ptr, row, kv, stride_kr, stride_kh, stride_vr, stride_vh, d, ok, MASKED: tl.constexpr,
-    FP8: tl.constexpr, F16: tl.constexpr = False, INTERPRETED: tl.constexpr = False, CODES: tl.constexpr = False,
+    FP8: tl.constexpr, F16: tl.constexpr = False, INTERPRETED: tl.constexpr = False,
 ):  # fmt: skip
     """K and V tiles [BLOCK_N, D] of the pool rows `row` for KV head `kv`, and their per-row scales [BLOCK_N];
     MASKED: rows where `ok` is false are not read (zeros). Plain layers: the stored values, scales 1. FP8 (uint8
     rows: an fp32 scale padded to 16 bytes, then D e4m3fn codes): the codes as bf16 (F16: fp16; both exact) and the
-    scales, which softmax_step applies to the scores and the probabilities instead of to every element; with CODES
-    the codes themselves, as e4m3 (the fp8 tensor-core kernel's operands). INTERPRETED: no inline PTX (F16's value
-    codes are converted by Triton there)."""
+    scales, which softmax_step applies to the scores and the probabilities instead of to every element. INTERPRETED:
+    no inline PTX (F16's value codes are converted by Triton there)."""
     if FP8:  # every fp8 row starts on 16 bytes (a row is 16 + D bytes, D % 16 == 0: `supported`), so its codes
         # do too: said to the compiler, the codes load 16 bytes at a time (and pipeline); 4-byte words with the
         # old 4 + D rows ran the decode kernel at a third of bf16's bandwidth, bytes one by one at a quarter
@@ -95,10 +94,7 @@ def load_kv(  # type: ignore[no-untyped-def]
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     if FP8:
-        if CODES:
-            k = k.to(tl.float8e4nv, bitcast=True)
-            v = v.to(tl.float8e4nv, bitcast=True)
-        elif F16:  # one cvt.rn.f16x2.e4m3x2 per two codes on sm_90
+        if F16:  # one cvt.rn.f16x2.e4m3x2 per two codes on sm_90
             k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             if INTERPRETED:
                 v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)

@@ -41,7 +41,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from services.engine.kernels import pdl
 from services.engine.kernels.attention import attention_tiles as tiles
-from services.engine.kernels.attention import decode_attention_fp8mma as fp8mma
 from services.engine.ring.local_ring import ring_read_set
 
 logger = logging.getLogger(__name__)
@@ -77,8 +76,8 @@ def fp8_dot() -> str:
     the scales folded into the scores and the weights: attention_tiles.softmax_step_f16) or, with
     KVMEM_FP8_DOT=bf16, the bf16 dots before it (A/B runs: bench/scale_kernels.py --only fp8). Decided once."""
     mode = os.environ.get("KVMEM_FP8_DOT", "fp16")
-    if mode not in ("fp16", "bf16", "mma"):
-        raise ValueError(f"KVMEM_FP8_DOT={mode!r}: fp16, bf16 or mma")
+    if mode not in ("fp16", "bf16"):
+        raise ValueError(f"KVMEM_FP8_DOT={mode!r}: fp16 or bf16")
     logger.info("fp8 decode attention dots: %s (KVMEM_FP8_DOT)", mode)
     return mode
 
@@ -490,9 +489,8 @@ def _attend(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    mma = fp8 and span == 0 and fp8_dot() == "mma"  # the codes on fp8 tensor cores (decode_attention_fp8mma.py)
     per_split = split_rows(batch, num_kv_heads, width, fp8)
-    block_n = fp8mma.BLOCK_ROWS if mma else block_rows(width, fp8)
+    block_n = block_rows(width, fp8)
     per_split = -(-per_split // block_n) * block_n
     num_splits = triton.cdiv(width, per_split)
     direct = num_splits == 1
@@ -503,39 +501,27 @@ def _attend(
         l_sum = torch.empty_like(m)
         acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     q_pos = q_pos.contiguous()
-    if mma:
-        fp8mma._split_fp8_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out, keep_q if keep_q is not None else out,
-            keep_pos if keep_pos is not None else q_pos, width, per_split, num_splits,
-            window if window is not None else 0, scale * LOG2E, q.stride(0), q.stride(1), k_store.stride(0),
-            k_store.stride(1), v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),
-            G=group, NG=fp8mma.heads_tile(group), D=head_dim, BLOCK_N=block_n, HAS_WINDOW=window is not None,
-            DIRECT=direct, INTERPRETED=INTERPRETED, SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0,
-            KEEP_Q=keep_q is not None, SORTED=sorted_keys, KEEP_AT=keep_pos is not None, V_F16=fp8mma.V_F16,
-            num_warps=fp8mma.NUM_WARPS, num_stages=fp8mma.NUM_STAGES, **pdl.launch_args(q.device),
-        )  # fmt: skip
+    # fp32 dots (IEEE) for fp32 or mixed inputs, and interpreted: the interpreter's tl.dot is wrong on bf16
+    f16 = fp8 and fp8_dot() == "fp16"
+    if f16:  # q and the codes are fp16 in the kernel, whatever q's dtype
+        dot_fp32 = INTERPRETED
+    elif fp8:  # the codes are bf16 in the kernel
+        dot_fp32 = q.dtype == torch.float32 or INTERPRETED
     else:
-        # fp32 dots (IEEE) for fp32 or mixed inputs, and interpreted: the interpreter's tl.dot is wrong on bf16
-        f16 = fp8 and fp8_dot() == "fp16"
-        if f16:  # q and the codes are fp16 in the kernel, whatever q's dtype
-            dot_fp32 = INTERPRETED
-        elif fp8:  # the codes are bf16 in the kernel
-            dot_fp32 = q.dtype == torch.float32 or INTERPRETED
-        else:
-            dot_fp32 = k_store.dtype == torch.float32 or q.dtype != k_store.dtype or INTERPRETED
-        stages = NUM_STAGES if dot_fp32 else STAGES_BY_HEAD_DIM.get(head_dim, NUM_STAGES)
-        _split_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out, keep_q if keep_q is not None else out,
-            keep_pos if keep_pos is not None else q_pos,
-            width, per_split, num_splits, window if window is not None else 0, max(span, 1), scale * LOG2E,
-            q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
-            out.stride(0), out.stride(1),
-            G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
-            HAS_WINDOW=window is not None, RING=span > 0, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
-            SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, KEEP_Q=keep_q is not None, SORTED=sorted_keys,
-            FP8=fp8, FP8_F16=f16, KEEP_AT=keep_pos is not None,
-            num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=stages, **pdl.launch_args(q.device),
-        )  # fmt: skip
+        dot_fp32 = k_store.dtype == torch.float32 or q.dtype != k_store.dtype or INTERPRETED
+    stages = NUM_STAGES if dot_fp32 else STAGES_BY_HEAD_DIM.get(head_dim, NUM_STAGES)
+    _split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_store, v_store, rows, key_pos, q_pos, m, l_sum, acc, out, keep_q if keep_q is not None else out,
+        keep_pos if keep_pos is not None else q_pos,
+        width, per_split, num_splits, window if window is not None else 0, max(span, 1), scale * LOG2E,
+        q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
+        out.stride(0), out.stride(1),
+        G=group, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
+        HAS_WINDOW=window is not None, RING=span > 0, DIRECT=direct, DOT_FP32=dot_fp32, INTERPRETED=INTERPRETED,
+        SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, KEEP_Q=keep_q is not None, SORTED=sorted_keys,
+        FP8=fp8, FP8_F16=f16, KEEP_AT=keep_pos is not None,
+        num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=stages, **pdl.launch_args(q.device),
+    )  # fmt: skip
     if direct:
         return out
     partials = Partials(m, l_sum, acc, out.dtype)
