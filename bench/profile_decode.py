@@ -359,6 +359,8 @@ def gaps(  # type: ignore[no-untyped-def]
     engine.poll()
     prof, tokens0 = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), -1
     phases = _ring_phases(engine, labels=True)
+    decode = engine.runner.decode
+    captured = {k for k, b in decode._buffers.items() if b.graph is not None}  # (batch, window) buckets warmed
     while engine.scheduler.has_work():
         if tokens0 < 0 and all(s.known_outputs >= 1 for s in seqs):  # one step() runs overlapped bursts on
             tokens0 = sum(s.known_outputs for s in seqs)
@@ -375,6 +377,8 @@ def gaps(  # type: ignore[no-untyped-def]
     print(f"what ended the decode bursts (the whole run): {dict(engine.scheduler.burst_cuts)}")
     print(f"why the host scheduled rather than continued a burst: {dict(engine.scheduler.continue_declines)}; "
           f"rows that left a continued batch: {engine.scheduler.continue_leaves}")  # fmt: skip
+    late = sorted(k for k, b in decode._buffers.items() if b.graph is not None and k not in captured)
+    print(f"decode graphs captured after the warm-up (batch, window; their captures are in the window): {late}")
     got = busy_and_gaps(prof, tokens, batch, context)
     if got is None:
         return
