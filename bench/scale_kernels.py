@@ -248,14 +248,15 @@ def _fp8_dot(mode: str) -> Iterator[None]:
         dat.fp8_dot.cache_clear()
 
 
-# (NUM_WARPS, num_stages at D 128, rows per loop step or 0 for block_rows, MAX_SPLIT_ROWS) of the fp16-dot fp8
-# path, --sweep
-FP8_VARIANTS = (
+# (NUM_WARPS, num_stages at D 128, rows per loop step or 0 for block_rows, MAX_SPLIT_ROWS[, MAX_REGISTERS]) of the
+# fp16-dot fp8 path, --sweep
+FP8_VARIANTS: tuple[tuple[int, ...], ...] = (
     (4, 4, 0, 512), (4, 3, 0, 512), (4, 2, 0, 512), (8, 4, 0, 512), (4, 4, 32, 512), (4, 4, 128, 512),
     (4, 4, 0, 256), (4, 4, 0, 1024), (4, 4, 0, 2048), (8, 4, 0, 1024), (4, 4, 128, 1024),
     (8, 4, 128, 512), (4, 2, 128, 512), (4, 3, 128, 512), (8, 3, 128, 1024), (4, 4, 128, 256),
     (4, 4, 128, 2048), (4, 3, 128, 2048), (4, 2, 256, 1024), (8, 2, 256, 1024), (8, 3, 256, 2048), (4, 3, 128, 1024),
-    (4, 2, 128, 1024), (4, 2, 128, 2048),
+    (4, 2, 128, 1024), (4, 2, 128, 2048), (4, 4, 128, 1024, 128), (4, 3, 128, 1024, 128), (4, 4, 128, 512, 128),
+    (4, 2, 128, 1024, 128), (4, 4, 64, 1024, 128), (4, 4, 128, 1024, 168),
 )  # fmt: skip
 
 
@@ -271,13 +272,13 @@ def _fp8_sweep(
     and its output's relative difference from `want` (the default's output over the first layer: the same rows in
     another order of sums, ~1e-3)."""
     real_rows, real_warps, real_stages = dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM
-    real_split, real_fp8_split = dat.MAX_SPLIT_ROWS, dat.FP8_MAX_SPLIT_ROWS
+    real_split, real_fp8_split, real_regs = dat.MAX_SPLIT_ROWS, dat.FP8_MAX_SPLIT_ROWS, dat.MAX_REGISTERS
     cells = []
-    for warps, stages, step, split in FP8_VARIANTS:
+    for warps, stages, step, split, *regs in FP8_VARIANTS:
         dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM, dat.MAX_SPLIT_ROWS = warps, {d: stages}, split
-        dat.FP8_MAX_SPLIT_ROWS = split
+        dat.FP8_MAX_SPLIT_ROWS, dat.MAX_REGISTERS = split, (regs[0] if regs else None)
         dat.block_rows = (lambda w, fp8=False, step=step: step) if step else real_rows  # type: ignore[assignment]
-        name = f"{warps}w/{stages}s/{step or 'auto'}/{split}"
+        name = f"{warps}w/{stages}s/{step or 'auto'}/{split}" + (f"/r{regs[0]}" if regs else "")
         try:
             with _fp8_dot("fp16"):
                 got = dat.decode_attention(q, k8s[0], v8s[0], *reads, d**-0.5, sorted_keys=True, fp8=True).float()
@@ -287,7 +288,7 @@ def _fp8_sweep(
             cells.append(f"{name}: {type(exc).__name__}")
         finally:
             dat.block_rows, dat.NUM_WARPS, dat.STAGES_BY_HEAD_DIM = real_rows, real_warps, real_stages
-            dat.MAX_SPLIT_ROWS, dat.FP8_MAX_SPLIT_ROWS = real_split, real_fp8_split
+            dat.MAX_SPLIT_ROWS, dat.FP8_MAX_SPLIT_ROWS, dat.MAX_REGISTERS = real_split, real_fp8_split, real_regs
     return " | ".join(cells)
 
 

@@ -62,6 +62,10 @@ SHORT_WIDTH = 1024  # windows up to this many rows are read in blocks of 32 rows
 LOG2E = 1.4426950408889634
 NUM_WARPS = 4  # of a split program (bf16 / fp16 dots)
 NUM_STAGES = 2  # its software pipeline depth
+# registers a thread at most (Triton's maxnreg; None: the compiler's choice, 153 for the fp16-dot fp8 split at D
+# 128, i.e. 3 programs of 4 warps an SM). bench/scale_kernels.py --sweep tries 128 (4 an SM; 22 spill loads a
+# 128-row step in the SASS): an A/B constant, not measured on a GPU yet
+MAX_REGISTERS: int | None = None
 # at head_dim 128 (Llama-3.1-8B's 32 / 8 heads) 4 stages, measured on the H200 (bench/scale_kernels.py,
 # bench/RESULTS.md): 57.7 -> 47.5 us a layer at 32K rows, batch 1; 360 -> 305 at 32 x 8K; 204 -> 178 at 64 x 2K.
 # Other head dims and fp32 K/V keep 2 (D 256 or fp32 tiles at 4 stages would not fit shared memory; nothing
@@ -521,6 +525,7 @@ def _attend(
         SPLIT_BLOCKS=per_split // block_n if INTERPRETED else 0, KEEP_Q=keep_q is not None, SORTED=sorted_keys,
         FP8=fp8, FP8_F16=f16, KEEP_AT=keep_pos is not None,
         num_warps=8 if dot_fp32 else NUM_WARPS, num_stages=stages, **pdl.launch_args(q.device),
+        **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS and not INTERPRETED else {}),
     )  # fmt: skip
     if direct:
         return out
