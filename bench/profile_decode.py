@@ -543,7 +543,10 @@ def main() -> int:
             if a.mode == "kernels":
                 kernels(engine, info.vocab_size, a.context or 2000)
             elif a.mode == "gaps":
-                gaps(engine, info.vocab_size, a.context or 30000, a.batch, a.new_tokens, a.budget, a.whole, a.stacks)
+                # dense: no budget, so the warm-up captures the window the whole contexts reach (round 18's pdlab
+                # warmed 4K windows for 4K + 96-token contexts and captured five 8K buckets inside its window)
+                budget = 0 if a.dense else a.budget
+                gaps(engine, info.vocab_size, a.context or 30000, a.batch, a.new_tokens, budget, a.whole, a.stacks)
             else:
                 {"host": host, "ring": ring, "prefill": prefill}[a.mode](engine, info.vocab_size)
     return 0
