@@ -86,8 +86,8 @@ if has tests; then
     tests/engine/test_prefill_attention.py tests/engine/test_decode_attention.py tests/engine/test_selection.py \
     tests/engine/test_host_syncs.py tests/engine/test_linear_kernel.py tests/engine/test_kv_formats.py \
     tests/engine/test_decode_attention_fp8.py tests/engine/test_decode_graph.py tests/engine/test_step_kernel.py \
-    tests/engine/test_decode_bursts.py tests/kvstore/test_dma.py} ${SCALE_TESTS_K:+-k "$SCALE_TESTS_K"} \
-    2>&1 | tail -25 | tee -a "$LOG"
+    tests/engine/test_decode_bursts.py tests/kvstore/test_dma.py} ${SCALE_TESTS_K:+-k "$SCALE_TESTS_K"} -rfE \
+    2>&1 | tee "$OUT/tests.txt" | tail -25 | tee -a "$LOG"  # tests.txt as it runs: a call cut short keeps what ran
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kernels_compile.py 2>&1 | grep -v "^  " | tail -25 | tee -a "$LOG"
 fi
 if has kernels; then
