@@ -361,6 +361,7 @@ def test_exact_attention_on_the_tensor_cores_matches_float32() -> None:
     """bf16 inputs on CUDA: grouped_attention_lse's scores and weighted sum and page_mass's logits multiply on the
     tensor cores (float32 out): the float32 CPU forms' values, within the weights' rounding to bf16."""
     from services.engine.ring import exact_attention as ea
+
     dev = device_or_skip("cuda")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(64, 8, 128, generator=g).bfloat16()
