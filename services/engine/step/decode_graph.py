@@ -187,7 +187,6 @@ class DecodeGraphs:
         self.capture_s = 0.0  # host time in _capture (its eager step, the synchronize, the capture itself)
         self.num_eager = 0
         self._last: GraphBuffers | None = None  # the buffers of the last step (page_scores reads its queries)
-        self._last_rows: dict[Sequence, int] = {}  # its batch row of each sequence (a continued step's tokens)
         # the model writes a step's K/V rows in its q/k norm + RoPE launch (KVMEM_KV_SINK=0: KVPool.write
         # launches them, for A/B runs)
         self.kv_sinks = os.environ.get("KVMEM_KV_SINK", "1") != "0"
@@ -268,7 +267,6 @@ class DecodeGraphs:
                 logits = bufs.out[:n]
         self._summarize_filled_pages(works)
         self._last = bufs
-        self._last_rows = {w.seq: i for i, w in enumerate(works)}
         return logits
 
     def tokens_to_host(self, num_works: int, num_steps: int) -> torch.Tensor:
@@ -416,9 +414,11 @@ class DecodeGraphs:
             return
         last = self._last
         assert last is not None, "a continued step without the step before it"
-        # each row's token is the argmax its sequence's row of the last step left on the device; rows that left
-        # (a finished sequence: scheduler.continue_decode) close up, padding repeats row 0's
-        src = [self._last_rows[w.seq] for w in works]
+        # each row's token is the argmax its sequence's row of the last step left on the device (_seq_rows is still
+        # the last step's, in its batch order); rows that left (scheduler.continue_decode) close up, padding
+        # repeats row 0's
+        last_rows = {seq: i for i, seq in enumerate(self._seq_rows)}
+        src = [last_rows[w.seq] for w in works]
         if src != list(range(len(works))) or last.batch != bufs.batch:
             src += [src[0]] * (bufs.batch - len(src))
             bufs.ids.copy_(last.ids.index_select(0, device_index(src, self.device)))

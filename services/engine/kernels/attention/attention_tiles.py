@@ -112,20 +112,6 @@ def load_kv(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def keep_query(q, keep_ptr, keep_pos_ptr, q_pos_ptr, b, heads, g_ok, d, G: tl.constexpr, D: tl.constexpr,  # type: ignore[no-untyped-def]
-               KEEP_AT: tl.constexpr):  # fmt: skip
-    """A decode split program's copy of its query heads' q [*, D] into keep_ptr [B, Hq, D] (the step's queries kept
-    for page scoring, in the attention's own launch); KEEP_AT: only where keep_pos[b] < 0 or equals q_pos[b] (a
-    burst keeps its scoring step's query). Called by the first split's programs."""
-    keep = g_ok
-    if KEEP_AT:
-        at = tl.load(keep_pos_ptr + b)
-        keep = tl.where((at < 0) | (at == tl.load(q_pos_ptr + b)), keep, False)  # interpreted: not `&`
-    kept = keep_ptr + (b * tl.num_programs(1) * G + heads[:, None]) * D + d[None, :]
-    tl.store(kept, q.to(keep_ptr.dtype.element_ty), mask=keep[:, None])
-
-
-@triton.jit
 def _row_scales(head_ptrs, ok, MASKED: tl.constexpr):  # type: ignore[no-untyped-def]
     """The fp32 scales [BLOCK_N] at `head_ptrs` (each row's 16-byte head: the scale, then padding), read as one
     16-byte load a row and the scale picked out of it: a [BLOCK_N] load of the scales alone is placed by Triton

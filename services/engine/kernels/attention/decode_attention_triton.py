@@ -276,7 +276,12 @@ def _split_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
     if KEEP_Q:
         if split == 0:
-            tiles.keep_query(q, keep_ptr, keep_pos_ptr, q_pos_ptr, b, heads, g_ok, d, G, D, KEEP_AT)
+            keep = g_ok
+            if KEEP_AT:  # a burst keeps the query of one step (its scoring step), every step when < 0
+                at = tl.load(keep_pos_ptr + b)
+                keep = tl.where((at < 0) | (at == tl.load(q_pos_ptr + b)), keep, False)  # interpreted: not `&`
+            kept = keep_ptr + (b * tl.num_programs(1) * G + heads[:, None]) * D + d[None, :]
+            tl.store(kept, q.to(keep_ptr.dtype.element_ty), mask=keep[:, None])
     if FP8_F16:  # a larger |q| would be inf in fp16 (a model's queries are far from it)
         q = tl.clamp(q.to(tl.float32), -tiles.F16_MAX, tiles.F16_MAX).to(tl.float16)
         if DOT_FP32:  # interpreted: rounded to fp16 as on the GPU, the dots in fp32
